@@ -1,0 +1,31 @@
+# Everything a fresh machine needs: `make demo`, `make test`.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+TORCHRUN := .venv/bin/torchrun
+STAMP   := .venv/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+# torch is pinned and installed first: a CPU wheel of 2.13.0 is available on these
+# machines, while an unpinned torch would pull gigabytes of CUDA packages.
+$(STAMP): pyproject.toml
+	test -d .venv || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 examples/gpt.py \
+		--partition-size 2 --micro-batches 4 --steps 5 --check
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 benchmarks/bench_step.py
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,190 @@
+"""Collectives as graph operations, and the accounting of what they move.
+
+The rewritten graph calls the functions at the bottom of this file. Each takes the
+``Comm`` (the graph's first placeholder) explicitly: process groups, layouts and
+statistics are never global. Issue functions start an asynchronous collective and
+return a ``Pending``; ``collective_wait`` blocks on it where the graph needs the
+result. On NCCL, ``Work.wait()`` makes the current stream wait on the collective's
+stream (no device-wide sync), and c10d keeps the buffers alive until it finishes.
+
+Byte accounting (``CommStats``): ``bytes`` is what one rank sends on the wire under
+the ring algorithm (design.md): all-gather and reduce-scatter move (g-1)/g of the
+full buffer, all-reduce 2(g-1)/g. A collective whose group spans several nodes is
+counted as inter-node (the ring's slowest hop carries all of it), otherwise intra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from micscompile.sharding import BucketLayout, pack_grads
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+
+
+def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a ring collective over ``nbytes`` (the full buffer)."""
+    factor = 2 if kind == ALL_REDUCE else 1
+    return factor * nbytes * (group_size - 1) // group_size
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group and what the accounting needs to know about it."""
+
+    name: str
+    """"shard" (partition group), "replicate" (replication group) or "world"."""
+    group: Any
+    """The ProcessGroup (None = default group)."""
+    ranks: tuple[int, ...]
+    """Global ranks in group order."""
+    rank: int
+    """This rank's index in the group."""
+    spans_nodes: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def label(self) -> str:
+        return f"{self.name}{list(self.ranks)}"
+
+
+@dataclass
+class CommRow:
+    calls: int = 0
+    bytes: int = 0
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    tensor_bytes: int = 0
+    """Sum of the full buffers' sizes (not what crossed the wire)."""
+
+
+class CommStats:
+    """Calls and bytes per (collective kind, group name), for one rank."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], CommRow] = {}
+        self.groups: dict[str, GroupInfo] = {}
+
+    def record(self, kind: str, group: GroupInfo, nbytes: int) -> None:
+        row = self.rows.setdefault((kind, group.name), CommRow())
+        self.groups[group.name] = group
+        wire = ring_wire_bytes(kind, nbytes, group.size)
+        row.calls += 1
+        row.bytes += wire
+        row.tensor_bytes += nbytes
+        if group.spans_nodes:
+            row.inter_node_bytes += wire
+        else:
+            row.intra_node_bytes += wire
+
+    def __getitem__(self, key: tuple[str, str]) -> CommRow:
+        return self.rows.get(key, CommRow())
+
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows.values())
+
+    def reset(self) -> None:
+        self.rows.clear()
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {f"{k}/{g}": vars(r).copy() for (k, g), r in sorted(self.rows.items())}
+
+    def __str__(self) -> str:
+        head = f"{'collective':<16}{'group':<22}{'calls':>7}{'bytes/rank':>14}{'intra-node':>14}{'inter-node':>14}"
+        lines = [head, "-" * len(head)]
+        for (kind, gname), r in sorted(self.rows.items()):
+            label = self.groups[gname].label()
+            lines.append(
+                f"{kind:<16}{label:<22}{r.calls:>7}{fmt_bytes(r.bytes):>14}"
+                f"{fmt_bytes(r.intra_node_bytes):>14}{fmt_bytes(r.inter_node_bytes):>14}"
+            )
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class Comm:
+    """Everything the graph's collectives need on one rank."""
+
+    layouts: tuple[BucketLayout, ...]
+    shard: GroupInfo
+    replicate: GroupInfo
+    world: GroupInfo
+    stats: CommStats = field(default_factory=CommStats)
+    live_gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+
+
+class Pending(NamedTuple):
+    work: Any
+    """The async Work handle (None when nothing was sent)."""
+    result: torch.Tensor
+    """Valid after the wait."""
+
+
+# ---- operations inserted into the graph (call_function targets) ----------------------
+
+
+def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
+    """Start gathering a bucket over the partition group into a [p * row_numel] buffer."""
+    layout = comm.layouts[bucket]
+    out = shard.new_empty(layout.padded_numel)
+    work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
+    comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
+    comm.live_gathered_bytes += layout.full_bytes
+    comm.peak_gathered_bytes = max(comm.peak_gathered_bytes, comm.live_gathered_bytes)
+    return Pending(work, out)
+
+
+def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
+    """Block (the current stream) until the collective is done; return its result."""
+    if pending.work is not None:
+        pending.work.wait()
+    return pending.result
+
+
+def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
+    """The gathered parameters' last use: the graph drops them right after this node."""
+    comm.live_gathered_bytes -= comm.layouts[bucket].full_bytes
+
+
+def reduce_scatter_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
+    """Start summing a bucket's gradients over the partition group; result = own shard."""
+    layout = comm.layouts[bucket]
+    flat = pack_grads(layout, grads, like)
+    out = flat.new_empty(layout.row_numel)
+    work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
+    comm.stats.record(REDUCE_SCATTER, comm.shard, layout.full_bytes)
+    return Pending(work, out)
+
+
+def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
+    """grad_sync="every_step": sum full gradients over all ranks; result = own shard's row."""
+    layout = comm.layouts[bucket]
+    flat = pack_grads(layout, grads, like)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
+    comm.stats.record(ALL_REDUCE, comm.world, layout.full_bytes)
+    return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank])
+
+
+def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
+    """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
+    return pack_grads(comm.layouts[bucket], grads, like)
+
+
+GRAPH_COLLECTIVES = (all_gather_issue, collective_wait, release, reduce_scatter_issue, all_reduce_issue, pack_local)

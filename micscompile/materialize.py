@@ -1,0 +1,97 @@
+"""This rank's parameter shards and buffers, from a real or a meta-device model.
+
+Real parameters are sliced (the full tensors are only read). For parameters on the
+meta device, modules are materialised one at a time in ``named_modules()`` order:
+the module's own meta parameters and buffers get storage on ``device``, ``init_fn``
+initialises them, and each parameter is sliced to this rank's shard as soon as every
+module that owns it (tied weights have several) has been initialised, then dropped.
+So values equal what ``init_fn`` applied in the same order to an unsharded copy
+gives, under the same seed, while at most one module (plus pending tied weights)
+is ever full. ``init_fn`` is called for every module that directly owns parameters
+or buffers, and must initialise only that module's own tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from micscompile.sharding import BucketLayout, shard_of
+
+
+def default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _owned(module: nn.Module) -> list[tuple[dict, str]]:
+    return [(module._parameters, k) for k, v in module._parameters.items() if v is not None] + [
+        (module._buffers, k) for k, v in module._buffers.items() if v is not None
+    ]
+
+
+def local_state(
+    model: nn.Module,
+    layouts: tuple[BucketLayout, ...],
+    shard_rank: int,
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """(one flat shard per bucket, {buffer name: tensor}) for partition-group rank ``shard_rank``."""
+    shards = [torch.zeros(lay.row_numel, dtype=lay.dtype, device=device) for lay in layouts]
+    slots = {slot.name: (lay, slot) for lay in layouts for slot in lay.slots}
+
+    def place(name: str, full: torch.Tensor) -> None:
+        lay, slot = slots[name]
+        chunk = shard_of(full, slot, lay.partition_size, shard_rank)
+        shards[lay.index][slot.offset : slot.offset + slot.chunk].copy_(chunk)
+
+    is_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if not is_meta:
+        for name, p in model.named_parameters():
+            place(name, p)
+        return shards, {n: b.detach().to(device, copy=True) for n, b in model.named_buffers()}
+
+    init_fn = init_fn or default_init
+    model = copy.deepcopy(model)  # never touch the caller's module; meta copies are free
+    canonical = {}
+    owners: dict[int, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+    for mod in model.modules():
+        for store, key in _owned(mod):
+            owners[id(store[key])] = owners.get(id(store[key]), 0) + 1
+    for name, p in model.named_parameters():
+        if not p.is_meta:  # a partly materialised model: real values are kept as they are
+            place(name, p)
+    real: dict[int, torch.Tensor] = {}  # id(meta tensor) -> materialised tensor
+    for fqn, mod in model.named_modules():
+        owned = _owned(mod)
+        if not owned:
+            continue
+        if init_fn is default_init and mod._buffers and not callable(getattr(mod, "reset_parameters", None)):
+            raise ValueError(
+                f"module '{fqn}' ({type(mod).__name__}) has buffers on the meta device but no reset_parameters(); "
+                "pass init_fn= to mc.compile that fills them"
+            )
+        metas = []
+        for store, key in owned:
+            t = store[key]
+            if t.is_meta:
+                if id(t) not in real:
+                    new = torch.empty_like(t, device=device)
+                    real[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                metas.append((store, key, t))
+                store[key] = real[id(t)]
+        init_fn(mod)
+        for store, key, t in metas:
+            owners[id(t)] -= 1
+            if isinstance(t, nn.Parameter) and owners[id(t)] == 0:
+                place(canonical[id(t)], real.pop(id(t)))
+                store[key] = t  # back to meta: the full tensor is freed
+    buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
+    return shards, buffers

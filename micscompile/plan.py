@@ -1,0 +1,141 @@
+"""The Plan: how one training step is partitioned and scheduled.
+
+Terms (design.md): n ranks, k ranks per node, p partition-group size (p | n),
+d = n / p replication-group size, s micro-batches per optimizer step.
+
+A Plan is checked twice: ``__post_init__`` checks what the Plan alone can know
+(and, if a process group is already initialized, the world size), and
+``Plan.resolve(world_size, local_world_size)`` turns it into concrete group sizes
+before any collective runs. Options that later passes will implement are refused
+with a clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+class PlanError(ValueError):
+    """A Plan that cannot work on this world; the message says what would."""
+
+
+def divisors(n: int) -> list[int]:
+    return [q for q in range(1, n + 1) if n % q == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A MiCS partitioning plan for one training step."""
+
+    partition_size: int | None = None
+    """p: ranks that together hold one model replica (1 = data parallel, n = ZeRO-3); None = one node."""
+    micro_batches: int = 1
+    """s: micro-batches (gradient-accumulation steps) per optimizer step."""
+    pipeline_stages: int = 1
+    """S: pipeline stages (MiCS-Pipe); only 1 is implemented so far."""
+    gpus_per_node: int | None = None
+    """k: ranks per node, used for intra/inter-node accounting; None = LOCAL_WORLD_SIZE."""
+    hierarchical: Literal["auto", True, False] = "auto"
+    """Hierarchical gathers when a partition group spans nodes; "auto" = flat until the cost model decides."""
+    memory_budget_bytes: int | None = None
+    """Budget for gathered parameters live at once; None = no limit (device capacity)."""
+    bucket_bytes: int | None = None
+    """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per block."""
+    checkpoint: bool = False
+    """Activation checkpointing (not implemented yet)."""
+    offload_activations: bool = False
+    """Activation offload to host (not implemented yet)."""
+    param_dtype: torch.dtype = torch.float32
+    """dtype of gathered parameters and compute; only float32 so far."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype of gradient reduction; only float32 so far."""
+    grad_sync: Literal["2hop", "every_step"] = "2hop"
+    """"2hop": reduce-scatter in the partition group per micro-step, all-reduce in the
+    replication group at the boundary; "every_step": all-reduce over all ranks every micro-step."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | None, optional: bool = False) -> None:
+            if value is None and optional:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"Plan.{name} must be a positive int, got {value!r}")
+
+        positive("partition_size", self.partition_size, optional=True)
+        positive("micro_batches", self.micro_batches)
+        positive("pipeline_stages", self.pipeline_stages)
+        positive("gpus_per_node", self.gpus_per_node, optional=True)
+        positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
+        positive("bucket_bytes", self.bucket_bytes, optional=True)
+        if self.hierarchical not in ("auto", True, False):
+            raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
+        if self.grad_sync not in ("2hop", "every_step"):
+            raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
+        not_yet = {
+            "pipeline_stages > 1 (MiCS-Pipe)": self.pipeline_stages != 1,
+            "hierarchical=True": self.hierarchical is True,
+            "checkpoint=True": bool(self.checkpoint),
+            "offload_activations=True": bool(self.offload_activations),
+            "param_dtype other than float32": self.param_dtype != torch.float32,
+            "reduce_dtype other than float32": self.reduce_dtype != torch.float32,
+        }
+        missing = [what for what, asked in not_yet.items() if asked]
+        if missing:
+            raise PlanError(f"not implemented yet: {', '.join(missing)}; use the defaults for these fields")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.resolve(torch.distributed.get_world_size())
+
+    def replace(self, **changes) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedPlan:
+        """Concrete group sizes for ``world_size`` ranks; raises PlanError if impossible."""
+        n = world_size
+        k = self.gpus_per_node or local_world_size or n
+        if k > n:
+            k = n
+        if n % k:
+            raise PlanError(
+                f"gpus_per_node={k} does not divide world size {n}; valid: {', '.join(map(str, divisors(n)))}"
+            )
+        p = self.partition_size if self.partition_size is not None else k
+        if p > n or n % p:
+            raise PlanError(
+                f"partition_size={p} does not divide world size {n}; "
+                f"valid partition sizes: {', '.join(map(str, divisors(n)))}"
+            )
+        return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // p)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A Plan with its group sizes fixed for one world."""
+
+    plan: Plan
+    world_size: int
+    """n: number of ranks."""
+    gpus_per_node: int
+    """k: ranks per node."""
+    partition_size: int
+    """p: ranks per partition group."""
+    replicas: int
+    """d = n / p: ranks per replication group."""
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.micro_batches
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def partition_ranks(self, rank: int) -> tuple[int, ...]:
+        """The p consecutive ranks that hold one replica together with ``rank``."""
+        first = rank - rank % self.partition_size
+        return tuple(range(first, first + self.partition_size))
+
+    def replication_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks with the same local index in every partition group."""
+        return tuple(range(rank % self.partition_size, self.world_size, self.partition_size))

@@ -1,0 +1,182 @@
+"""The Program: one rank's ordered actions for one optimizer step.
+
+Lowered from the rewritten graph: each collective node becomes an action, each run
+of compute nodes between them one COMPUTE action; the micro-step list repeats
+``micro_batches`` times, then the boundary actions (replication all-reduce, loss
+all-reduce, optimizer step) run once. The graph's node order *is* the order the
+runtime executes, so the Program is an exact description, not an estimate.
+
+Short codes (``str(action)``): ``AG3`` issue all-gather of bucket 3, ``W:AG3`` wait
+for it, ``REL3`` release it, ``RS3``/``AR3`` reduce-scatter / all-reduce bucket 3's
+gradients, ``PK3`` pack them locally (p = 1), ``C`` compute, ``ARL`` loss
+all-reduce, ``OPT`` optimizer step.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch.fx
+
+from micscompile import collectives as C
+from micscompile.collectives import GroupInfo, fmt_bytes, ring_wire_bytes
+from micscompile.plan import ResolvedPlan
+from micscompile.sharding import BucketLayout
+from micscompile.trace import META_FLOPS, META_FQN, META_REGION
+
+
+class Kind(enum.Enum):
+    COMPUTE = "C"
+    ALL_GATHER = "AG"
+    WAIT = "W"
+    RELEASE = "REL"
+    REDUCE_SCATTER = "RS"
+    ALL_REDUCE = "AR"
+    PACK = "PK"
+    LOSS_ALL_REDUCE = "ARL"
+    OPTIMIZER = "OPT"
+
+
+_ISSUE_KIND = {
+    C.all_gather_issue: Kind.ALL_GATHER,
+    C.reduce_scatter_issue: Kind.REDUCE_SCATTER,
+    C.all_reduce_issue: Kind.ALL_REDUCE,
+    C.pack_local: Kind.PACK,
+    C.release: Kind.RELEASE,
+}
+_COLLECTIVE_NAME = {Kind.ALL_GATHER: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER, Kind.ALL_REDUCE: C.ALL_REDUCE}
+
+
+class Action(NamedTuple):
+    kind: Kind
+    bucket: int | None = None
+    waits_for: Kind | None = None
+    """For WAIT: the kind of collective waited on."""
+    group: str | None = None
+    """Group name ("shard", "replicate", "world") for collectives."""
+    tensor_bytes: int = 0
+    """Size of the full buffer a collective works on."""
+    ops: int = 0
+    flops: int = 0
+    region: str = ""
+
+    def __str__(self) -> str:
+        if self.kind is Kind.WAIT:
+            return f"W:{self.waits_for.value}{self.bucket}"
+        if self.kind in (Kind.COMPUTE, Kind.OPTIMIZER, Kind.LOSS_ALL_REDUCE):
+            return self.kind.value
+        return f"{self.kind.value}{self.bucket}"
+
+
+@dataclass
+class Program:
+    """Per-rank ordered actions: ``micro_step`` x micro_batches, then ``boundary``."""
+
+    rank: int
+    plan: ResolvedPlan
+    layouts: tuple[BucketLayout, ...]
+    groups: dict[str, GroupInfo]
+    micro_step: list[Action]
+    boundary: list[Action]
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Most gathered-parameter bytes live at once (issue to release) in a micro-step."""
+        live = peak = 0
+        for a in self.micro_step:
+            if a.kind is Kind.ALL_GATHER:
+                live += a.tensor_bytes
+                peak = max(peak, live)
+            elif a.kind is Kind.RELEASE:
+                live -= a.tensor_bytes
+        return peak
+
+    def collective_order(self) -> list[str]:
+        """The collectives this rank issues in one step, in order (must match across ranks)."""
+        s = self.plan.micro_batches
+        issue = [str(a) for a in self.micro_step if a.kind in _COLLECTIVE_NAME] * s
+        return issue + [str(a) for a in self.boundary if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE)]
+
+    def fingerprint(self) -> str:
+        text = "|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def wire_bytes(self) -> dict[tuple[str, str], int]:
+        """Predicted per-rank wire bytes per (collective, group) for one step."""
+        out: dict[tuple[str, str], int] = {}
+        s = self.plan.micro_batches
+        for actions, times in ((self.micro_step, s), (self.boundary, 1)):
+            for a in actions:
+                name = _COLLECTIVE_NAME.get(a.kind) or (C.ALL_REDUCE if a.kind is Kind.LOSS_ALL_REDUCE else None)
+                if name is None:
+                    continue
+                key = (name, a.group)
+                out[key] = out.get(key, 0) + times * ring_wire_bytes(name, a.tensor_bytes, self.groups[a.group].size)
+        return out
+
+    def __str__(self) -> str:
+        rp = self.plan
+        head = (
+            f"micscompile Program  rank {self.rank}/{rp.world_size}  p={rp.partition_size} d={rp.replicas} "
+            f"s={rp.micro_batches} k={rp.gpus_per_node} grad_sync={rp.plan.grad_sync}  "
+            f"{len(self.layouts)} buckets, peak gathered {fmt_bytes(self.peak_gathered_bytes)}"
+        )
+        cols = f"{'#':>4}  {'action':<8}{'bucket':<22}{'group':<18}{'bytes':>12}  detail"
+        lines = [head, cols, "-" * len(cols)]
+
+        def row(i: str, a: Action) -> str:
+            bucket = self.layouts[a.bucket].name if a.bucket is not None else ""
+            group = self.groups[a.group].label() if a.group else ""
+            size = fmt_bytes(a.tensor_bytes) if a.tensor_bytes else ""
+            detail = f"{a.ops} ops, {a.flops / 1e6:.2f} MFLOP  {a.region}" if a.kind is Kind.COMPUTE else ""
+            return f"{i:>4}  {str(a):<8}{bucket[:21]:<22}{group[:17]:<18}{size:>12}  {detail}"
+
+        lines += [row(str(i), a) for i, a in enumerate(self.micro_step)]
+        lines.append(f"      ... the micro-step above runs {rp.micro_batches}x, then at the boundary:")
+        lines += [row(f"B{i}", a) for i, a in enumerate(self.boundary)]
+        return "\n".join(lines)
+
+
+def build_program(
+    gm: torch.fx.GraphModule, plan: ResolvedPlan, layouts: tuple[BucketLayout, ...],
+    groups: dict[str, GroupInfo], rank: int,
+) -> Program:
+    """Lower a rewritten graph (insert_collectives output) to a Program."""
+    actions: list[Action] = []
+    issued: dict[torch.fx.Node, Kind] = {}
+    run: list[torch.fx.Node] = []
+
+    def flush() -> None:
+        if run:
+            regions = [f"{n.meta.get(META_REGION, '')}:{n.meta.get(META_FQN, '') or '<root>'}" for n in run]
+            region = regions[0] if regions[0] == regions[-1] else f"{regions[0]} .. {regions[-1]}"
+            actions.append(Action(Kind.COMPUTE, ops=len(run), flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
+                                  region=region))
+            run.clear()
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        kind = _ISSUE_KIND.get(node.target)
+        if node.target is C.collective_wait:
+            flush()
+            actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]]))
+        elif kind is not None:
+            flush()
+            bucket = node.args[1]
+            group = {Kind.ALL_GATHER: "shard", Kind.REDUCE_SCATTER: "shard", Kind.ALL_REDUCE: "world"}.get(kind)
+            actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes))
+            issued[node] = kind
+        else:
+            run.append(node)
+    flush()
+
+    boundary = []
+    if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
+        reduced = sorted({a.bucket for a in actions if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
+        boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].shard_bytes) for b in reduced]
+    boundary += [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]
+    return Program(rank, plan, layouts, groups, actions, boundary)

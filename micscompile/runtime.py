@@ -1,0 +1,267 @@
+"""Emit: ``mc.compile`` -> ``TrainStep``, a callable that runs one optimizer step.
+
+Order of work in ``compile`` (everything that can fail on bad input fails before the
+first collective): resolve the Plan against the world, split the example batch,
+trace one micro-batch on meta, plan buckets and layouts, run the passes, lower to a
+Program, check the memory budget; then the first collective: every rank checks that
+all ranks compiled the same Program; then the DeviceMesh ("replicate", "shard") and
+this rank's shards.
+
+``TrainStep.__call__`` runs the rewritten graph once per micro-batch (its
+collectives are asynchronous and waited on where the graph needs them), accumulates
+the gradient shards, runs the boundary sync (2hop: all-reduce over the replication
+group), scales by 1 / (n * s) (the gradient of the global mean loss) and steps the
+optimizer on the local fp32 shards.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from micscompile import collectives as C
+from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.materialize import local_state
+from micscompile.passes.buckets import param_derived, plan_buckets
+from micscompile.passes.context import PassContext
+from micscompile.passes.manager import PassRecord, build_pass_list, run_passes
+from micscompile.plan import Plan, PlanError, ResolvedPlan
+from micscompile.program import Program, build_program
+from micscompile.sharding import BucketLayout, build_layouts, unpack_param
+from micscompile.trace import TrainGraph, split_batch, trace
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TrainStep:
+    """One optimizer step of a compiled plan; call it with this rank's local batch."""
+
+    def __init__(
+        self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, graph: TrainGraph,
+        shards: list[torch.Tensor], buffers: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
+        state_keys: list[str], pass_records: list[PassRecord], device: torch.device,
+    ) -> None:
+        self.gm = gm
+        self.program = program
+        self.graph = graph
+        self.pass_records = pass_records
+        self.device = device
+        self._comm = comm
+        self._shards = shards
+        self._buffers = [buffers[n] for n in graph.buffer_names]
+        self._buffer_map = buffers
+        self._state_keys = state_keys
+        plan = program.plan
+        self._scale = 1.0 / (plan.world_size * plan.micro_batches)
+        trainable = set(graph.trainable)
+        self._grads = [torch.zeros_like(s) for s in shards]
+        self._reduced = [any(s.name in trainable for s in lay.slots) for lay in comm.layouts]
+        self.params: dict[str, nn.Parameter] = {}
+        for lay, shard, grad in zip(comm.layouts, shards, self._grads):
+            for slot in lay.slots:
+                if slot.name in trainable:
+                    param = nn.Parameter(shard[slot.offset : slot.offset + slot.chunk])  # shares storage
+                    param.grad = grad[slot.offset : slot.offset + slot.chunk]
+                    self.params[slot.name] = param
+        self.optimizer = optimizer_factory(list(self.params.values()))
+        self.steps = 0
+
+    @property
+    def layouts(self) -> tuple[BucketLayout, ...]:
+        return self._comm.layouts
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's chunk of every parameter (padded, 1-D), by canonical name."""
+        return {
+            slot.name: shard[slot.offset : slot.offset + slot.chunk]
+            for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots
+        }
+
+    def _check_batch(self, batch: Sequence[torch.Tensor]) -> None:
+        specs = self.graph.input_specs
+        s = self.program.plan.micro_batches
+        if len(batch) != len(specs):
+            raise ValueError(f"step() takes {len(specs)} batch inputs (as example_inputs), got {len(batch)}")
+        for i, (x, (shape, dtype)) in enumerate(zip(batch, specs)):
+            want = (shape[0] * s, *shape[1:])
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"batch input {i}: expected shape {want} {dtype} (this rank's local batch, "
+                    f"{s} micro-batches of {shape[0]}), got {got}"
+                )
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over this rank's local batch; returns the global mean loss."""
+        self._check_batch(batch)
+        comm, plan = self._comm, self.program.plan
+        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
+        with torch.no_grad():
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+            for j, mb in enumerate(micro):
+                loss, *grads = self.gm(comm, *self._shards, *self._buffers, *mb)
+                loss_sum += loss.float()
+                for acc, g in zip(self._grads, grads):
+                    if g is not None:
+                        acc.copy_(g) if j == 0 else acc.add_(g)
+            works = []
+            if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
+                for b, acc in enumerate(self._grads):
+                    if self._reduced[b]:
+                        works.append(dist.all_reduce(acc, group=comm.replicate.group, async_op=True))
+                        comm.stats.record(C.ALL_REDUCE, comm.replicate, acc.numel() * acc.element_size())
+            loss_buf = loss_sum.reshape(1)
+            works.append(dist.all_reduce(loss_buf, group=comm.world.group, async_op=True))
+            comm.stats.record(C.ALL_REDUCE, comm.world, loss_buf.numel() * loss_buf.element_size())
+            for w in works:
+                w.wait()
+            for acc in self._grads:
+                acc.mul_(self._scale)
+        self.optimizer.step()
+        self.steps += 1
+        return (loss_buf[0] * self._scale).detach()
+
+    def comm_stats(self) -> CommStats:
+        """Calls and bytes per collective kind and group since compile (or the last reset)."""
+        return self._comm.stats
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 parameters and persistent buffers on CPU, keyed like ``model.state_dict()``.
+
+        Collective over the partition group: every rank must call it.
+        """
+        comm = self._comm
+        full: dict[str, torch.Tensor] = {}
+        for lay, shard in zip(self.layouts, self._shards):
+            gathered = shard
+            if lay.partition_size > 1:
+                gathered = shard.new_empty(lay.padded_numel)
+                dist.all_gather_single(gathered, shard, group=comm.shard.group)
+            for slot in lay.slots:
+                t = unpack_param(gathered, lay.partition_size, lay.row_numel, slot.offset, slot.chunk,
+                                 slot.numel, slot.shape).detach().cpu().clone()
+                for alias in self.graph.param_aliases[slot.name]:
+                    full[alias] = t
+        full.update({n: b.detach().cpu().clone() for n, b in self._buffer_map.items()})
+        return {k: full[k] for k in self._state_keys}
+
+
+def _device() -> torch.device:
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _first_uses(tg: TrainGraph) -> dict[str, int]:
+    placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+    derived = param_derived(tg.gm.graph, dict(zip(placeholders[: tg.num_params], tg.param_names)))
+    first: dict[str, int] = {}
+    for i, node in enumerate(tg.gm.graph.nodes):
+        if node not in derived:
+            for inp in node.all_input_nodes:
+                for name in derived.get(inp, ()):
+                    first.setdefault(name, i)
+    return first
+
+
+def _check_agreement(program: Program, rank: int, world: int) -> None:
+    """The first collective: all ranks must have compiled the same Program."""
+    prints: list[str | None] = [None] * world
+    dist.all_gather_object(prints, program.fingerprint())
+    if len(set(prints)) > 1:
+        by_print: dict[str, list[int]] = {}
+        for r, fp in enumerate(prints):
+            by_print.setdefault(fp, []).append(r)
+        groups = "; ".join(f"ranks {rs}: {fp}" for fp, rs in by_print.items())
+        raise RuntimeError(f"ranks compiled different programs (model, plan or batch differ): {groups}")
+
+
+def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
+    mesh = init_device_mesh(device.type, (rp.replicas, rp.partition_size), mesh_dim_names=("replicate", "shard"))
+    k = rp.gpus_per_node
+
+    def info(name: str, group, ranks: tuple[int, ...]) -> GroupInfo:
+        actual = tuple(dist.get_process_group_ranks(group)) if group is not None else ranks
+        if actual != ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {ranks}")
+        return GroupInfo(name, group, ranks, ranks.index(rank), len({r // k for r in ranks}) > 1)
+
+    return {
+        "shard": info("shard", mesh.get_group("shard"), rp.partition_ranks(rank)),
+        "replicate": info("replicate", mesh.get_group("replicate"), rp.replication_ranks(rank)),
+        "world": info("world", None, tuple(range(rp.world_size))),
+    }
+
+
+def compile(  # noqa: A001 - the public name is part of the contract (mc.compile)
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: OptimizerFactory,
+    example_inputs: Sequence[torch.Tensor],
+    init_fn: Callable[[nn.Module], None] | None = None,
+    num_model_inputs: int = 1,
+    disable_passes: Sequence[str] = (),
+    log: Callable[[str], None] | None = None,
+) -> TrainStep:
+    """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
+
+    ``example_inputs`` is one local batch as ``step`` will receive it: the model gets
+    the first ``num_model_inputs``, ``loss_fn(output, *rest)`` must return the mean
+    loss of the batch. ``optimizer`` is called with this rank's fp32 parameter shards
+    (elementwise optimizers such as SGD and AdamW give the unsharded result). A model
+    on the meta device is initialised module by module with ``init_fn`` (default:
+    each module's ``reset_parameters()``). Needs torch.distributed initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
+                           "dist.init_process_group); mc.trace and mc.simulate do not")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+    device = _device()
+
+    micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
+    tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
+    param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
+    buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, _first_uses(tg), plan.bucket_bytes)
+    layouts = tuple(build_layouts(buckets, tg.param_shapes, rp.partition_size))
+    ctx = PassContext(plan=rp, graph=tg, layouts=layouts, block_bucket=block_bucket)
+    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
+    gm, records = run_passes(gm, ctx, build_pass_list(plan), disable=disable_passes, log=log)
+
+    # group membership is known without any collective; the ProcessGroups come after the checks
+    planned = {
+        "shard": GroupInfo("shard", None, rp.partition_ranks(rank), rank % rp.partition_size, False),
+        "replicate": GroupInfo("replicate", None, rp.replication_ranks(rank), rank // rp.partition_size, False),
+        "world": GroupInfo("world", None, tuple(range(world)), rank, False),
+    }
+    program = build_program(gm, rp, layouts, planned, rank)
+    budget = plan.memory_budget_bytes
+    if budget is not None and program.peak_gathered_bytes > budget:
+        largest = max(lay.full_bytes for lay in layouts)
+        raise PlanError(
+            f"memory_budget_bytes={budget:,} is below the {program.peak_gathered_bytes:,} bytes of gathered "
+            f"parameters this plan keeps live (largest bucket {largest:,} bytes); raise the budget, "
+            f"or lower bucket_bytes / raise partition_size"
+        )
+    state_keys = list(model.state_dict(keep_vars=True).keys())
+
+    _check_agreement(program, rank, world)
+    groups = _groups(rp, rank, device)
+    program.groups = groups
+    comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"])
+    shards, buffers = local_state(model, layouts, groups["shard"].rank, device, init_fn)
+    return TrainStep(
+        gm=gm, program=program, comm=comm, graph=tg, shards=shards, buffers=buffers,
+        optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
+    )

@@ -1,0 +1,313 @@
+"""Trace model + loss + backward of one micro-batch into one FX graph, on meta tensors.
+
+Graph signature: placeholders are the trainable-or-not parameters (canonical names,
+tied parameters appear once), then buffers, then the batch inputs; the output is
+``(loss, *grads)`` with one gradient (or None if unused) per parameter that requires
+grad, in ``TrainGraph.param_names`` order.
+
+Every node carries (keys below): shape, dtype, bytes, estimated FLOPs, region
+(forward / backward) and the FQN of the innermost module that produced it. Forward
+FQNs come from module pre/post hooks that read the tracer's current node count;
+backward FQNs come from prehooks on the autograd nodes, keyed by the forward op's
+autograd sequence number (``seq_nr``), the mechanism AOTAutograd uses to carry
+stack traces into backward.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from micscompile.cost_model.flops import node_flops
+from micscompile.passes.buckets import find_blocks
+
+META_FQN = "mc_fqn"
+"""FQN of the innermost module that produced the node ("" = root, LOSS_FQN = loss_fn)."""
+META_REGION = "mc_region"
+"""REGION_FWD or REGION_BWD."""
+META_SHAPE = "mc_shape"
+"""Shape of the (first) tensor output, or None."""
+META_DTYPE = "mc_dtype"
+"""dtype of the (first) tensor output, or None."""
+META_BYTES = "mc_bytes"
+"""Bytes of all tensor outputs."""
+META_FLOPS = "mc_flops"
+"""Estimated FLOPs (cost_model.flops)."""
+
+REGION_FWD = "fwd"
+REGION_BWD = "bwd"
+LOSS_FQN = "<loss>"
+
+
+class TraceError(RuntimeError):
+    """The model + loss could not be traced; the message names the module and op."""
+
+
+@dataclass
+class TrainGraph:
+    """One micro-batch of forward + loss + backward as an FX graph, plus its bookkeeping."""
+
+    gm: torch.fx.GraphModule
+    param_names: list[str]
+    """Canonical parameter FQNs, in placeholder order."""
+    param_aliases: dict[str, list[str]]
+    """Canonical FQN -> every FQN under which the parameter is reachable (tied weights)."""
+    param_shapes: dict[str, torch.Size]
+    param_dtypes: dict[str, torch.dtype]
+    trainable: list[str]
+    """Parameters that get a gradient output, in output order."""
+    buffer_names: list[str]
+    input_specs: list[tuple[torch.Size, torch.dtype]]
+    """Shape and dtype of each batch input of ONE micro-batch."""
+    num_model_inputs: int
+    blocks: list[str]
+    """FQNs of the model's blocks (passes.buckets.find_blocks): the default gather units."""
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+    def param_bytes(self, name: str) -> int:
+        return self.param_shapes[name].numel() * self.param_dtypes[name].itemsize
+
+    def summary(self) -> str:
+        nodes = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        fwd = sum(1 for n in nodes if n.meta.get(META_REGION) == REGION_FWD)
+        flops = sum(n.meta.get(META_FLOPS, 0) for n in nodes)
+        total = sum(self.param_shapes[n].numel() for n in self.param_names)
+        return (
+            f"TrainGraph: {len(nodes)} ops ({fwd} forward, {len(nodes) - fwd} backward), "
+            f"{len(self.param_names)} parameters ({total:,} elements), {len(self.buffer_names)} buffers, "
+            f"{flops / 1e9:.3f} GFLOP per micro-batch"
+        )
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Remembers the last aten op dispatched, to name it when tracing fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_op: object = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.last_op = func
+        return func(*args, **(kwargs or {}))
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(t, device="meta")
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: where the user's code failed."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here))]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown location"
+
+
+def _tensor_meta(node: torch.fx.Node) -> None:
+    val = node.meta.get("val")
+    vals = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+    node.meta[META_SHAPE] = tuple(vals[0].shape) if vals else None
+    node.meta[META_DTYPE] = vals[0].dtype if vals else None
+    node.meta[META_BYTES] = sum(v.numel() * v.element_size() for v in vals)
+    node.meta[META_FLOPS] = node_flops(node)
+
+
+def _check_no_mutation(gm: torch.fx.GraphModule, graph_inputs: dict[torch.fx.Node, str]) -> None:
+    """Refuse in-place writes to parameters, buffers or inputs (e.g. BatchNorm running stats)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for arg_schema, arg in zip(node.target._schema.arguments, node.args):
+            alias = arg_schema.alias_info
+            if alias is None or not alias.is_write or not isinstance(arg, torch.fx.Node):
+                continue
+            base = arg
+            while base.op == "call_function" and base.args and isinstance(base.args[0], torch.fx.Node):
+                base = base.args[0]
+            if base in graph_inputs:
+                raise TraceError(
+                    f"module '{node.meta.get(META_FQN) or '<root>'}' writes in place to "
+                    f"{graph_inputs[base]} with {node.target}: state updated by the batch during "
+                    "training (e.g. BatchNorm running statistics) is not supported; "
+                    "use LayerNorm/GroupNorm or put the module in eval mode"
+                )
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    num_model_inputs: int = 1,
+) -> TrainGraph:
+    """Trace forward + loss + backward of one micro-batch on the meta device.
+
+    ``model(*example_inputs[:num_model_inputs])`` is the forward; the loss is
+    ``loss_fn(output, *example_inputs[num_model_inputs:])`` and must be a scalar.
+    Works for models built under ``torch.device("meta")`` and for real models (their
+    values are not read). Needs no process group.
+    """
+    example_inputs = tuple(example_inputs)
+    if not 1 <= num_model_inputs <= len(example_inputs):
+        raise TraceError(f"num_model_inputs={num_model_inputs} but {len(example_inputs)} example inputs")
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(f"example input {i} is a {type(x).__name__}; every batch input must be a tensor")
+
+    aliases: dict[str, list[str]] = {}
+    canonical: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+        aliases.setdefault(canonical[id(p)], []).append(name)
+    params = {name: _to_meta(p) for name, p in model.named_parameters()}
+    buffers = {name: _to_meta(b) for name, b in model.named_buffers()}
+    inputs = [_to_meta(x).requires_grad_(False) for x in example_inputs]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    # (node index where it starts, fqn) marks, forward from module hooks, backward from autograd prehooks
+    fwd_marks: list[tuple[int, str]] = []
+    bwd_marks: list[tuple[int, int]] = []
+    stack: list[str] = []
+    bwd_start = [0]
+
+    def node_count() -> int:
+        return len(get_proxy_mode().tracer.graph.nodes)
+
+    def enter(fqn: str) -> None:
+        stack.append(fqn)
+        fwd_marks.append((node_count(), fqn))
+
+    def leave() -> None:
+        stack.pop()
+        fwd_marks.append((node_count(), stack[-1] if stack else ""))
+
+    handles = []
+    for fqn, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(fqn)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: leave(), always_call=True))
+
+    def hook_autograd_graph(root) -> None:
+        seen, todo = set(), [root]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            seq = fn._sequence_nr()
+            fn.register_prehook(lambda grads, seq=seq: bwd_marks.append((node_count(), seq)))
+            todo.extend(next_fn for next_fn, _ in fn.next_functions)
+
+    def joint(params, buffers, *inputs):
+        out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs[:num_model_inputs]))
+        enter(LOSS_FQN)
+        loss = loss_fn(out, *inputs[num_model_inputs:])
+        leave()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TraceError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+        if not loss.requires_grad:
+            raise TraceError("the loss does not depend on any parameter that requires grad")
+        bwd_start[0] = node_count()
+        hook_autograd_graph(loss.grad_fn)
+        grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
+        return (loss, *grads)
+
+    recorder = _OpRecorder()
+
+    def recorded_joint(params, buffers, *inputs):
+        with recorder:
+            return joint(params, buffers, *inputs)
+
+    try:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(recorded_joint, tracing_mode="real")(params, buffers, *inputs)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the module and op named
+        where = stack[-1] if stack else "<root>"
+        mod = model.get_submodule(where) if where and where != LOSS_FQN and stack else model
+        kind = "the loss function" if where == LOSS_FQN else f"module '{where or '<root>'}' ({type(mod).__name__})"
+        hint = ""
+        if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            hint = " — data-dependent control flow or .item() on a tensor cannot be traced"
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: failed in {kind} at op {recorder.last_op} "
+            f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        for h in handles:
+            h.remove()
+
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat signature: (*params, *buffers, *inputs)
+    gm.recompile()
+    _annotate(gm, fwd_marks, bwd_marks, bwd_start[0])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [f"parameter '{n}'" for n in params] + [f"buffer '{n}'" for n in buffers]
+    names += [f"input {i}" for i in range(len(inputs))]
+    _check_no_mutation(gm, dict(zip(placeholders, names)))
+    return TrainGraph(
+        gm=gm,
+        param_names=list(params),
+        param_aliases=aliases,
+        param_shapes={n: p.shape for n, p in params.items()},
+        param_dtypes={n: p.dtype for n, p in params.items()},
+        trainable=trainable,
+        buffer_names=list(buffers),
+        input_specs=[(x.shape, x.dtype) for x in inputs],
+        num_model_inputs=num_model_inputs,
+        blocks=find_blocks(model),
+    )
+
+
+def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: int) -> None:
+    fwd_marks = sorted(fwd_marks, key=lambda m: m[0])  # stable: keeps hook order at equal counts
+    seq_fqn: dict[int, str] = {}
+    fi = bi = 0
+    fqn, bwd_fqn = "", LOSS_FQN
+    for i, node in enumerate(gm.graph.nodes):
+        while fi < len(fwd_marks) and fwd_marks[fi][0] <= i:
+            fqn = fwd_marks[fi][1]
+            fi += 1
+        _tensor_meta(node)
+        if i < bwd_start:
+            node.meta[META_REGION] = REGION_FWD
+            node.meta[META_FQN] = fqn
+            if node.op == "call_function":
+                seq_fqn.setdefault(node.meta.get("seq_nr", -1), fqn)
+        else:
+            while bi < len(bwd_marks) and bwd_marks[bi][0] <= i:
+                bwd_fqn = seq_fqn.get(bwd_marks[bi][1], bwd_fqn)
+                bi += 1
+            node.meta[META_REGION] = REGION_BWD
+            node.meta[META_FQN] = bwd_fqn
+
+
+def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Split every batch input along dim 0 into ``micro_batches`` equal micro-batches."""
+    for i, x in enumerate(batch):
+        if x.dim() == 0 or x.shape[0] % micro_batches:
+            raise ValueError(
+                f"batch input {i} has shape {tuple(x.shape)}: its first (batch) dimension must be "
+                f"divisible by micro_batches={micro_batches}"
+            )
+    chunks = [x.chunk(micro_batches) for x in batch]
+    return [tuple(c[j] for c in chunks) for j in range(micro_batches)]
+
+
+__all__ = [
+    "TrainGraph", "TraceError", "trace", "split_batch",
+    "META_FQN", "META_REGION", "META_SHAPE", "META_DTYPE", "META_BYTES", "META_FLOPS",
+    "REGION_FWD", "REGION_BWD", "LOSS_FQN",
+]

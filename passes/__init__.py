@@ -1,0 +1,1 @@
+"""Graph passes: each is ``name_pass(gm, ctx) -> gm``; analyses live beside them."""

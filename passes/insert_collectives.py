@@ -1,0 +1,210 @@
+"""insert_collectives: MiCS partitioning of a traced training graph.
+
+Input: a TrainGraph's graph (placeholders: params, buffers, inputs; output: loss and
+one gradient per trainable parameter). Output graph signature::
+
+    (comm, shard_0, ..., shard_{B-1}, *buffers, *inputs) -> (loss, grad_shard_0, ..., grad_shard_{B-1})
+
+Rewrite, per bucket b (a gather unit, see passes.buckets):
+
+* A *use interval* is a maximal run of the bucket's consumers (nodes that read a
+  parameter, directly or through parameter-only views) with the same phase
+  (forward/backward) and region (block). A tied weight used by two blocks therefore
+  gets one interval per block it is used in.
+* Per interval: ``all_gather_issue`` (one interval ahead of its use: the issue sits
+  right after the previous interval's wait), ``collective_wait`` just before the
+  first consumer, one ``unpack_param`` per parameter used, parameter-only views
+  re-derived from them inside the interval, and ``release`` after the last consumer.
+  Forward views that the backward used to share are re-derived from the backward's
+  own gather, so nothing gathered in forward stays alive into backward.
+* Gradients: after the bucket's last gradient is produced, ``reduce_scatter_issue``
+  over the partition group (2hop) or ``all_reduce_issue`` over all ranks
+  (every_step); each is waited just before the next bucket's reduction is issued,
+  the last one before the output. The boundary all-reduce of 2hop runs outside
+  the graph, once per optimizer step (runtime).
+* p = 1: no gathers (parameters are views of the local shard) and ``pack_local``
+  instead of a reduce-scatter.
+
+Invariants: every consumer of a parameter sits inside an interval of its bucket;
+intervals of one bucket are disjoint; every rank gets the same graph, so every rank
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from micscompile import collectives as C
+from micscompile.passes.buckets import block_of, param_derived
+from micscompile.passes.context import PassContext
+from micscompile.sharding import unpack_param
+from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, REGION_BWD
+
+META_BUCKET = "mc_bucket"
+"""Bucket index of an inserted collective / unpack / release node."""
+
+
+@dataclass
+class Interval:
+    bucket: int
+    key: tuple[str, str]
+    """(phase, region) of its consumers."""
+    first: torch.fx.Node
+    last: torch.fx.Node
+    params: set[str] = field(default_factory=set)
+    unpacked: dict[str, torch.fx.Node] = field(default_factory=dict)
+
+
+def _region(node: torch.fx.Node, ctx: PassContext) -> tuple[str, str]:
+    if node.op == "output":
+        return (REGION_BWD, "<output>")
+    fqn = node.meta.get(META_FQN, "")
+    block = LOSS_FQN if fqn == LOSS_FQN else block_of(fqn, ctx.graph.blocks)
+    return (node.meta.get(META_REGION, REGION_BWD), str(ctx.block_bucket.get(block, block)))
+
+
+def _tag(node: torch.fx.Node, like: torch.fx.Node, bucket: int | None = None) -> torch.fx.Node:
+    node.meta[META_REGION] = like.meta.get(META_REGION, REGION_BWD)
+    node.meta[META_FQN] = like.meta.get(META_FQN, "")
+    if bucket is not None:
+        node.meta[META_BUCKET] = bucket
+    return node
+
+
+def insert_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    tg = ctx.graph
+    p = ctx.plan.partition_size
+    layouts = ctx.layouts
+    bucket_of = {slot.name: lay.index for lay in layouts for slot in lay.slots}
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    param_nodes = dict(zip(placeholders[: tg.num_params], tg.param_names))
+    derived = param_derived(graph, param_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    # ---- analysis: consumers and their use intervals -------------------------------
+    consumers = [
+        n for n in graph.nodes
+        if n not in derived and n.op != "placeholder" and any(i in derived for i in n.all_input_nodes)
+    ]
+    intervals: list[Interval] = []
+    open_by_bucket: dict[int, Interval] = {}
+    active: dict[tuple[torch.fx.Node, int], Interval] = {}  # (consumer, bucket) -> interval
+    for c in consumers:
+        key = _region(c, ctx)
+        used = frozenset().union(*(derived[i] for i in c.all_input_nodes if i in derived))
+        for b in sorted({bucket_of[name] for name in used}):
+            iv = open_by_bucket.get(b)
+            if iv is None or iv.key != key:
+                iv = open_by_bucket[b] = Interval(b, key, c, c)
+                intervals.append(iv)
+            iv.last = c
+            iv.params |= {name for name in used if bucket_of[name] == b}
+            active[(c, b)] = iv
+    intervals.sort(key=lambda iv: (order[iv.first], iv.bucket))
+
+    # ---- new signature: comm, one shard per bucket -----------------------------------
+    with graph.inserting_before(placeholders[0]):
+        comm = graph.placeholder("comm")
+        shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
+
+    # ---- gathers, unpacks, releases ----------------------------------------------------
+    prev_wait: torch.fx.Node | None = None
+    for iv in intervals:
+        lay = layouts[iv.bucket]
+        if p == 1:
+            src = shards[iv.bucket]
+            anchor = iv.first
+        else:
+            if prev_wait is None:
+                with graph.inserting_before(iv.first):
+                    issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
+            else:
+                with graph.inserting_after(prev_wait):
+                    issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
+            with graph.inserting_before(iv.first):
+                src = graph.call_function(C.collective_wait, (comm, issue))
+            _tag(issue, iv.first, iv.bucket)
+            _tag(src, iv.first, iv.bucket)
+            prev_wait = src
+            anchor = iv.first
+        for slot in lay.slots:
+            if slot.name in iv.params:
+                args = (src, p, lay.row_numel, slot.offset, slot.chunk, slot.numel, slot.shape)
+                with graph.inserting_before(anchor):
+                    iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
+        if p > 1:
+            with graph.inserting_after(iv.last):
+                rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
+            _tag(rel, iv.last, iv.bucket)
+
+    # ---- consumers read parameter views re-derived inside their interval ---------------
+    memo: dict[tuple, torch.fx.Node] = {}
+
+    def rederive(node: torch.fx.Node, consumer: torch.fx.Node) -> torch.fx.Node:
+        ivs = tuple(sorted(id(active[(consumer, bucket_of[n])]) for n in derived[node]))
+        key = (node, ivs)
+        if key not in memo:
+            if node in param_nodes:
+                memo[key] = active[(consumer, bucket_of[param_nodes[node]])].unpacked[param_nodes[node]]
+            else:
+                with graph.inserting_before(consumer):
+                    memo[key] = _tag(graph.node_copy(node, lambda a: rederive(a, consumer)), consumer)
+        return memo[key]
+
+    for c in consumers:
+        for i in [i for i in c.all_input_nodes if i in derived]:
+            c.replace_input_with(i, rederive(i, c))
+
+    # ---- gradient reduction --------------------------------------------------------------
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    loss, *grads = output.args[0]
+    grad_of = dict(zip(tg.trainable, grads))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
+    if p == 1 and reduce_fn is C.reduce_scatter_issue:
+        reduce_fn = C.pack_local
+    jobs = []
+    for lay in layouts:
+        gs = [grad_of.get(s.name) for s in lay.slots]
+        if not any(s.name in grad_of for s in lay.slots):
+            continue  # nothing trainable in this bucket
+        producers = [g for g in gs if isinstance(g, torch.fx.Node)]
+        at = max(producers, key=order.__getitem__) if producers else loss
+        jobs.append((order[at], lay.index, at, gs))
+    jobs.sort(key=lambda j: (j[0], j[1]))
+    results: dict[int, torch.fx.Node] = {}
+    anchor, pending = None, None
+    for _, b, at, gs in jobs:
+        if anchor is not None and order.get(anchor, -1) >= order[at]:
+            at = anchor
+        with graph.inserting_after(at):
+            issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs)), at, b)
+        anchor = issue
+        order[issue] = order[at]
+        if reduce_fn is C.pack_local:
+            results[b] = issue
+            continue
+        if pending is not None:
+            with graph.inserting_before(issue):
+                results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), at, pending[0])
+        pending = (b, issue)
+    if pending is not None:
+        with graph.inserting_before(output):
+            results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0])
+    output.args = ((loss, *(results.get(lay.index) for lay in layouts)),)
+
+    # ---- drop the full-parameter placeholders and what only they fed -------------------
+    for node in reversed(list(graph.nodes)):
+        if node in derived and not node.users:
+            graph.erase_node(node)
+    left = [param_nodes[n] for n in param_nodes if n in graph.nodes]
+    if left:
+        raise RuntimeError(f"insert_collectives: parameters still read outside any interval: {left}")
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,74 @@
+"""One ordered list of passes built from the Plan, and one runner for it.
+
+The runner times each pass, lints its result, records the change in op counts, can
+hand the graph before/after to a ``log`` callable, and skips passes by name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch.fx
+
+from micscompile.passes.context import PassContext
+from micscompile.passes.insert_collectives import insert_collectives_pass
+from micscompile.plan import Plan
+
+PassFn = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    op_delta: dict[str, int]
+    """Per call target: count after minus count before (only changed targets)."""
+
+    def __str__(self) -> str:
+        delta = ", ".join(f"{k} {v:+d}" for k, v in sorted(self.op_delta.items()))
+        return f"{self.name:<20} {self.seconds * 1e3:8.1f} ms  {delta or 'no change'}"
+
+
+def op_counts(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(
+        getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"
+    )
+
+
+def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
+    """The passes a Plan needs, in order."""
+    return [("insert_collectives", insert_collectives_pass)]
+
+
+def run_passes(
+    gm: torch.fx.GraphModule,
+    ctx: PassContext,
+    passes: list[tuple[str, PassFn]],
+    *,
+    disable: Iterable[str] = (),
+    log: Callable[[str], None] | None = None,
+) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
+    disabled = set(disable)
+    unknown = disabled - {name for name, _ in passes}
+    if unknown:
+        raise ValueError(f"cannot disable unknown passes {sorted(unknown)}; passes: {[n for n, _ in passes]}")
+    records = []
+    for name, fn in passes:
+        if name in disabled:
+            continue
+        before = op_counts(gm)
+        if log:
+            log(f"--- before {name} ---\n{gm.code}")
+        start = time.perf_counter()
+        gm = fn(gm, ctx)
+        seconds = time.perf_counter() - start
+        gm.graph.lint()
+        after = op_counts(gm)
+        delta = {k: after[k] - before[k] for k in before | after if after[k] != before[k]}
+        records.append(PassRecord(name, seconds, delta))
+        if log:
+            log(f"--- after {name} ({seconds * 1e3:.1f} ms) ---\n{gm.code}")
+    return gm, records

@@ -1,0 +1,95 @@
+"""Tiny models for the parity suite. Sizes are chosen so that p in {2, 4} needs padding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 3 * h)
+        self.fc2 = nn.Linear(3 * h, h)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding -> 2 residual MLP blocks -> LayerNorm -> head tied to the embedding."""
+
+    def __init__(self, vocab: int = 29, h: int = 10, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(MLPBlock(h) for _ in range(layers))
+        self.ln = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+class Normalize(nn.Module):
+    """Fixed per-channel input normalisation held in buffers (set by reset_parameters)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.empty(channels, 1))
+        self.register_buffer("inv_std", torch.empty(channels, 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.mean.copy_(torch.linspace(-0.5, 0.5, self.mean.shape[0]).unsqueeze(1))
+            self.inv_std.copy_(torch.linspace(0.8, 1.2, self.inv_std.shape[0]).unsqueeze(1))
+
+    def forward(self, x):
+        return (x - self.mean) * self.inv_std
+
+
+class ConvNet(nn.Module):
+    """Buffers + Conv1d + Linear; every block re-reads its weight in backward."""
+
+    def __init__(self, channels: int = 3, length: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.norm = Normalize(channels)
+        self.conv1 = nn.Conv1d(channels, 6, 3, padding=1)
+        self.conv2 = nn.Conv1d(6, 7, 3, padding=1)
+        self.fc = nn.Linear(7 * length, classes)
+
+    def forward(self, x):
+        x = F.gelu(self.conv1(self.norm(x)))
+        x = F.gelu(self.conv2(x))
+        return self.fc(x.flatten(1))
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def cls_loss(out, y):
+    return F.cross_entropy(out, y)
+
+
+def lm_batches(steps: int, batch: int, seq: int = 6, vocab: int = 29, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g))
+            for _ in range(steps)]
+
+
+def conv_batches(steps: int, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 8, generator=g), torch.randint(5, (batch,), generator=g)) for _ in range(steps)]
+
+
+MODELS = {
+    "tied_lm": (TiedLM, lm_loss, lm_batches),
+    "convnet": (ConvNet, cls_loss, conv_batches),
+}
