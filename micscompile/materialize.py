@@ -95,3 +95,16 @@ def local_state(
                 store[key] = t  # back to meta: the full tensor is freed
     buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
     return shards, buffers
+
+
+def initialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply ``init_fn`` to a real model exactly as ``compile`` does to a meta one.
+
+    The reference for a meta model: under the same seed, ``initialize(real_copy)``
+    gives the values ``compile`` shards.
+    """
+    init_fn = init_fn or default_init
+    for mod in model.modules():
+        if _owned(mod):
+            init_fn(mod)
+    return model

@@ -48,6 +48,13 @@ class GPTBlock(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding with GPT-2's N(0, 0.02) init (N(0, 1) makes tied logits explode)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class PositionalEmbedding(nn.Module):
     """Learned positions: its own block, with reset_parameters like nn.Embedding."""
 
@@ -69,7 +76,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.tok = TokenEmbedding(cfg.vocab_size, cfg.hidden)
         self.pos = PositionalEmbedding(cfg.seq_len, cfg.hidden)
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden)

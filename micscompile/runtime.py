@@ -29,12 +29,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from micscompile import collectives as C
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import local_state
-from micscompile.passes.buckets import param_derived, plan_buckets
-from micscompile.passes.context import PassContext
+from micscompile.passes.context import make_context
 from micscompile.passes.manager import PassRecord, build_pass_list, run_passes
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.program import Program, build_program
-from micscompile.sharding import BucketLayout, build_layouts, unpack_param
+from micscompile.sharding import BucketLayout, unpack_param
 from micscompile.trace import TrainGraph, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -159,18 +158,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _first_uses(tg: TrainGraph) -> dict[str, int]:
-    placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
-    derived = param_derived(tg.gm.graph, dict(zip(placeholders[: tg.num_params], tg.param_names)))
-    first: dict[str, int] = {}
-    for i, node in enumerate(tg.gm.graph.nodes):
-        if node not in derived:
-            for inp in node.all_input_nodes:
-                for name in derived.get(inp, ()):
-                    first.setdefault(name, i)
-    return first
-
-
 def _check_agreement(program: Program, rank: int, world: int) -> None:
     """The first collective: all ranks must have compiled the same Program."""
     prints: list[str | None] = [None] * world
@@ -232,10 +219,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
 
     micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
     tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
-    param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
-    buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, _first_uses(tg), plan.bucket_bytes)
-    layouts = tuple(build_layouts(buckets, tg.param_shapes, rp.partition_size))
-    ctx = PassContext(plan=rp, graph=tg, layouts=layouts, block_bucket=block_bucket)
+    ctx = make_context(tg, rp, device)
+    layouts = ctx.layouts
     gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
     gm, records = run_passes(gm, ctx, build_pass_list(plan), disable=disable_passes, log=log)
 

@@ -197,7 +197,8 @@ def trace(
     handles = []
     for fqn, mod in model.named_modules():
         handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(fqn)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: leave(), always_call=True))
+        # no always_call: on an exception the stack must still name the failing module
+        handles.append(mod.register_forward_hook(lambda m, a, o: leave()))
 
     def hook_autograd_graph(root) -> None:
         seen, todo = set(), [root]

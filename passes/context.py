@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from micscompile.passes.buckets import param_derived, plan_buckets
 from micscompile.plan import ResolvedPlan
-from micscompile.sharding import BucketLayout
+from micscompile.sharding import BucketLayout, build_layouts
 from micscompile.trace import TrainGraph
 
 
@@ -19,3 +22,26 @@ class PassContext:
     layouts: tuple[BucketLayout, ...]
     block_bucket: dict[str, int]
     """Block FQN -> bucket index."""
+    device: torch.device = torch.device("cpu")
+    """Where this rank computes: factory ops traced on meta are moved here."""
+
+
+def first_uses(tg: TrainGraph) -> dict[str, int]:
+    """Parameter -> index of the first node that reads it (through parameter-only views)."""
+    placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+    derived = param_derived(tg.gm.graph, dict(zip(placeholders[: tg.num_params], tg.param_names)))
+    first: dict[str, int] = {}
+    for i, node in enumerate(tg.gm.graph.nodes):
+        if node not in derived:
+            for inp in node.all_input_nodes:
+                for name in derived.get(inp, ()):
+                    first.setdefault(name, i)
+    return first
+
+
+def make_context(tg: TrainGraph, plan: ResolvedPlan, device: torch.device = torch.device("cpu")) -> PassContext:
+    """Buckets and layouts for ``plan``: needs no process group."""
+    param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
+    buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)
+    layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size))
+    return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device)

@@ -15,6 +15,7 @@ import torch.fx
 
 from micscompile.passes.context import PassContext
 from micscompile.passes.insert_collectives import insert_collectives_pass
+from micscompile.passes.retarget_device import retarget_device_pass
 from micscompile.plan import Plan
 
 PassFn = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
@@ -40,7 +41,7 @@ def op_counts(gm: torch.fx.GraphModule) -> Counter:
 
 def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     """The passes a Plan needs, in order."""
-    return [("insert_collectives", insert_collectives_pass)]
+    return [("retarget_device", retarget_device_pass), ("insert_collectives", insert_collectives_pass)]
 
 
 def run_passes(

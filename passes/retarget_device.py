@@ -1,0 +1,34 @@
+"""retarget_device: factory ops traced on meta (masks, scalars) run on the rank's device.
+
+Tracing happens on the meta device, so ops that create tensors (``ones``, ``arange``,
+``scalar_tensor``, ``_to_copy``...) record ``device=meta``. This pass rewrites every
+meta device argument to ``ctx.device``. No-op when the graph has none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from micscompile.passes.context import PassContext
+
+META = torch.device("meta")
+
+
+def retarget_device_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    def fix(a):
+        return ctx.device if isinstance(a, torch.device) and a == META else a
+
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = torch.fx.node.map_aggregate(node.args, fix), torch.fx.node.map_aggregate(node.kwargs, fix)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            changed = True
+    if not changed:
+        return gm
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,172 @@
+"""Cases run inside ONE multi-process gloo launch (see test_multiproc.py).
+
+Each rank trains every case's compiled step for STEPS steps on its slice of the
+global batch, trains the single-process eager reference on the whole global batch,
+and reports: losses, its own shards' parity error, the full state's parity error,
+measured and predicted communication. Bad-input cases run first: each must raise
+before any collective, which the cases after them prove (a stray collective would
+desynchronise every later one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+import micscompile as mc
+from micscompile.materialize import initialize
+from micscompile.parity import rel_error, state_error, train_reference
+from micscompile.sharding import shard_of
+from models import MODELS
+
+STEPS = 5
+LOCAL_BATCH = 12  # divisible by micro_batches in {1, 3, 4}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    p: int
+    s: int
+    opt: str = "sgd"
+    grad_sync: str = "2hop"
+    meta: bool = False
+    """Build the model on the meta device; compile initialises it with init_fn (seed 1)."""
+    reinit: bool = False
+    """Build it for real, then apply the same init_fn under the same seed (the meta twin)."""
+
+    @property
+    def id(self) -> str:
+        extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
+        extra += "-reinit" if self.reinit else ""
+        return f"{self.model}-p{self.p}-s{self.s}-{self.opt}{extra}"
+
+
+def optimizer(name: str):
+    if name == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+
+
+def run_case(case: Case, rank: int, world: int) -> dict:
+    cls, loss_fn, make_batches = MODELS[case.model]
+    torch.manual_seed(0)
+    model = cls()
+    if case.meta or case.reinit:
+        torch.manual_seed(1)
+        initialize(model)
+    batches = make_batches(STEPS, LOCAL_BATCH * world)
+    opt = optimizer(case.opt)
+    ref_losses, ref_state = train_reference(model, loss_fn, opt, batches)
+
+    if case.meta:
+        with torch.device("meta"):
+            model = cls()
+        torch.manual_seed(1)
+    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync)
+    local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
+    step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0])
+    losses = [float(step(*b)) for b in local]
+
+    p, shard_rank = case.p, rank % case.p
+    own = step.local_shards()
+    own_err = max(
+        rel_error(own[lay_slot.name], shard_of(ref_state[lay_slot.name], lay_slot, p, shard_rank))
+        for lay in step.layouts for lay_slot in lay.slots
+    )
+    state = step.full_state_dict()
+    stats = step.comm_stats()
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
+        "own_shard_err": own_err,
+        "state_err": state_error(state, ref_state),
+        "state": state if case.meta or case in REAL_TWINS else None,
+        "measured": {k: r.bytes for k, r in stats.rows.items()},
+        "calls": {k: r.calls for k, r in stats.rows.items()},
+        "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
+        "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
+        "program": str(step.program) if rank == 0 else "",
+    }
+
+
+PARITY = [
+    Case(model, p, s, opt)
+    for model in ("tied_lm", "convnet")
+    for p in (1, 2, 4)
+    for s in (1, 3, 4)
+    for opt in ("sgd", "adamw")
+]
+EXTRA = [
+    Case("tied_lm", 2, 3, "sgd", grad_sync="every_step"),
+    Case("convnet", 4, 4, "adamw", grad_sync="every_step"),
+    Case("convnet", 1, 3, "sgd", grad_sync="every_step"),
+    Case("tied_lm", 2, 3, "sgd", meta=True),
+    Case("tied_lm", 4, 1, "adamw", meta=True),
+    Case("convnet", 2, 4, "sgd", meta=True),
+]
+# the real-model runs that the meta runs are compared against, value for value
+REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if c.meta]
+CASES = PARITY + EXTRA + REAL_TWINS
+
+
+def _expect_error(kind: type[BaseException], fn) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    except BaseException as exc:  # noqa: BLE001
+        return f"WRONG EXCEPTION {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    return "NO EXCEPTION"
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 5)
+
+    def forward(self, x):
+        y = self.fc(x.flatten(1)[:, :3])
+        if y.sum() > 0:  # data-dependent control flow
+            y = -y
+        return y
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Each bad input must raise its documented error before any collective."""
+    cls, loss_fn, make_batches = MODELS["convnet"]
+    model = cls()
+    x, y = make_batches(1, LOCAL_BATCH)[0]
+    opt = optimizer("sgd")
+    out = {}
+    out["partition_size"] = _expect_error(mc.PlanError, lambda: mc.Plan(partition_size=3))
+    out["micro_batches"] = _expect_error(
+        ValueError, lambda: mc.compile(model, mc.Plan(partition_size=2, micro_batches=5), loss_fn=loss_fn,
+                                       optimizer=opt, example_inputs=(x, y)))
+    out["untraceable"] = _expect_error(
+        mc.TraceError, lambda: mc.compile(DataDependent(), mc.Plan(partition_size=2), loss_fn=loss_fn,
+                                          optimizer=opt, example_inputs=(x, y)))
+    out["budget"] = _expect_error(
+        mc.PlanError, lambda: mc.compile(model, mc.Plan(partition_size=2, memory_budget_bytes=64), loss_fn=loss_fn,
+                                         optimizer=opt, example_inputs=(x, y)))
+    # ranks that disagree: rank 1 asks for another micro-batch count; every rank must refuse
+    s = 2 if rank == 1 else 1
+    out["disagree"] = _expect_error(
+        RuntimeError, lambda: mc.compile(model, mc.Plan(partition_size=2, micro_batches=s), loss_fn=loss_fn,
+                                         optimizer=opt, example_inputs=(x, y)))
+    step = mc.compile(model, mc.Plan(partition_size=2), loss_fn=loss_fn, optimizer=opt, example_inputs=(x, y))
+    out["batch_shape"] = _expect_error(ValueError, lambda: step(x[:5], y[:5]))
+    out["batch_count"] = _expect_error(ValueError, lambda: step(x))
+    out["calls_after_errors"] = str(sum(r.calls for r in step.comm_stats().rows.values()))
+    return out
+
+
+def run_all(rank: int, world: int) -> dict:
+    results = {"bad_inputs": bad_inputs(rank, world)}
+    for case in CASES:
+        results[case] = run_case(case, rank, world)
+    return results

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+import micscompile as mc
+
+
+def test_resolve_groups_follow_the_mesh_layout():
+    rp = mc.Plan(partition_size=2).resolve(8, 4)
+    assert (rp.partition_size, rp.replicas, rp.gpus_per_node) == (2, 4, 4)
+    assert rp.partition_ranks(5) == (4, 5)
+    assert rp.replication_ranks(5) == (1, 3, 5, 7)
+    assert mc.Plan().resolve(8, 4).partition_size == 4  # default: one node
+
+
+@pytest.mark.parametrize("p", [3, 5, 16])
+def test_impossible_partition_size_lists_valid_ones(p):
+    with pytest.raises(mc.PlanError, match="valid partition sizes: 1, 2, 4, 8"):
+        mc.Plan(partition_size=p).resolve(8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"micro_batches": 0}, "micro_batches must be a positive int"),
+        ({"partition_size": -1}, "partition_size must be a positive int"),
+        ({"grad_sync": "sometimes"}, "grad_sync must be"),
+        ({"hierarchical": "yes"}, "hierarchical must be"),
+        ({"pipeline_stages": 2}, "not implemented yet: pipeline_stages"),
+        ({"checkpoint": True}, "not implemented yet: checkpoint"),
+        ({"param_dtype": torch.bfloat16}, "not implemented yet: param_dtype"),
+    ],
+)
+def test_bad_fields_are_refused_with_what_would_work(kwargs, message):
+    with pytest.raises(mc.PlanError, match=message):
+        mc.Plan(**kwargs)
+
+
+def test_plan_is_frozen_and_replaceable():
+    plan = mc.Plan(partition_size=2)
+    with pytest.raises(AttributeError):
+        plan.partition_size = 4
+    assert plan.replace(micro_batches=4).micro_batches == 4
+
+
+def test_gpus_per_node_must_divide_world():
+    with pytest.raises(mc.PlanError, match="gpus_per_node=3"):
+        mc.Plan(gpus_per_node=3).resolve(8)

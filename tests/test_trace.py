@@ -1,0 +1,107 @@
+import pytest
+import torch
+from torch import nn
+
+import micscompile as mc
+from micscompile.trace import (
+    LOSS_FQN, META_BYTES, META_DTYPE, META_FLOPS, META_FQN, META_REGION, META_SHAPE, REGION_BWD, REGION_FWD,
+)
+from models import ConvNet, TiedLM, cls_loss, lm_loss
+
+
+def _lm_graph(meta: bool = True):
+    if meta:
+        with torch.device("meta"):
+            model = TiedLM()
+    else:
+        model = TiedLM()
+    x = torch.zeros(4, 6, dtype=torch.long)
+    return model, mc.trace(model, (x, x), lm_loss)
+
+
+def test_meta_trace_records_fqn_region_and_costs():
+    _, g = _lm_graph()
+    nodes = [n for n in g.gm.graph.nodes if n.op == "call_function"]
+    fqns = {n.meta[META_FQN] for n in nodes}
+    assert {"emb", "blocks.0.fc1", "blocks.1.ln", "head", LOSS_FQN} <= fqns
+    fwd_mm = [n for n in nodes if n.target == torch.ops.aten.addmm.default and n.meta[META_REGION] == REGION_FWD]
+    assert [n.meta[META_FQN] for n in fwd_mm] == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    # backward matmuls are attributed to the module whose forward they differentiate
+    bwd = {n.meta[META_FQN] for n in nodes if n.target == torch.ops.aten.mm.default and n.meta[META_REGION] == REGION_BWD}
+    assert {"head", "blocks.1.fc2", "blocks.0.fc1"} <= bwd
+    fc1 = fwd_mm[0]  # (24 x 10) @ (10 x 30) + bias
+    assert fc1.meta[META_FLOPS] == 2 * 24 * 10 * 30 + 24 * 30
+    assert fc1.meta[META_SHAPE] == (24, 30) and fc1.meta[META_DTYPE] == torch.float32
+    assert fc1.meta[META_BYTES] == 24 * 30 * 4
+
+
+def test_tied_weight_is_one_placeholder_with_two_names():
+    _, g = _lm_graph()
+    assert g.param_aliases["emb.weight"] == ["emb.weight", "head.weight"]
+    assert "head.weight" not in g.param_names
+    outputs = next(n for n in g.gm.graph.nodes if n.op == "output").args[0]
+    assert len(outputs) == 1 + len(g.trainable)
+
+
+def test_real_and_meta_traces_are_the_same_graph():
+    _, meta = _lm_graph(meta=True)
+    _, real = _lm_graph(meta=False)
+    assert meta.gm.code == real.gm.code
+
+
+def test_buffers_are_placeholders_and_blocks_found():
+    model = ConvNet()
+    g = mc.trace(model, (torch.zeros(4, 3, 8), torch.zeros(4, dtype=torch.long)), cls_loss)
+    assert g.buffer_names == ["norm.mean", "norm.inv_std"]
+    assert g.blocks == ["norm", "conv1", "conv2", "fc"]
+    placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(g.param_names) + 2 + 2
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.inner(x))
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x if x.mean() > 0 else -x
+
+
+def test_data_dependent_control_flow_names_module_op_and_line():
+    with pytest.raises(mc.TraceError) as info:
+        mc.trace(Branchy(), (torch.zeros(2, 4), torch.zeros(2, 4)), nn.functional.mse_loss)
+    msg = str(info.value)
+    assert "module 'gate' (Gate)" in msg
+    assert "data-dependent control flow" in msg
+    assert "aten." in msg and "test_trace.py" in msg
+
+
+class Nonzero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)[x.nonzero()[:, 0]]
+
+
+def test_op_without_static_shape_is_named():
+    with pytest.raises(mc.TraceError, match=r"module '<root>' \(Nonzero\) at op aten\.nonzero"):
+        mc.trace(Nonzero(), (torch.zeros(2, 4), torch.zeros(2, 4)), nn.functional.mse_loss)
+
+
+def test_batchnorm_running_stats_are_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(mc.TraceError, match=r"module '1' writes in place to buffer '1\.(running_mean|num_batches_tracked)'"):
+        mc.trace(model, (torch.zeros(3, 4), torch.zeros(3, 4)), nn.functional.mse_loss)
+
+
+def test_non_scalar_loss_is_refused():
+    with pytest.raises(mc.TraceError, match="scalar"):
+        mc.trace(nn.Linear(4, 4), (torch.zeros(3, 4), torch.zeros(3, 4)), lambda o, y: (o - y) ** 2)
