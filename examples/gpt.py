@@ -74,15 +74,15 @@ def main() -> None:
         optimizer = lambda ps: torch.optim.AdamW(ps, lr=args.lr or 1e-3)  # noqa: E731
     out(f"micscompile demo: GPT {cfg.layers} layers, h={cfg.hidden}, seq {cfg.seq_len}, "
         f"{gpt_params(cfg) / 1e6:.2f}M parameters{' (built on meta)' if args.meta else ''}")
-    out(f"{world} ranks on {dist.get_backend()}, plan: {plan}")
 
     start = time.perf_counter()
     torch.manual_seed(0)  # the meta model is initialised from this seed
     step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=optimizer, example_inputs=local[0])
+    out(f"{world} ranks on {dist.get_backend()}, plan: {step.program.plan}")
     out(f"\ncompiled in {time.perf_counter() - start:.2f} s: {step.graph.summary()}")
     out("passes: " + "; ".join(map(str, step.pass_records)))
     program = str(step.program).splitlines()
-    out("\n".join(program if args.program else program[:3] + ["   ..."] + program[-5:]))
+    out("\n".join(program if args.program else program[:16] + ["   ... (--program prints it all)"] + program[-8:]))
 
     reference = None
     if args.check and rank == 0:

@@ -72,6 +72,14 @@ class CommStats:
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], CommRow] = {}
         self.groups: dict[str, GroupInfo] = {}
+        self.live_gathered_bytes = 0
+        """Gathered-parameter bytes between their all-gather issue and their release."""
+        self.peak_gathered_bytes = 0
+
+    def gathered(self, nbytes: int) -> None:
+        """``nbytes`` of gathered parameters became live (> 0) or were released (< 0)."""
+        self.live_gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.live_gathered_bytes)
 
     def record(self, kind: str, group: GroupInfo, nbytes: int) -> None:
         row = self.rows.setdefault((kind, group.name), CommRow())
@@ -93,6 +101,7 @@ class CommStats:
 
     def reset(self) -> None:
         self.rows.clear()
+        self.peak_gathered_bytes = self.live_gathered_bytes
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {f"{k}/{g}": vars(r).copy() for (k, g), r in sorted(self.rows.items())}
@@ -126,8 +135,6 @@ class Comm:
     replicate: GroupInfo
     world: GroupInfo
     stats: CommStats = field(default_factory=CommStats)
-    live_gathered_bytes: int = 0
-    peak_gathered_bytes: int = 0
 
 
 class Pending(NamedTuple):
@@ -146,8 +153,7 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
     out = shard.new_empty(layout.padded_numel)
     work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
     comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
-    comm.live_gathered_bytes += layout.full_bytes
-    comm.peak_gathered_bytes = max(comm.peak_gathered_bytes, comm.live_gathered_bytes)
+    comm.stats.gathered(layout.full_bytes)
     return Pending(work, out)
 
 
@@ -160,7 +166,7 @@ def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
 
 def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
     """The gathered parameters' last use: the graph drops them right after this node."""
-    comm.live_gathered_bytes -= comm.layouts[bucket].full_bytes
+    comm.stats.gathered(-comm.layouts[bucket].full_bytes)
 
 
 def reduce_scatter_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:

@@ -104,8 +104,8 @@ def lm_batch(cfg: GPTConfig, batch_size: int, generator: torch.Generator) -> tup
 
 def gpt_params(cfg: GPTConfig) -> int:
     """Parameter count (tied head counted once)."""
-    h, l, v = cfg.hidden, cfg.layers, cfg.vocab_size
+    h, v = cfg.hidden, cfg.vocab_size
     per_block = 12 * h * h + 13 * h
-    return l * per_block + v * h * (1 if cfg.tie_embeddings else 2) + cfg.seq_len * h + 2 * h
+    return cfg.layers * per_block + v * h * (1 if cfg.tie_embeddings else 2) + cfg.seq_len * h + 2 * h
 
 

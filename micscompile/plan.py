@@ -128,6 +128,10 @@ class ResolvedPlan:
     def micro_batches(self) -> int:
         return self.plan.micro_batches
 
+    def __str__(self) -> str:
+        return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas} "
+                f"s={self.micro_batches} grad_sync={self.plan.grad_sync}")
+
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 

@@ -120,8 +120,7 @@ class Program:
     def __str__(self) -> str:
         rp = self.plan
         head = (
-            f"micscompile Program  rank {self.rank}/{rp.world_size}  p={rp.partition_size} d={rp.replicas} "
-            f"s={rp.micro_batches} k={rp.gpus_per_node} grad_sync={rp.plan.grad_sync}  "
+            f"micscompile Program  rank {self.rank}/{rp.world_size}  {rp}  "
             f"{len(self.layouts)} buckets, peak gathered {fmt_bytes(self.peak_gathered_bytes)}"
         )
         cols = f"{'#':>4}  {'action':<8}{'bucket':<22}{'group':<18}{'bytes':>12}  detail"

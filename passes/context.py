@@ -12,6 +12,9 @@ from micscompile.sharding import BucketLayout, build_layouts
 from micscompile.trace import TrainGraph
 
 
+CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class PassContext:
     """Read-only inputs shared by the passes of one compilation."""
@@ -22,7 +25,7 @@ class PassContext:
     layouts: tuple[BucketLayout, ...]
     block_bucket: dict[str, int]
     """Block FQN -> bucket index."""
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
     """Where this rank computes: factory ops traced on meta are moved here."""
 
 
@@ -39,7 +42,7 @@ def first_uses(tg: TrainGraph) -> dict[str, int]:
     return first
 
 
-def make_context(tg: TrainGraph, plan: ResolvedPlan, device: torch.device = torch.device("cpu")) -> PassContext:
+def make_context(tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU) -> PassContext:
     """Buckets and layouts for ``plan``: needs no process group."""
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
     buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)

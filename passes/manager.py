@@ -30,7 +30,7 @@ class PassRecord:
 
     def __str__(self) -> str:
         delta = ", ".join(f"{k} {v:+d}" for k, v in sorted(self.op_delta.items()))
-        return f"{self.name:<20} {self.seconds * 1e3:8.1f} ms  {delta or 'no change'}"
+        return f"{self.name:<20} {self.seconds * 1e3:8.1f} ms  {delta or 'ops unchanged'}"
 
 
 def op_counts(gm: torch.fx.GraphModule) -> Counter:

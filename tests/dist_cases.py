@@ -37,11 +37,13 @@ class Case:
     """Build the model on the meta device; compile initialises it with init_fn (seed 1)."""
     reinit: bool = False
     """Build it for real, then apply the same init_fn under the same seed (the meta twin)."""
+    k: int | None = None
+    """gpus_per_node; None = all 4 ranks on one node."""
 
     @property
     def id(self) -> str:
         extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
-        extra += "-reinit" if self.reinit else ""
+        extra += ("-reinit" if self.reinit else "") + (f"-k{self.k}" if self.k else "")
         return f"{self.model}-p{self.p}-s{self.s}-{self.opt}{extra}"
 
 
@@ -66,7 +68,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         with torch.device("meta"):
             model = cls()
         torch.manual_seed(1)
-    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync)
+    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0])
     losses = [float(step(*b)) for b in local]
@@ -88,6 +90,9 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "state": state if case.meta or case in REAL_TWINS else None,
         "measured": {k: r.bytes for k, r in stats.rows.items()},
         "calls": {k: r.calls for k, r in stats.rows.items()},
+        "inter_node": {k: r.inter_node_bytes for k, r in stats.rows.items()},
+        "intra_node": {k: r.intra_node_bytes for k, r in stats.rows.items()},
+        "peak_gathered": (stats.peak_gathered_bytes, step.program.peak_gathered_bytes),
         "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
         "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
         "program": str(step.program) if rank == 0 else "",
@@ -108,6 +113,8 @@ EXTRA = [
     Case("tied_lm", 2, 3, "sgd", meta=True),
     Case("tied_lm", 4, 1, "adamw", meta=True),
     Case("convnet", 2, 4, "sgd", meta=True),
+    Case("convnet", 4, 2, "sgd", k=2),  # the partition group spans both (simulated) nodes
+    Case("convnet", 2, 2, "sgd", k=2),  # partition groups inside a node, replication across
 ]
 # the real-model runs that the meta runs are compared against, value for value
 REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if c.meta]

@@ -9,7 +9,7 @@ import torch
 
 from dist_cases import CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
 from harness import launch
-from micscompile.parity import TOLERANCE, rel_error
+from micscompile.parity import TOLERANCE
 
 WORLD = 4
 pytestmark = pytest.mark.multiproc
@@ -110,3 +110,22 @@ def test_program_prints_every_collective(results):
     assert "p=2 d=2 s=3" in text
     for code in ("AG0", "W:AG0", "REL0", "RS0", "W:RS0", "AR0", "ARL", "OPT"):
         assert code in text, code
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.k], ids=lambda c: c.id)
+def test_intra_and_inter_node_bytes_follow_gpus_per_node(results, case: Case):
+    """4 ranks as 2 nodes of 2: a group spanning both nodes counts as inter-node."""
+    for rank, res in enumerate(results):
+        r = res[case]
+        for key, total in r["measured"].items():
+            kind, group = key
+            spans = {"shard": case.p > case.k, "replicate": case.p < 4, "world": True}[group]
+            assert r["inter_node"][key] == (total if spans else 0), (rank, key)
+            assert r["intra_node"][key] == (0 if spans else total), (rank, key)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_runtime_peak_of_gathered_bytes_is_the_programs(results, case: Case):
+    for res in results:
+        measured, planned = res[case]["peak_gathered"]
+        assert measured == planned
