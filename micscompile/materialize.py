@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from micscompile.sharding import BucketLayout, shard_of
+from micscompile.sharding import BucketLayout, local_piece
 
 
 def default_init(module: nn.Module) -> None:
@@ -47,8 +47,8 @@ def local_state(
 
     def place(name: str, full: torch.Tensor) -> None:
         lay, slot = slots[name]
-        chunk = shard_of(full, slot, lay.partition_size, shard_rank)
-        shards[lay.index][slot.offset : slot.offset + slot.chunk].copy_(chunk)
+        lo, hi = lay.local_range(slot, shard_rank)
+        local_piece(lay, slot, shards[lay.index], shard_rank).copy_(full.detach().reshape(-1)[lo:hi])
 
     is_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if not is_meta:

@@ -33,7 +33,7 @@ from micscompile.passes.context import make_context
 from micscompile.passes.manager import PassRecord, build_pass_list, run_passes
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.program import Program, build_program
-from micscompile.sharding import BucketLayout, unpack_param
+from micscompile.sharding import BucketLayout, local_piece, unpack_param
 from micscompile.trace import TrainGraph, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -63,11 +63,12 @@ class TrainStep:
         self._grads = [torch.zeros_like(s) for s in shards]
         self._reduced = [any(s.name in trainable for s in lay.slots) for lay in comm.layouts]
         self.params: dict[str, nn.Parameter] = {}
+        rank = comm.shard.rank
         for lay, shard, grad in zip(comm.layouts, shards, self._grads):
             for slot in lay.slots:
-                if slot.name in trainable:
-                    param = nn.Parameter(shard[slot.offset : slot.offset + slot.chunk])  # shares storage
-                    param.grad = grad[slot.offset : slot.offset + slot.chunk]
+                if slot.name in trainable:  # this rank's piece (possibly empty), sharing the shard's storage
+                    param = nn.Parameter(local_piece(lay, slot, shard, rank))
+                    param.grad = local_piece(lay, slot, grad, rank)
                     self.params[slot.name] = param
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.steps = 0
@@ -77,9 +78,10 @@ class TrainStep:
         return self._comm.layouts
 
     def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's chunk of every parameter (padded, 1-D), by canonical name."""
+        """This rank's piece of every parameter (1-D, possibly empty), by canonical name."""
+        rank = self._comm.shard.rank
         return {
-            slot.name: shard[slot.offset : slot.offset + slot.chunk]
+            slot.name: local_piece(lay, slot, shard, rank)
             for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots
         }
 
@@ -144,8 +146,7 @@ class TrainStep:
                 gathered = shard.new_empty(lay.padded_numel)
                 dist.all_gather_single(gathered, shard, group=comm.shard.group)
             for slot in lay.slots:
-                t = unpack_param(gathered, lay.partition_size, lay.row_numel, slot.offset, slot.chunk,
-                                 slot.numel, slot.shape).detach().cpu().clone()
+                t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
                 for alias in self.graph.param_aliases[slot.name]:
                     full[alias] = t
         full.update({n: b.detach().cpu().clone() for n, b in self._buffer_map.items()})

@@ -1,11 +1,13 @@
 """How parameters are laid out in shards and gather buffers.
 
-Each parameter is flattened and padded to a multiple of p; partition-group rank r
-owns the r-th of p equal chunks (``chunk`` elements). A bucket concatenates its
-parameters' chunks into one flat shard of ``row_numel`` elements per rank, so an
-all-gather of the bucket's shard yields a ``[p, row_numel]`` buffer in which row r
-is rank r's shard; parameter i occupies columns ``[offset, offset + chunk)`` of every
-row. Padding elements are zero, receive zero gradient and are never read back.
+A bucket is the concatenation of its parameters, flattened, in order, padded with
+zeros at the end to a multiple of p (``padded_numel``). Partition-group rank r owns
+the contiguous elements ``[r * row_numel, (r + 1) * row_numel)`` of that flat
+buffer. So the all-gather of the shards *is* the flat bucket: each parameter is a
+zero-copy view of it, and gradients pack into it with one concatenation, whose
+reduce-scatter hands rank r its own range. A parameter's local piece is the part of
+its flattened elements that falls in the rank's range (1-D, possibly empty); the
+optimizer sees those pieces, which is exact for elementwise optimizers.
 """
 
 from __future__ import annotations
@@ -18,16 +20,14 @@ import torch
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives inside its bucket."""
+    """Where one parameter lives inside its bucket's flat buffer."""
 
     name: str
     """Canonical FQN."""
     shape: tuple[int, ...]
     numel: int
-    chunk: int
-    """Elements of this parameter per rank: ceil(numel / p)."""
     offset: int
-    """Column of the first element of this parameter's chunk in the bucket row."""
+    """Index of the parameter's first element in the bucket's flat buffer."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,12 @@ class BucketLayout:
     slots: tuple[ParamSlot, ...]
     partition_size: int
     row_numel: int
-    """Elements of the bucket per rank (its shard), padding included."""
+    """Elements of the bucket per rank (its shard): ceil(numel / p)."""
     dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
 
     @property
     def padded_numel(self) -> int:
@@ -56,12 +60,16 @@ class BucketLayout:
         """Bytes of the gathered bucket (padding included)."""
         return self.padded_numel * self.dtype.itemsize
 
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
+    def local_range(self, slot: ParamSlot, shard_rank: int) -> tuple[int, int]:
+        """[lo, hi) of ``slot``'s flattened elements that ``shard_rank`` owns (lo == hi: none)."""
+        start = shard_rank * self.row_numel
+        lo = min(max(start - slot.offset, 0), slot.numel)
+        hi = min(max(start + self.row_numel - slot.offset, 0), slot.numel)
+        return lo, max(lo, hi)
 
-    def slot(self, name: str) -> ParamSlot:
-        return next(s for s in self.slots if s.name == name)
+    def shard_offset(self, slot: ParamSlot, shard_rank: int) -> int:
+        """Where ``slot``'s local piece starts in ``shard_rank``'s shard."""
+        return slot.offset + self.local_range(slot, shard_rank)[0] - shard_rank * self.row_numel
 
 
 def build_layouts(
@@ -76,45 +84,38 @@ def build_layouts(
         slots, offset = [], 0
         for pname in params:
             numel = math.prod(shapes[pname])
-            chunk = -(-numel // partition_size)
-            slots.append(ParamSlot(pname, tuple(shapes[pname]), numel, chunk, offset))
-            offset += chunk
-        layouts.append(BucketLayout(index, name, tuple(slots), partition_size, offset, dtype))
+            slots.append(ParamSlot(pname, tuple(shapes[pname]), numel, offset))
+            offset += numel
+        row = -(-offset // partition_size)
+        layouts.append(BucketLayout(index, name, tuple(slots), partition_size, row, dtype))
     return layouts
 
 
-def shard_of(full: torch.Tensor, slot: ParamSlot, partition_size: int, shard_rank: int) -> torch.Tensor:
-    """Rank ``shard_rank``'s chunk of a full parameter (a copy, padded with zeros)."""
-    flat = full.detach().reshape(-1)
-    lo = min(shard_rank * slot.chunk, slot.numel)
-    hi = min(lo + slot.chunk, slot.numel)
-    out = flat.new_zeros(slot.chunk)
-    out[: hi - lo] = flat[lo:hi]
-    return out
+def local_piece(layout: BucketLayout, slot: ParamSlot, shard: torch.Tensor, shard_rank: int) -> torch.Tensor:
+    """View of ``slot``'s local piece inside this rank's bucket ``shard``."""
+    lo, hi = layout.local_range(slot, shard_rank)
+    start = layout.shard_offset(slot, shard_rank)
+    return shard[start : start + hi - lo]
 
 
-def unpack_param(
-    gathered: torch.Tensor, partition_size: int, row_numel: int, offset: int, chunk: int,
-    numel: int, shape: tuple[int, ...],
-) -> torch.Tensor:
-    """The full parameter from a gathered ``[p * row_numel]`` bucket buffer."""
-    cols = gathered.view(partition_size, row_numel)[:, offset : offset + chunk]
-    return cols.reshape(-1)[:numel].view(shape)
+def shard_of(full: torch.Tensor, layout: BucketLayout, slot: ParamSlot, shard_rank: int) -> torch.Tensor:
+    """``shard_rank``'s piece of a full parameter (1-D copy, possibly empty)."""
+    lo, hi = layout.local_range(slot, shard_rank)
+    return full.detach().reshape(-1)[lo:hi].clone()
+
+
+def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full parameter as a view of the gathered flat bucket (or of the shard when p = 1)."""
+    return gathered[offset : offset + numel].view(shape)
 
 
 def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor) -> torch.Tensor:
-    """Full gradients -> a ``[p * row_numel]`` buffer in gather layout (None = zero)."""
-    p = layout.partition_size
-    flat = like.new_empty(layout.padded_numel, dtype=layout.dtype)
-    rows = flat.view(p, layout.row_numel)
-    for slot, grad in zip(layout.slots, grads):
-        cols = rows[:, slot.offset : slot.offset + slot.chunk]
-        if grad is None:
-            cols.zero_()
-            continue
-        g = grad.reshape(-1)
-        pad = p * slot.chunk - slot.numel
-        if pad:
-            g = torch.nn.functional.pad(g, (0, pad))
-        cols.copy_(g.view(p, slot.chunk))
-    return flat
+    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero)."""
+    parts = [
+        g.reshape(-1) if g is not None else like.new_zeros(slot.numel, dtype=layout.dtype)
+        for slot, g in zip(layout.slots, grads)
+    ]
+    pad = layout.padded_numel - layout.numel
+    if pad:
+        parts.append(like.new_zeros(pad, dtype=layout.dtype))
+    return torch.cat(parts)

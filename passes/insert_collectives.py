@@ -13,7 +13,8 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   gets one interval per block it is used in.
 * Per interval: ``all_gather_issue`` (one interval ahead of its use: the issue sits
   right after the previous interval's wait), ``collective_wait`` just before the
-  first consumer, one ``unpack_param`` per parameter used, parameter-only views
+  first consumer, one ``unpack_param`` (a view of the gathered bucket) per parameter
+  used, parameter-only views
   re-derived from them inside the interval, and ``release`` after the last consumer.
   Forward views that the backward used to share are re-derived from the backward's
   own gather, so nothing gathered in forward stays alive into backward.
@@ -134,7 +135,7 @@ def insert_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
             anchor = iv.first
         for slot in lay.slots:
             if slot.name in iv.params:
-                args = (src, p, lay.row_numel, slot.offset, slot.chunk, slot.numel, slot.shape)
+                args = (src, slot.offset, slot.numel, slot.shape)
                 with graph.inserting_before(anchor):
                     iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
         if p > 1:

@@ -73,11 +73,11 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0])
     losses = [float(step(*b)) for b in local]
 
-    p, shard_rank = case.p, rank % case.p
+    shard_rank = rank % case.p
     own = step.local_shards()
     own_err = max(
-        rel_error(own[lay_slot.name], shard_of(ref_state[lay_slot.name], lay_slot, p, shard_rank))
-        for lay in step.layouts for lay_slot in lay.slots
+        rel_error(own[slot.name], shard_of(ref_state[slot.name], lay, slot, shard_rank))
+        for lay in step.layouts for slot in lay.slots
     )
     state = step.full_state_dict()
     stats = step.comm_stats()
