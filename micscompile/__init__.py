@@ -7,12 +7,15 @@
 """
 
 from micscompile.collectives import CommStats
+from micscompile.cost_model.simulator import Prediction
+from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 from micscompile.plan import Plan, PlanError, ResolvedPlan
+from micscompile.predict import simulate, transformer_flops
 from micscompile.program import Action, Kind, Program
 from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
-    "Action", "CommStats", "Kind", "Plan", "PlanError", "Program", "ResolvedPlan", "TraceError",
-    "TrainGraph", "TrainStep", "compile", "trace",
+    "Action", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "Plan", "PlanError", "Prediction", "Program",
+    "ResolvedPlan", "TraceError", "TrainGraph", "TrainStep", "compile", "simulate", "trace", "transformer_flops",
 ]

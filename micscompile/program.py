@@ -23,6 +23,7 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.collectives import GroupInfo, fmt_bytes, ring_wire_bytes
+from micscompile.cost_model.node_cost import NodeWork, activation_bytes, node_work
 from micscompile.plan import ResolvedPlan
 from micscompile.sharding import BucketLayout
 from micscompile.trace import META_FLOPS, META_FQN, META_REGION
@@ -61,6 +62,15 @@ class Action(NamedTuple):
     """Size of the full buffer a collective works on."""
     ops: int = 0
     flops: int = 0
+    """All FLOPs of a COMPUTE action (what TFLOP/s counts)."""
+    matmul_flops: int = 0
+    """FLOPs of matmul-class ops (priced at matmul throughput)."""
+    mem_bytes: int = 0
+    """Bytes read + written by the other ops (priced at memory bandwidth)."""
+    activation_bytes: int = 0
+    """Activations alive at the end of the action."""
+    activation_peak_bytes: int = 0
+    """Most activation bytes alive during the action."""
     region: str = ""
 
     def __str__(self) -> str:
@@ -147,13 +157,19 @@ def build_program(
     actions: list[Action] = []
     issued: dict[torch.fx.Node, Kind] = {}
     run: list[torch.fx.Node] = []
+    collective_nodes = {n for n in gm.graph.nodes if n.target in _ISSUE_KIND or n.target is C.collective_wait}
+    live = activation_bytes(gm.graph, exclude=collective_nodes)
 
     def flush() -> None:
         if run:
             regions = [f"{n.meta.get(META_REGION, '')}:{n.meta.get(META_FQN, '') or '<root>'}" for n in run]
             region = regions[0] if regions[0] == regions[-1] else f"{regions[0]} .. {regions[-1]}"
-            actions.append(Action(Kind.COMPUTE, ops=len(run), flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
-                                  region=region))
+            work = sum((node_work(n) for n in run), NodeWork())
+            actions.append(Action(
+                Kind.COMPUTE, ops=work.ops, flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
+                matmul_flops=work.matmul_flops, mem_bytes=work.mem_bytes, activation_bytes=live[run[-1]],
+                activation_peak_bytes=max(live[n] for n in run), region=region,
+            ))
             run.clear()
 
     for node in gm.graph.nodes:

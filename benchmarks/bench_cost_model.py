@@ -1,0 +1,97 @@
+"""Accuracy of the cost model: predicted vs measured step time on the local ranks.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_cost_model.py
+
+Calibrates the machine first (same launch), then for each configuration compiles
+and times real steps (median, slowest rank) and predicts the same step with
+``mc.simulate`` on the calibrated cluster from a meta-device trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import micscompile as mc
+from micscompile.cost_model.calibrate import calibrate
+from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+
+MODELS = {
+    "gpt-small": GPTConfig(vocab_size=512, seq_len=64, layers=2, hidden=128),
+    "gpt-medium": GPTConfig(vocab_size=512, seq_len=64, layers=4, hidden=256),
+}
+
+
+def measure(step, batches, warmup: int) -> float:
+    for b in batches[:warmup]:
+        step(*b)
+    times = []
+    for b in batches[warmup:]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(*b)
+        times.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(times)])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-per-rank", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    t0 = time.perf_counter()
+    cluster = calibrate(log=say)
+    say(f"calibrated in {time.perf_counter() - t0:.1f} s\n")
+
+    rows = []
+    for name, cfg in MODELS.items():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
+        for p in (1, 2, 4):
+            for s in (1, 4):
+                plan = mc.Plan(partition_size=p, micro_batches=s)
+                step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
+                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                measured = measure(step, batches, args.warmup)
+                with torch.device("meta"):
+                    meta_model = GPT(cfg)
+                micro = tuple(t[: args.batch_per_rank // s] for t in batches[0])
+                pred = mc.simulate(mc.trace(meta_model, micro, lm_loss), plan, cluster)
+                err = (pred.step_time_s - measured) / measured
+                rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
+                             "predicted_s": pred.step_time_s, "error": err})
+                say(f"{name:<11} p={p} s={s}: measured {measured * 1e3:7.1f} ms  predicted "
+                    f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}")
+    if rank == 0:
+        errs = sorted(abs(r["error"]) for r in rows)
+        print(f"\n{'model':<11} {'p':>2} {'s':>2} {'measured':>10} {'predicted':>10} {'error':>8}")
+        for r in rows:
+            print(f"{r['model']:<11} {r['p']:>2} {r['s']:>2} {r['measured_s'] * 1e3:8.1f}ms "
+                  f"{r['predicted_s'] * 1e3:8.1f}ms {r['error']:>+8.1%}")
+        print(f"median |error| {statistics.median(errs):.1%}, worst {errs[-1]:.1%} over {len(rows)} configurations "
+              f"({world} gloo ranks, {args.batch_per_rank} samples/rank)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Time of a collective over a concrete set of ranks: alpha-beta models.
+
+Assumptions (design.md "Ring collectives", thesis 3.2.3 and its footnote on [110]):
+
+* Ring all-gather / reduce-scatter of a full buffer of N bytes over g ranks:
+  ``(g-1) * alpha + (g-1)/g * N / B``; ring all-reduce twice that. Tree all-reduce:
+  ``2 * ceil(log2 g) * alpha + 2 * N / B``; "auto" takes the faster.
+  Broadcast (pipelined ring): ``(g-1) * alpha + N / B``; P2P: ``alpha + N / B``.
+* Which links a group crosses decides alpha and B: a group inside one node uses the
+  per-device intra-node link; a group spanning nodes is bottlenecked by each node's
+  NICs, which collectives use in parallel (NCCL channels): B = nics * NIC bandwidth,
+  alpha = the inter-node latency.
+* Effective bandwidth N / T therefore falls as the group grows for a fixed message
+  (the latency term grows with g, and the group leaves the node), as measured in
+  the thesis (Fig 3-2).
+* Hierarchical all-gather / reduce-scatter over m nodes of q ranks (thesis 3.3.3):
+  k = q parallel inter-node rings of m ranks each move (m-1)/p * N per rank, sharing
+  the node's NICs, then an intra-node collective of q ranks over the whole buffer.
+* A calibrated cluster (``Cluster.collective_fits``) overrides the analytic model
+  with the measured alpha/beta for that collective kind and group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from micscompile.cost_model.specs import Cluster
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+BROADCAST = "broadcast"
+P2P = "p2p"
+
+
+def nodes_spanned(ranks: Sequence[int], gpus_per_node: int) -> int:
+    return len({r // gpus_per_node for r in ranks})
+
+
+def fit_key(kind: str, group_size: int) -> str:
+    return f"{kind}:{group_size}"
+
+
+def _link(cluster: Cluster, ranks: Sequence[int]) -> tuple[float, float]:
+    """(alpha_s, bandwidth_bps) of the slowest link class the group crosses."""
+    if nodes_spanned(ranks, cluster.gpus_per_node) > 1:
+        return cluster.inter.latency_s, cluster.node_bandwidth_bps
+    return cluster.intra.latency_s, cluster.intra.bandwidth_bps
+
+
+def collective_time_s(
+    kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster, algorithm: str = "auto",
+) -> float:
+    """Seconds for one collective over ``ranks`` on ``cluster``; ``nbytes`` is the full buffer
+    (all-gather output, reduce-scatter input, all-reduce / broadcast / P2P tensor)."""
+    g = len(ranks)
+    if g <= 1 or nbytes <= 0:
+        return 0.0
+    fit = cluster.collective_fits.get(fit_key(kind, g))
+    if fit is not None:
+        return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
+    alpha, bw = _link(cluster, ranks)
+    if kind in (ALL_GATHER, REDUCE_SCATTER):
+        return (g - 1) * alpha + (g - 1) / g * nbytes / bw
+    if kind == ALL_REDUCE:
+        ring = 2 * (g - 1) * alpha + 2 * (g - 1) / g * nbytes / bw
+        tree = 2 * math.ceil(math.log2(g)) * alpha + 2 * nbytes / bw
+        return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
+    if kind == BROADCAST:
+        return (g - 1) * alpha + nbytes / bw
+    if kind == P2P:
+        return alpha + nbytes / bw
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def hierarchical_time_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Three-stage (inter-node, reorder, intra-node) all-gather or reduce-scatter time."""
+    if kind not in (ALL_GATHER, REDUCE_SCATTER):
+        raise ValueError(f"no hierarchical variant of {kind!r}")
+    k = cluster.gpus_per_node
+    m = nodes_spanned(ranks, k)
+    g = len(ranks)
+    if m <= 1:
+        return collective_time_s(kind, nbytes, ranks, cluster)
+    q = g // m
+    # stage 1: q parallel rings of m ranks across nodes, each over m/g of the buffer, sharing NICs
+    inter = (m - 1) * cluster.inter.latency_s + q * (m - 1) / g * nbytes / cluster.node_bandwidth_bps
+    # stage 2: reorder chunks in device memory (read + write the buffer)
+    reorder = 2 * nbytes / (cluster.gpu.memory_bandwidth_bps * cluster.gpu.memory_efficiency)
+    # stage 3: intra-node collective of q ranks over the whole buffer
+    intra = (q - 1) * cluster.intra.latency_s + (q - 1) / q * nbytes / cluster.intra.bandwidth_bps
+    return inter + reorder + intra
+
+
+def inter_node_bytes(kind: str, nbytes: float, group_size: int, gpus_per_node: int, hierarchical: bool) -> float:
+    """Bytes a node sends over its NICs for one all-gather / reduce-scatter (thesis 3.3.3):
+    flat (p-1)/p * N, hierarchical (p-k)/p * N."""
+    p, k = group_size, min(gpus_per_node, group_size)
+    return (p - k) / p * nbytes if hierarchical else (p - 1) / p * nbytes
+
+
+def effective_bandwidth_bps(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Algorithm bandwidth N / T (what Fig 3-2 of the thesis plots)."""
+    t = collective_time_s(kind, nbytes, ranks, cluster)
+    return nbytes / t if t else float("inf")
+
+
+def fused_time_s(kind: str, sizes: Sequence[float], ranks: Sequence[int], cluster: Cluster) -> float:
+    """Several buffers fused into one collective: one latency term for all of them."""
+    return collective_time_s(kind, sum(sizes), ranks, cluster)

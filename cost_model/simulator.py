@@ -1,0 +1,216 @@
+"""Event-driven simulation of one rank's Program on a Cluster.
+
+Streams: one compute stream; one communication stream per process group ("shard",
+"replicate", "world"), each running its collectives in issue order (as NCCL and
+gloo do per group). An issue action enqueues its collective on its group's stream
+at the compute stream's current time; a WAIT blocks the compute stream until that
+collective ends (the blocked time is *exposed* communication); COMPUTE advances
+the compute stream by the roofline time of its ops.
+
+Compute time of an action (cost_model.specs.GpuSpec):
+``matmul_flops / (peak * matmul_efficiency) + mem_bytes / (bandwidth * memory_efficiency)
++ ops * op_overhead_s``. Packing gradients before a reduction costs a read and a
+write of the bucket on the compute stream. ``Cluster.overlap`` < 1 charges the
+compute stream ``(1 - overlap)`` of every collective's time (cores shared with the
+communication library, as gloo on a small CPU machine).
+
+Memory per rank: static (parameter shard + gradient shard + optimizer state:
+``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
+buckets (issue -> release), packed gradient buckets (issue -> wait) and activations
+(Program.activation_bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from micscompile.collectives import fmt_bytes
+from micscompile.cost_model.collective_time import collective_time_s
+from micscompile.cost_model.specs import Cluster, GpuSpec
+from micscompile.program import Action, Kind, Program
+
+_COLLECTIVE = {
+    Kind.ALL_GATHER: "all_gather", Kind.REDUCE_SCATTER: "reduce_scatter",
+    Kind.ALL_REDUCE: "all_reduce", Kind.LOSS_ALL_REDUCE: "all_reduce",
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    track: str
+    """"compute" or a communication stream ("comm:shard", ...)."""
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Prediction:
+    """What one optimizer step of a plan costs on a cluster (one rank; ranks are symmetric)."""
+
+    step_time_s: float
+    compute_s: float
+    """Busy time of the compute stream (compute, packing, optimizer)."""
+    exposed_comm_s: float
+    """Time the compute stream spent blocked on communication."""
+    stream_busy_s: dict[str, float]
+    peak_memory_bytes: int
+    static_memory_bytes: int
+    flops_per_step: float
+    """FLOPs one rank performs per step (graph FLOPs, or the caller's formula)."""
+    world_size: int
+    events: list[Event] = field(default_factory=list, repr=False)
+    memory: list[tuple[float, int]] = field(default_factory=list, repr=False)
+    scaling_efficiency: float | None = None
+    """Per-GPU throughput relative to training on one partition group alone."""
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops_per_step / self.step_time_s / 1e12
+
+    def __str__(self) -> str:
+        busy = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self.stream_busy_s.items()))
+        eff = f", scaling efficiency {self.scaling_efficiency:.1%}" if self.scaling_efficiency is not None else ""
+        return (
+            f"step {self.step_time_s * 1e3:.2f} ms on {self.world_size} ranks: compute {self.compute_s * 1e3:.2f} ms, "
+            f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms, {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
+            f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
+            f"stream busy: {busy}"
+        )
+
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """A Perfetto / chrome://tracing timeline: compute and comm tracks, memory counter."""
+        tracks = {t: i for i, t in enumerate(dict.fromkeys(e.track for e in self.events))}
+        trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": t}} for t, i in tracks.items()]
+        trace += [
+            {"name": e.name, "ph": "X", "pid": 0, "tid": tracks[e.track], "ts": e.start_s * 1e6,
+             "dur": (e.end_s - e.start_s) * 1e6}
+            for e in self.events
+        ]
+        trace += [{"name": "memory", "ph": "C", "pid": 0, "ts": t * 1e6, "args": {"bytes": b}} for t, b in self.memory]
+        Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+
+def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> float:
+    return (
+        action.matmul_flops / (gpu.flops(dtype) * gpu.matmul_efficiency)
+        + action.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
+        + action.ops * gpu.op_overhead_s
+    )
+
+
+def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
+    return nbytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + ops * gpu.op_overhead_s
+
+
+def simulate_program(
+    program: Program,
+    cluster: Cluster,
+    *,
+    state_bytes_per_param: int = 16,
+    optimizer_bytes_per_param: int = 28,
+    buffer_bytes: int = 0,
+    flops_per_step: float | None = None,
+    record: bool = True,
+) -> Prediction:
+    """Simulate ``program`` for one optimizer step on ``cluster``.
+
+    ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
+    element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
+    """
+    gpu = cluster.gpu
+    groups = program.groups
+    layouts = program.layouts
+    shard_numel = sum(lay.row_numel for lay in layouts)
+    static = shard_numel * state_bytes_per_param + buffer_bytes
+
+    t = 0.0
+    busy: dict[str, float] = defaultdict(float)
+    stream_free: dict[str, float] = defaultdict(float)
+    pending: dict[tuple[Kind, int | None], deque] = defaultdict(deque)
+    events: list[Event] = []
+    memory: list[tuple[float, int]] = []
+    dynamic = 0  # gathered + packed buckets
+    peak = static
+    exposed = 0.0
+
+    def note_memory(extra: int = 0) -> None:
+        nonlocal peak
+        peak = max(peak, static + dynamic + extra)
+        if record:
+            memory.append((t, static + dynamic + extra))
+
+    def run_compute(duration: float, name: str) -> None:
+        nonlocal t
+        if record and duration > 0:
+            events.append(Event("compute", name, t, t + duration))
+        t += duration
+        busy["compute"] += duration
+
+    def issue(a: Action) -> float:
+        group = groups[a.group]
+        duration = collective_time_s(_COLLECTIVE[a.kind], a.tensor_bytes, group.ranks, cluster)
+        stream = f"comm:{a.group}"
+        start = max(t, stream_free[stream])
+        stream_free[stream] = start + duration
+        busy[stream] += duration
+        if record and duration > 0:
+            events.append(Event(stream, str(a), start, start + duration))
+        if cluster.overlap < 1:
+            run_compute((1 - cluster.overlap) * duration, f"comm cpu {a}")
+        return start + duration
+
+    def wait_until(end: float) -> None:
+        nonlocal t, exposed
+        if end > t:
+            exposed += end - t
+            t = end
+
+    activations = 0
+    for _ in range(program.plan.micro_batches):
+        for a in program.micro_step:
+            if a.kind is Kind.COMPUTE:
+                note_memory(a.activation_peak_bytes)
+                run_compute(compute_time_s(a, gpu), a.region)
+                activations = a.activation_bytes
+            elif a.kind is Kind.ALL_GATHER:
+                dynamic += a.tensor_bytes
+                note_memory(activations)
+                pending[(a.kind, a.bucket)].append((issue(a), 0))
+            elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
+                run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")
+                dynamic += a.tensor_bytes
+                note_memory(activations)
+                if a.kind is Kind.PACK:
+                    dynamic -= a.tensor_bytes  # consumed by accumulation right away
+                else:
+                    pending[(a.kind, a.bucket)].append((issue(a), a.tensor_bytes))
+            elif a.kind is Kind.WAIT:
+                end, frees = pending[(a.waits_for, a.bucket)].popleft()
+                wait_until(end)
+                dynamic -= frees
+            elif a.kind is Kind.RELEASE:
+                dynamic -= a.tensor_bytes
+                note_memory(activations)
+        # gradient accumulation into the shard accumulators
+        run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
+
+    ends = []
+    for a in program.boundary:
+        if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
+            ends.append(issue(a))
+        elif a.kind is Kind.OPTIMIZER:
+            wait_until(max(ends, default=t))
+            n_params = sum(len(lay.slots) for lay in layouts)
+            run_compute(_memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params), "optimizer")
+    step = max([t, *stream_free.values()])
+    graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
+    return Prediction(
+        step_time_s=step, compute_s=busy["compute"], exposed_comm_s=exposed,
+        stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
+        flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
+        world_size=program.plan.world_size, events=events, memory=memory,
+    )

@@ -1,0 +1,142 @@
+"""Hardware and topology specs: what one device computes and what the links carry.
+
+Units: FLOP/s, bytes, bytes/s, seconds (``_flops``, ``_bytes``, ``_bps`` = bytes per
+second, ``_s``). Link bandwidths are one direction.
+
+Sources of the preset constants (design.md "Hardware facts", vendor pages):
+V100-32GB: 125 TFLOP/s fp16 tensor core, 900 GB/s HBM2; p3dn.24xlarge: 8 GPUs,
+NVLink ~150 GB/s per GPU one way, 100 Gbps EFA per node. A100: 312 TFLOP/s bf16,
+1555 GB/s (40GB) / 2039 GB/s (80GB) HBM2e; p4d/p4de.24xlarge: 8 GPUs, NVSwitch
+600 GB/s per GPU (300 GB/s one way), 4x100 Gbps EFA per node. DGX A100: 8x200 Gbps
+InfiniBand. H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
+(450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. Latencies (alpha) are typical
+NCCL figures: ~5 us per intra-node hop, ~15-25 us per inter-node hop on EFA/IB.
+Achieved efficiencies default to design.md's "40-55% of peak": calibrate for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GBPS_TO_BPS = 1e9 / 8
+"""Gigabits per second -> bytes per second."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """One accelerator (or, for the local CPU machine, one rank's share of it)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """Peak FLOP/s per dtype name ("float32", "bfloat16", "float16")."""
+    memory_bandwidth_bps: float
+    """Device memory bandwidth."""
+    memory_bytes: int
+    """Device memory capacity."""
+    matmul_efficiency: float = 0.5
+    """Achieved fraction of peak FLOP/s for matmul-like ops."""
+    memory_efficiency: float = 0.7
+    """Achieved fraction of memory bandwidth for memory-bound ops."""
+    op_overhead_s: float = 5e-6
+    """Fixed cost per op (kernel launch / dispatch)."""
+
+    def flops(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype) or self.peak_flops["float32"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link class: alpha-beta parameters."""
+
+    bandwidth_bps: float
+    latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Nodes of identical devices; intra-node links per device, inter-node NICs per node."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu: GpuSpec
+    intra: Link
+    """Per-device link inside a node (NVLink / NVSwitch; shared memory for the local CPU)."""
+    inter: Link
+    """One NIC; ``nics_per_node`` of them per node, used in parallel by collectives."""
+    nics_per_node: int = 1
+    overlap: float = 1.0
+    """Fraction of a collective that can hide behind compute (1 = separate engines, as on GPUs;
+    lower where communication and compute share cores, as gloo on a small CPU machine)."""
+    collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def node_bandwidth_bps(self) -> float:
+        return self.inter.bandwidth_bps * self.nics_per_node
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        return dataclasses.replace(self, nodes=nodes)
+
+    # ---- presets and files ---------------------------------------------------------
+
+    @staticmethod
+    def preset(name: str, nodes: int = 1) -> Cluster:
+        """A named cluster (see ``PRESETS``) with ``nodes`` nodes; "local" reads local_cluster.json."""
+        if name == "local":
+            return Cluster.load(Path("local_cluster.json")).with_nodes(nodes)
+        if name not in PRESETS:
+            raise KeyError(f"unknown cluster preset {name!r}; known: {', '.join(sorted(PRESETS))}, local")
+        return PRESETS[name].with_nodes(nodes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def load(path: str | Path) -> Cluster:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: run `python -m micscompile calibrate` first")
+        raw = json.loads(path.read_text())
+        return Cluster(
+            **{k: v for k, v in raw.items() if k not in ("gpu", "intra", "inter")},
+            gpu=GpuSpec(**raw["gpu"]), intra=Link(**raw["intra"]), inter=Link(**raw["inter"]),
+        )
+
+
+GIB = 1 << 30
+V100_32GB = GpuSpec(name="V100-32GB", peak_flops={"float16": 125e12, "float32": 15.7e12},
+                    memory_bandwidth_bps=900e9, memory_bytes=32 * GIB)
+A100_40GB = GpuSpec(name="A100-40GB", peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                    memory_bandwidth_bps=1555e9, memory_bytes=40 * GIB)
+A100_80GB = dataclasses.replace(A100_40GB, name="A100-80GB", memory_bandwidth_bps=2039e9, memory_bytes=80 * GIB)
+H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+               memory_bandwidth_bps=3350e9, memory_bytes=80 * GIB)
+
+PRESETS: dict[str, Cluster] = {
+    "p3dn.24xlarge": Cluster(name="p3dn.24xlarge", nodes=1, gpus_per_node=8, gpu=V100_32GB,
+                             intra=Link(bandwidth_bps=150e9, latency_s=5e-6),
+                             inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6)),
+    "p4d.24xlarge": Cluster(name="p4d.24xlarge", nodes=1, gpus_per_node=8, gpu=A100_40GB,
+                            intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
+                            inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6), nics_per_node=4),
+    "p4de.24xlarge": Cluster(name="p4de.24xlarge", nodes=1, gpus_per_node=8, gpu=A100_80GB,
+                             intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
+                             inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6), nics_per_node=4),
+    "dgx-a100": Cluster(name="dgx-a100", nodes=1, gpus_per_node=8, gpu=A100_80GB,
+                        intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
+                        inter=Link(bandwidth_bps=200 * GBPS_TO_BPS, latency_s=10e-6), nics_per_node=8),
+    "dgx-h100": Cluster(name="dgx-h100", nodes=1, gpus_per_node=8, gpu=H100,
+                        intra=Link(bandwidth_bps=450e9, latency_s=5e-6),
+                        inter=Link(bandwidth_bps=400 * GBPS_TO_BPS, latency_s=10e-6), nics_per_node=8),
+}

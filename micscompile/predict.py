@@ -1,0 +1,93 @@
+"""``mc.simulate``: predict a plan on any cluster from a trace, without a process group.
+
+The same passes and Program lowering as ``mc.compile`` run on the trace; the event
+simulator (cost_model.simulator) prices the Program on the cluster. Ranks are
+symmetric under MiCS, so rank 0's Program stands for all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.fx
+
+from micscompile.collectives import GroupInfo
+from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import make_context
+from micscompile.passes.manager import build_pass_list, run_passes
+from micscompile.plan import Plan, ResolvedPlan
+from micscompile.program import Kind, Program, build_program
+from micscompile.trace import TrainGraph
+
+
+def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
+    """The groups ``rank`` belongs to under ``rp``, with node spans from gpus_per_node."""
+    k = rp.gpus_per_node
+
+    def info(name: str, ranks: tuple[int, ...], index: int) -> GroupInfo:
+        return GroupInfo(name, None, ranks, index, len({r // k for r in ranks}) > 1)
+
+    return {
+        "shard": info("shard", rp.partition_ranks(rank), rank % rp.partition_size),
+        "replicate": info("replicate", rp.replication_ranks(rank), rank // rp.partition_size),
+        "world": info("world", tuple(range(rp.world_size)), rank),
+    }
+
+
+def lower(trace: TrainGraph, rp: ResolvedPlan, rank: int = 0) -> Program:
+    """The Program ``mc.compile`` would run on ``rank``, built without a process group."""
+    ctx = make_context(trace, rp)
+    gm = torch.fx.GraphModule(trace.gm, copy.deepcopy(trace.gm.graph))
+    gm, _ = run_passes(gm, ctx, build_pass_list(rp.plan))
+    return build_program(gm, rp, ctx.layouts, planned_groups(rp, rank), rank)
+
+
+def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:
+    """The same Program on a cluster of exactly one partition group (the scaling baseline)."""
+    rp = program.plan
+    p, k = rp.partition_size, rp.gpus_per_node
+    small = cluster.with_nodes(-(-p // k)) if p >= k else dataclasses.replace(cluster, nodes=1, gpus_per_node=p)
+    rp1 = ResolvedPlan(rp.plan, p, min(k, p), p, 1)
+    boundary = [a for a in program.boundary if a.kind is not Kind.ALL_REDUCE]
+    return dataclasses.replace(program, plan=rp1, groups=planned_groups(rp1), boundary=boundary), small
+
+
+def simulate(
+    trace: TrainGraph,
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    flops_per_step: float | None = None,
+    scaling: bool = True,
+    **costs,
+) -> Prediction:
+    """Predict one optimizer step of ``plan`` on ``cluster`` (world size = cluster.world_size).
+
+    ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
+    FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
+    ``costs`` go to ``cost_model.simulator.simulate_program``.
+    """
+    rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
+    program = lower(trace, rp)
+    buffer_bytes = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in list(trace.gm.graph.nodes)[trace.num_params : trace.num_params + len(trace.buffer_names)]
+    )
+    pred = simulate_program(program, cluster, buffer_bytes=buffer_bytes, flops_per_step=flops_per_step, **costs)
+    if scaling and rp.replicas > 1:
+        base_program, base_cluster = _one_group(program, cluster)
+        base = simulate_program(base_program, base_cluster, buffer_bytes=buffer_bytes, record=False, **costs)
+        pred.scaling_efficiency = base.step_time_s / pred.step_time_s
+    elif scaling:
+        pred.scaling_efficiency = 1.0
+    return pred
+
+
+def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
+    """FLOPs of one training iteration of a transformer (design.md, thesis eq. 3.4):
+    96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with activation recomputation; 72 instead of 96 without."""
+    factor = 96 if recompute else 72
+    return factor * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
