@@ -14,6 +14,7 @@ or buffers, and must initialise only that module's own tensors.
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,34 @@ def _owned(module: nn.Module) -> list[tuple[dict, str]]:
     return [(module._parameters, k) for k, v in module._parameters.items() if v is not None] + [
         (module._buffers, k) for k, v in module._buffers.items() if v is not None
     ]
+
+
+def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Refuse, before any collective, a meta model whose tensors nothing would initialise."""
+    if init_fn not in (None, default_init):
+        return
+    for fqn, mod in model.named_modules():
+        has_meta = any(store[key].is_meta for store, key in _owned(mod))
+        if has_meta and not callable(getattr(mod, "reset_parameters", None)):
+            raise ValueError(
+                f"module '{fqn or '<root>'}' ({type(mod).__name__}) has tensors on the meta device but no "
+                "reset_parameters(), so nothing would initialise them; pass init_fn= to mc.compile that does"
+            )
+
+
+def fingerprint(model: nn.Module, device: torch.device) -> str:
+    """What must agree across ranks for them to start from the same weights: the values of a
+    real model, or the random state that will initialise a meta one."""
+    h = hashlib.blake2b(digest_size=8)
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        h.update(torch.get_rng_state().numpy().tobytes())
+        if device.type == "cuda":
+            h.update(torch.cuda.get_rng_state(device).numpy().tobytes())
+    for t in tensors:
+        if not t.is_meta:
+            h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def local_state(
@@ -73,11 +102,6 @@ def local_state(
         owned = _owned(mod)
         if not owned:
             continue
-        if init_fn is default_init and mod._buffers and not callable(getattr(mod, "reset_parameters", None)):
-            raise ValueError(
-                f"module '{fqn}' ({type(mod).__name__}) has buffers on the meta device but no reset_parameters(); "
-                "pass init_fn= to mc.compile that fills them"
-            )
         metas = []
         for store, key in owned:
             t = store[key]

@@ -36,9 +36,12 @@ def train_reference(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     global_batches: Sequence[Sequence[torch.Tensor]],
     num_model_inputs: int = 1,
+    copy_model: bool = True,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train a deep copy of ``model`` eagerly, one step per global batch: (losses, state_dict)."""
-    model = copy.deepcopy(model)
+    """Train ``model`` (a deep copy unless ``copy_model=False``, for a loss_fn that reads the
+    model's own parameters) eagerly, one step per global batch: (losses, state_dict)."""
+    if copy_model:
+        model = copy.deepcopy(model)
     opt = optimizer(list(model.parameters()))
     losses = []
     for batch in global_batches:

@@ -17,6 +17,7 @@ optimizer on the local fp32 shards.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -28,11 +29,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
 from micscompile.collectives import Comm, CommStats, GroupInfo
-from micscompile.materialize import local_state
+from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.passes.context import make_context
 from micscompile.passes.manager import PassRecord, build_pass_list, run_passes
 from micscompile.plan import Plan, PlanError, ResolvedPlan
-from micscompile.program import Program, build_program
+from micscompile.predict import planned_groups
+from micscompile.program import Kind, Program, build_program
 from micscompile.sharding import BucketLayout, local_piece, unpack_param
 from micscompile.trace import TrainGraph, split_batch, trace
 
@@ -59,16 +61,18 @@ class TrainStep:
         self._state_keys = state_keys
         plan = program.plan
         self._scale = 1.0 / (plan.world_size * plan.micro_batches)
-        trainable = set(graph.trainable)
+        trainable, unused = set(graph.trainable), graph.unused_params
         self._grads = [torch.zeros_like(s) for s in shards]
-        self._reduced = [any(s.name in trainable for s in lay.slots) for lay in comm.layouts]
+        reduced = {a.bucket for a in program.micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK)}
+        self._reduced = [lay.index in reduced for lay in comm.layouts]
         self.params: dict[str, nn.Parameter] = {}
         rank = comm.shard.rank
         for lay, shard, grad in zip(comm.layouts, shards, self._grads):
             for slot in lay.slots:
                 if slot.name in trainable:  # this rank's piece (possibly empty), sharing the shard's storage
                     param = nn.Parameter(local_piece(lay, slot, shard, rank))
-                    param.grad = local_piece(lay, slot, grad, rank)
+                    # like eager, a parameter the loss does not reach has no gradient: the optimizer skips it
+                    param.grad = None if slot.name in unused else local_piece(lay, slot, grad, rank)
                     self.params[slot.name] = param
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.steps = 0
@@ -107,11 +111,12 @@ class TrainStep:
         with torch.no_grad():
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             for j, mb in enumerate(micro):
-                loss, *grads = self.gm(comm, *self._shards, *self._buffers, *mb)
-                loss_sum += loss.float()
-                for acc, g in zip(self._grads, grads):
+                outputs = self.gm(comm, *self._shards, *self._buffers, *mb)
+                loss_sum += outputs[0].float()
+                for acc, g in zip(self._grads, outputs[1:]):
                     if g is not None:
                         acc.copy_(g) if j == 0 else acc.add_(g)
+                del outputs  # gradient buffers die here, not a micro-batch later
             works = []
             if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
                 for b, acc in enumerate(self._grads):
@@ -154,38 +159,54 @@ class TrainStep:
 
 
 def _device() -> torch.device:
+    """cuda:LOCAL_RANK under NCCL (without touching cuda:0 first), else the CPU."""
     if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        index = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else torch.cuda.current_device()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def _check_agreement(program: Program, rank: int, world: int) -> None:
-    """The first collective: all ranks must have compiled the same Program."""
-    prints: list[str | None] = [None] * world
-    dist.all_gather_object(prints, program.fingerprint())
-    if len(set(prints)) > 1:
-        by_print: dict[str, list[int]] = {}
-        for r, fp in enumerate(prints):
-            by_print.setdefault(fp, []).append(r)
-        groups = "; ".join(f"ranks {rs}: {fp}" for fp, rs in by_print.items())
-        raise RuntimeError(f"ranks compiled different programs (model, plan or batch differ): {groups}")
+AGREEMENT_HINTS = {
+    "program": "ranks compiled different programs (model, plan or batch differ)",
+    "weights": "ranks start from different weights (seed every rank the same, e.g. torch.manual_seed, "
+               "or load the same checkpoint)",
+}
+
+
+def _check_agreement(prints: dict[str, str] | None, error: BaseException | None, world: int) -> None:
+    """The first collective: every rank shares its fingerprints, or the error it hit compiling.
+
+    Any rank's error makes every rank raise (nobody is left waiting in a collective); so
+    does any disagreement, naming the ranks on each side.
+    """
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (prints, f"{type(error).__name__}: {error}" if error else None))
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg]
+    if failed:
+        raise RuntimeError("compile failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+    for key, hint in AGREEMENT_HINTS.items():
+        by_value: dict[str, list[int]] = {}
+        for r, (p, _) in enumerate(everyone):
+            by_value.setdefault(p[key], []).append(r)
+        if len(by_value) > 1:
+            sides = " vs ".join(f"ranks {rs}" for rs in by_value.values())
+            raise RuntimeError(f"{hint}: {sides}")
 
 
 def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
+    """The planned groups, with their ProcessGroups from a ("replicate", "shard") DeviceMesh."""
     mesh = init_device_mesh(device.type, (rp.replicas, rp.partition_size), mesh_dim_names=("replicate", "shard"))
-    k = rp.gpus_per_node
-
-    def info(name: str, group, ranks: tuple[int, ...]) -> GroupInfo:
-        actual = tuple(dist.get_process_group_ranks(group)) if group is not None else ranks
-        if actual != ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {ranks}")
-        return GroupInfo(name, group, ranks, ranks.index(rank), len({r // k for r in ranks}) > 1)
-
-    return {
-        "shard": info("shard", mesh.get_group("shard"), rp.partition_ranks(rank)),
-        "replicate": info("replicate", mesh.get_group("replicate"), rp.replication_ranks(rank)),
-        "world": info("world", None, tuple(range(rp.world_size))),
-    }
+    groups = planned_groups(rp, rank)
+    for name in ("shard", "replicate"):
+        pg = mesh.get_group(name)
+        actual = tuple(dist.get_process_group_ranks(pg))
+        if actual != groups[name].ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+        groups[name] = dataclasses.replace(groups[name], group=pg)
+    return groups
 
 
 def compile(  # noqa: A001 - the public name is part of the contract (mc.compile)
@@ -215,34 +236,36 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
     world, rank = dist.get_world_size(), dist.get_rank()
-    rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     device = _device()
+    prints, error = None, None
+    try:  # everything that can fail on bad input, rank-local: no collective yet
+        rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+        not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
+        if not_fp32:
+            raise PlanError(f"parameters must be float32 (fp32 master weights; low-precision compute via "
+                            f"param_dtype comes later), got {not_fp32[:3]}")
+        micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
+        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
+        check_initializable(model, init_fn)
+        ctx = make_context(tg, rp, device)
+        gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
+        gm, records = run_passes(gm, ctx, build_pass_list(plan), disable=disable_passes, log=log)
+        program = build_program(gm, rp, ctx.layouts, planned_groups(rp, rank), rank)
+        budget = plan.memory_budget_bytes
+        if budget is not None and program.peak_gathered_bytes > budget:
+            largest = max(lay.full_bytes for lay in ctx.layouts)
+            raise PlanError(
+                f"memory_budget_bytes={budget:,} is below the {program.peak_gathered_bytes:,} bytes of gathered "
+                f"parameters this plan keeps live (largest bucket {largest:,} bytes); raise the budget, "
+                f"or lower bucket_bytes / raise partition_size"
+            )
+        state_keys = list(model.state_dict(keep_vars=True).keys())
+        prints = {"program": program.fingerprint(), "weights": fingerprint(model, device)}
+    except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
+        error = exc
 
-    micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
-    tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
-    ctx = make_context(tg, rp, device)
+    _check_agreement(prints, error, world)
     layouts = ctx.layouts
-    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
-    gm, records = run_passes(gm, ctx, build_pass_list(plan), disable=disable_passes, log=log)
-
-    # group membership is known without any collective; the ProcessGroups come after the checks
-    planned = {
-        "shard": GroupInfo("shard", None, rp.partition_ranks(rank), rank % rp.partition_size, False),
-        "replicate": GroupInfo("replicate", None, rp.replication_ranks(rank), rank // rp.partition_size, False),
-        "world": GroupInfo("world", None, tuple(range(world)), rank, False),
-    }
-    program = build_program(gm, rp, layouts, planned, rank)
-    budget = plan.memory_budget_bytes
-    if budget is not None and program.peak_gathered_bytes > budget:
-        largest = max(lay.full_bytes for lay in layouts)
-        raise PlanError(
-            f"memory_budget_bytes={budget:,} is below the {program.peak_gathered_bytes:,} bytes of gathered "
-            f"parameters this plan keeps live (largest bucket {largest:,} bytes); raise the budget, "
-            f"or lower bucket_bytes / raise partition_size"
-        )
-    state_keys = list(model.state_dict(keep_vars=True).keys())
-
-    _check_agreement(program, rank, world)
     groups = _groups(rp, rank, device)
     program.groups = groups
     comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"])

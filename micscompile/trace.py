@@ -25,6 +25,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.cost_model.flops import node_flops
@@ -75,6 +76,12 @@ class TrainGraph:
     @property
     def num_params(self) -> int:
         return len(self.param_names)
+
+    @property
+    def unused_params(self) -> set[str]:
+        """Trainable parameters the loss does not depend on (their gradient is None, as in eager)."""
+        out = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output").args[0]
+        return {name for name, g in zip(self.trainable, out[1:]) if g is None}
 
     def param_bytes(self, name: str) -> int:
         return self.param_shapes[name].numel() * self.param_dtypes[name].itemsize
@@ -134,8 +141,9 @@ def _check_no_mutation(gm: torch.fx.GraphModule, graph_inputs: dict[torch.fx.Nod
             alias = arg_schema.alias_info
             if alias is None or not alias.is_write or not isinstance(arg, torch.fx.Node):
                 continue
-            base = arg
-            while base.op == "call_function" and base.args and isinstance(base.args[0], torch.fx.Node):
+            base = arg  # follow views (they share storage) back to what is written; stop at anything else
+            while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload)
+                   and base.target.is_view and isinstance(base.args[0], torch.fx.Node)):
                 base = base.args[0]
             if base in graph_inputs:
                 raise TraceError(
@@ -212,10 +220,13 @@ def trace(
             todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
     def joint(params, buffers, *inputs):
-        out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs[:num_model_inputs]))
-        enter(LOSS_FQN)
-        loss = loss_fn(out, *inputs[num_model_inputs:])
-        leave()
+        # the traced tensors stand in for the module's own while the forward AND the loss run:
+        # a loss_fn that reads a parameter (a temperature, a regulariser) must see the traced one
+        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
+            out = model(*inputs[:num_model_inputs])
+            enter(LOSS_FQN)
+            loss = loss_fn(out, *inputs[num_model_inputs:])
+            leave()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TraceError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
         if not loss.requires_grad:
@@ -240,6 +251,8 @@ def trace(
         where = stack[-1] if stack else "<root>"
         mod = model.get_submodule(where) if where and where != LOSS_FQN and stack else model
         kind = "the loss function" if where == LOSS_FQN else f"module '{where or '<root>'}' ({type(mod).__name__})"
+        if bwd_start[0]:
+            kind = "the backward pass (autograd)"
         hint = ""
         if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
             hint = " — data-dependent control flow or .item() on a tensor cannot be traced"

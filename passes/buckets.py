@@ -80,10 +80,16 @@ def plan_buckets(
 
 
 def param_derived(graph: torch.fx.Graph, params: dict[torch.fx.Node, str]) -> dict[torch.fx.Node, frozenset[str]]:
-    """Nodes computed from parameters alone (views, casts, ...) -> the parameters they read."""
+    """Nodes computed from parameters alone (views, casts, ...) -> the parameters they read.
+
+    The rewrite re-derives these inside every use interval, so random ops (dropconnect,
+    weight noise) are excluded: drawing again would change the numbers between uses.
+    """
     derived: dict[torch.fx.Node, frozenset[str]] = {n: frozenset([name]) for n, name in params.items()}
     for node in graph.nodes:
         if node.op != "call_function" or node in derived:
+            continue
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             continue
         inputs = node.all_input_nodes
         if inputs and all(i in derived for i in inputs):

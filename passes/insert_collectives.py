@@ -172,10 +172,10 @@ def insert_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
     jobs = []
     for lay in layouts:
         gs = [grad_of.get(s.name) for s in lay.slots]
-        if not any(s.name in grad_of for s in lay.slots):
-            continue  # nothing trainable in this bucket
         producers = [g for g in gs if isinstance(g, torch.fx.Node)]
-        at = max(producers, key=order.__getitem__) if producers else loss
+        if not producers:
+            continue  # nothing in this bucket gets a gradient: nothing to reduce
+        at = max(producers, key=order.__getitem__)
         jobs.append((order[at], lay.index, at, gs))
     jobs.sort(key=lambda j: (j[0], j[1]))
     results: dict[int, torch.fx.Node] = {}

@@ -10,6 +10,7 @@ desynchronise every later one).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import traceback
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def optimizer(name: str):
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:
-    cls, loss_fn, make_batches = MODELS[case.model]
+    cls, make_loss, make_batches = MODELS[case.model]
     torch.manual_seed(0)
     model = cls()
     if case.meta or case.reinit:
@@ -62,12 +63,14 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         initialize(model)
     batches = make_batches(STEPS, LOCAL_BATCH * world)
     opt = optimizer(case.opt)
-    ref_losses, ref_state = train_reference(model, loss_fn, opt, batches)
+    ref = copy.deepcopy(model)
+    ref_losses, ref_state = train_reference(ref, make_loss(ref), opt, batches, copy_model=False)
 
     if case.meta:
         with torch.device("meta"):
             model = cls()
         torch.manual_seed(1)
+    loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0])
@@ -113,6 +116,8 @@ EXTRA = [
     Case("tied_lm", 2, 3, "sgd", meta=True),
     Case("tied_lm", 4, 1, "adamw", meta=True),
     Case("convnet", 2, 4, "sgd", meta=True),
+    # a parameter only the loss reads, an unused one (AdamW's weight decay must not touch it), in-place ops
+    *(Case("quirky", p, s, opt) for p in (1, 2) for s in (1, 3) for opt in ("sgd", "adamw")),
     Case("convnet", 4, 2, "sgd", k=2),  # the partition group spans both (simulated) nodes
     Case("convnet", 2, 2, "sgd", k=2),  # partition groups inside a node, replication across
 ]
@@ -121,7 +126,7 @@ REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if 
 CASES = PARITY + EXTRA + REAL_TWINS
 
 
-def _expect_error(kind: type[BaseException], fn) -> str:
+def _expect_error(kind, fn) -> str:
     try:
         fn()
     except kind as exc:
@@ -145,8 +150,10 @@ class DataDependent(torch.nn.Module):
 
 def bad_inputs(rank: int, world: int) -> dict[str, str]:
     """Each bad input must raise its documented error before any collective."""
-    cls, loss_fn, make_batches = MODELS["convnet"]
+    cls, make_loss, make_batches = MODELS["convnet"]
+    torch.manual_seed(0)  # every rank the same weights
     model = cls()
+    loss_fn = make_loss(model)
     x, y = make_batches(1, LOCAL_BATCH)[0]
     opt = optimizer("sgd")
     out = {}
@@ -164,6 +171,19 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     s = 2 if rank == 1 else 1
     out["disagree"] = _expect_error(
         RuntimeError, lambda: mc.compile(model, mc.Plan(partition_size=2, micro_batches=s), loss_fn=loss_fn,
+                                         optimizer=opt, example_inputs=(x, y)))
+    # one rank alone gets bad input: it raises its error, every other rank names it (nobody hangs)
+    bad_x, bad_y = (x[:10], y[:10]) if rank == 2 else (x, y)
+    out["one_rank"] = _expect_error(
+        (ValueError, RuntimeError), lambda: mc.compile(model, mc.Plan(partition_size=2, micro_batches=4),
+                                                       loss_fn=loss_fn, optimizer=opt, example_inputs=(bad_x, bad_y)))
+    # ranks seeded differently start from different weights
+    torch.manual_seed(rank)
+    out["weights"] = _expect_error(
+        RuntimeError, lambda: mc.compile(cls(), mc.Plan(partition_size=2), loss_fn=loss_fn, optimizer=opt,
+                                         example_inputs=(x, y)))
+    out["fp16"] = _expect_error(
+        mc.PlanError, lambda: mc.compile(copy.deepcopy(model).half(), mc.Plan(partition_size=2), loss_fn=loss_fn,
                                          optimizer=opt, example_inputs=(x, y)))
     step = mc.compile(model, mc.Plan(partition_size=2), loss_fn=loss_fn, optimizer=opt, example_inputs=(x, y))
     out["batch_shape"] = _expect_error(ValueError, lambda: step(x[:5], y[:5]))

@@ -70,6 +70,32 @@ class ConvNet(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class Quirky(nn.Module):
+    """What eager handles implicitly: a parameter only the loss reads (``temp``), a parameter
+    nothing reads (``unused``), in-place ops on activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 4)
+        self.unused = nn.Linear(3, 3)
+        self.temp = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        h = self.fc1(x) * 2
+        h += 0.5  # in place on an activation whose producer's backward does not need it
+        return self.fc2(F.relu(h, inplace=True))
+
+
+def quirky_loss(model: Quirky):
+    return lambda out, y: F.cross_entropy(out * model.temp, y)
+
+
+def quirky_batches(steps: int, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g), torch.randint(4, (batch,), generator=g)) for _ in range(steps)]
+
+
 def lm_loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
@@ -89,7 +115,8 @@ def conv_batches(steps: int, batch: int, seed: int = 0):
     return [(torch.randn(batch, 3, 8, generator=g), torch.randint(5, (batch,), generator=g)) for _ in range(steps)]
 
 
-MODELS = {
-    "tied_lm": (TiedLM, lm_loss, lm_batches),
-    "convnet": (ConvNet, cls_loss, conv_batches),
+MODELS = {  # name: (model class, model -> loss_fn, batches)
+    "tied_lm": (TiedLM, lambda model: lm_loss, lm_batches),
+    "convnet": (ConvNet, lambda model: cls_loss, conv_batches),
+    "quirky": (Quirky, quirky_loss, quirky_batches),
 }

@@ -103,6 +103,12 @@ def test_bad_inputs_fail_before_any_collective(results):
         assert "expected shape (12, 3, 8)" in bad["batch_shape"], bad["batch_shape"]
         assert "takes 2 batch inputs" in bad["batch_count"], bad["batch_count"]
         assert bad["calls_after_errors"] == "0", rank
+        if rank == 2:
+            assert "divisible by micro_batches=4" in bad["one_rank"], bad["one_rank"]
+        else:
+            assert "compile failed on other ranks: rank 2: ValueError" in bad["one_rank"], bad["one_rank"]
+        assert "ranks start from different weights" in bad["weights"], bad["weights"]
+        assert "parameters must be float32" in bad["fp16"], bad["fp16"]
 
 
 def test_program_prints_every_collective(results):

@@ -163,3 +163,37 @@ def test_retarget_device_moves_factory_ops_off_meta():
     ctx = make_context(tg, mc.Plan(partition_size=1).resolve(1), torch.device("cpu"))
     gm = retarget_device_pass(torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph)), ctx)
     assert devices(gm) and set(devices(gm)) == {torch.device("cpu")}
+
+
+def test_random_ops_on_parameters_are_not_redrawn_per_interval():
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            w = self.b.weight + 0.3 * torch.randn_like(self.b.weight)  # weight noise
+            return torch.nn.functional.linear(self.a(x), w, self.b.bias)
+
+    tg = mc.trace(Noisy(), (torch.zeros(2, 4), torch.zeros(2, 4)), torch.nn.functional.mse_loss)
+    gm, _ = rewrite(tg, 2)
+    draws = [n for n in gm.graph.nodes if n.target == torch.ops.aten.randn_like.default]
+    assert len(draws) == 1  # drawn once, shared by forward and backward
+
+
+def test_unused_parameter_gets_no_reduction():
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m["used"](x)
+
+    tg = mc.trace(Wrap(), (torch.zeros(2, 4), torch.zeros(2, 4)), torch.nn.functional.mse_loss)
+    assert tg.unused_params == {"m.unused.weight", "m.unused.bias"}
+    gm, ctx = rewrite(tg, 2)
+    assert sum(1 for n in gm.graph.nodes if n.target is C.reduce_scatter_issue) == 1

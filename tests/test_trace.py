@@ -105,3 +105,36 @@ def test_batchnorm_running_stats_are_refused():
 def test_non_scalar_loss_is_refused():
     with pytest.raises(mc.TraceError, match="scalar"):
         mc.trace(nn.Linear(4, 4), (torch.zeros(3, 4), torch.zeros(3, 4)), lambda o, y: (o - y) ** 2)
+
+
+def test_in_place_ops_on_activations_are_fine():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.drop = nn.Dropout(0.0)
+
+        def forward(self, x):
+            h = self.fc(x) * 2
+            h += 1.0  # mul's output is not needed by its backward: legal in eager
+            return torch.relu_(self.drop(h))
+
+    mc.trace(InPlace(), (torch.zeros(2, 4), torch.zeros(2, 4)), nn.functional.mse_loss)
+
+
+def test_loss_fn_reading_a_parameter_sees_the_traced_one():
+    model = nn.Linear(4, 4)
+    model.temp = nn.Parameter(torch.tensor(2.0))
+    g = mc.trace(model, (torch.zeros(2, 4), torch.zeros(2, 4)), lambda o, y: nn.functional.mse_loss(o * model.temp, y))
+    assert not [n for n in g.gm.graph.nodes if n.op == "get_attr"]  # no frozen constant
+    assert "temp" in g.trainable and "temp" not in g.unused_params
+
+
+def test_meta_parameters_without_an_initialiser_are_refused():
+    from micscompile.materialize import check_initializable
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2))
+    with pytest.raises(ValueError, match=r"module '1' \(MultiheadAttention\) .* no reset_parameters"):
+        check_initializable(model, None)
+    check_initializable(model, lambda m: None)  # an explicit init_fn takes responsibility
