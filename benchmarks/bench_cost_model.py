@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
+from micscompile.cost_model.profile import profile_trace
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
 
 MODELS = {
@@ -45,9 +46,11 @@ def measure(step, batches, warmup: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-per-rank", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="price ops with the calibrated roofline instead of timing them (profile mode)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -64,21 +67,27 @@ def main() -> None:
         model = GPT(cfg)
         gen = torch.Generator().manual_seed(rank)
         batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
-        for p in (1, 2, 4):
-            for s in (1, 4):
+        for s in (1, 4):
+            # one trace (and profile) per micro-batch shape, shared by every partition size
+            with torch.device("meta"):
+                meta_model = GPT(cfg)
+            trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss)
+            if args.profile:  # every rank profiles at once: each measures its share of the machine
+                profile_trace(trace)
+            for p in (1, 2, 4):
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
                 measured = measure(step, batches, args.warmup)
-                with torch.device("meta"):
-                    meta_model = GPT(cfg)
-                micro = tuple(t[: args.batch_per_rank // s] for t in batches[0])
-                pred = mc.simulate(mc.trace(meta_model, micro, lm_loss), plan, cluster)
+                del step
+                pred = mc.simulate(trace, plan, cluster)
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})
                 say(f"{name:<11} p={p} s={s}: measured {measured * 1e3:7.1f} ms  predicted "
-                    f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}")
+                    f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}   ({pred.compute_s * 1e3:.0f} ms compute, "
+                    f"{pred.exposed_comm_s * 1e3:.0f} ms exposed; "
+                    + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pred.stream_busy_s.items())) + ")")
     if rank == 0:
         errs = sorted(abs(r["error"]) for r in rows)
         print(f"\n{'model':<11} {'p':>2} {'s':>2} {'measured':>10} {'predicted':>10} {'error':>8}")

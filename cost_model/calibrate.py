@@ -76,6 +76,17 @@ def _groups(world: int, rank: int) -> dict[int, object]:
     return out
 
 
+def _collective(kind: str, nbytes: int, g: int, group, device: torch.device) -> Callable[[], object]:
+    """One blocking collective over a full buffer of ``nbytes`` in ``group`` (of size ``g``)."""
+    full = torch.zeros(nbytes // 4, device=device)
+    part = torch.zeros(nbytes // 4 // g, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(full, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, full, group=group)
+    return lambda: dist.all_reduce(full, group=group)
+
+
 def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Cluster:
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -86,7 +97,7 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     rates = []
     for m, k, n in MATMUL_SHAPES:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        rates.append(2 * m * k * n / _timed(lambda: torch.mm(a, b), repeats))
+        rates.append(2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), repeats))
     matmul_flops = statistics.median(rates)
     x, y, z = (torch.randn(1 << 22, device=device) for _ in range(3))
     bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats)
@@ -94,41 +105,70 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     op_overhead = _timed(lambda: tiny.add(tiny), repeats)
     say(f"matmul {matmul_flops / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
 
+    # optimizer step (AdamW): cost per parameter tensor and per element, from two shapes of 1M elements
+    def adamw_time(tensors: int) -> float:
+        params = [torch.nn.Parameter(torch.randn((1 << 20) // tensors, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _timed(opt.step, repeats)
+
+    many, few = adamw_time(64), adamw_time(4)
+    per_param = max((many - few) / 60, 0.0)
+    per_element = max((few - 4 * per_param) / (1 << 20), 0.0)
+    say(f"AdamW step {per_param * 1e6:.1f} us per tensor + {per_element * 1e9:.2f} ns per element")
+
     # collectives: alpha/beta per kind and group size
     fits: dict[str, dict[str, float]] = {}
     for g, pg in _groups(world, rank).items():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             times = []
             for nbytes in COLLECTIVE_SIZES_BYTES:
-                full = torch.zeros(nbytes // 4, device=device)
-                part = torch.zeros(nbytes // 4 // g, device=device)
-                fn = {
-                    "all_gather": lambda: dist.all_gather_single(full[: part.numel() * g], part, group=pg),
-                    "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[: part.numel() * g], group=pg),
-                    "all_reduce": lambda: dist.all_reduce(full, group=pg),
-                }[kind]
-                times.append(_timed(fn, repeats))
+                times.append(_timed(_collective(kind, nbytes, g, pg, device), repeats))
             fits[fit_key(kind, g)] = _fit([float(s) for s in COLLECTIVE_SIZES_BYTES], times)
             say(f"{kind:>14} g={g}: alpha {fits[fit_key(kind, g)]['alpha_s'] * 1e6:.0f} us, "
                 f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
 
-    # overlap: a matmul loop with and without an all-gather in flight
+    # overlap: an all-gather in flight during a matmul loop of about the same length
+    # (with a small collective beside long compute, noise swamps the signal)
     a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
-    out = torch.zeros((4 << 20) // 4, device=device)
+    out = torch.zeros((16 << 20) // 4, device=device)
     inp = torch.zeros(out.numel() // world, device=device)
-    compute = _timed(lambda: [torch.mm(a, b) for _ in range(20)], repeats)  # ~0.1 s
     comm = _timed(lambda: dist.all_gather_single(out, inp), repeats)
+    one_mm = _timed(lambda: torch.mm(a, b), repeats)
+    loops = max(1, round(comm / one_mm))
+    compute = _timed(lambda: [torch.mm(a, b) for _ in range(loops)], repeats)
 
     def both() -> None:
         work = dist.all_gather_single(out, inp, async_op=True)
-        for _ in range(20):
+        for _ in range(loops):
             torch.mm(a, b)
         work.wait()
 
     together = _timed(both, repeats)
+    # the simulator charges compute (1 - overlap) of each collective: together = compute + (1 - o) comm
     overlap = min(max(1 - (together - compute) / comm, 0.0), 1.0) if comm > 0 else 1.0
     say(f"overlap {overlap:.2f} (compute {compute * 1e3:.1f} ms, all-gather {comm * 1e3:.1f} ms, "
         f"together {together * 1e3:.1f} ms)")
+
+    # per-collective overhead under load: the Program's pattern (issue, compute, wait) with small
+    # gathers, against the same compute alone; what remains after the overlap share is overhead
+    chunks = 24
+    small_out = torch.zeros((16 << 10) // 4, device=device)
+    small_in = torch.zeros(small_out.numel() // world, device=device)
+    small = _timed(lambda: dist.all_gather_single(small_out, small_in), repeats)
+    alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], repeats)
+
+    def interleaved() -> None:
+        for _ in range(chunks):
+            work = dist.all_gather_single(small_out, small_in, async_op=True)
+            torch.mm(a, b)
+            torch.mm(a, b)
+            work.wait()
+
+    loaded = _timed(interleaved, repeats)
+    overhead = max((loaded - alone) / chunks - (1 - overlap) * small, 0.0)
+    say(f"collective overhead under load {overhead * 1e6:.0f} us (small all-gather alone {small * 1e6:.0f} us)")
 
     g = world
     world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
@@ -137,7 +177,8 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     gpu = GpuSpec(
         name=f"{device.type} rank (1/{world} of this machine)", peak_flops={"float32": matmul_flops},
         memory_bandwidth_bps=bandwidth, memory_bytes=int(mem_total // world), matmul_efficiency=1.0,
-        memory_efficiency=1.0, op_overhead_s=op_overhead,
+        memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=per_param,
+        optimizer_element_s=per_element,
     )
     return Cluster(name="local", nodes=1, gpus_per_node=world, gpu=gpu, intra=link, inter=link,
-                   overlap=overlap, collective_fits=fits)
+                   overlap=overlap, collective_overhead_s=overhead, collective_fits=fits)

@@ -12,7 +12,8 @@ Compute time of an action (cost_model.specs.GpuSpec):
 + ops * op_overhead_s``. Packing gradients before a reduction costs a read and a
 write of the bucket on the compute stream. ``Cluster.overlap`` < 1 charges the
 compute stream ``(1 - overlap)`` of every collective's time (cores shared with the
-communication library, as gloo on a small CPU machine).
+communication library, as gloo on a small CPU machine), plus
+``Cluster.collective_overhead_s`` per collective.
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
 ``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
@@ -95,6 +96,8 @@ class Prediction:
 
 
 def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> float:
+    if action.measured_s is not None:
+        return action.measured_s
     return (
         action.matmul_flops / (gpu.flops(dtype) * gpu.matmul_efficiency)
         + action.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
@@ -114,12 +117,15 @@ def simulate_program(
     optimizer_bytes_per_param: int = 28,
     buffer_bytes: int = 0,
     flops_per_step: float | None = None,
+    compute_dtype: str = "float32",
     record: bool = True,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
     ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
     element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
+    ``compute_dtype`` prices matmuls at that dtype's peak (what-if: the thesis trained
+    in fp16 while this Program is fp32).
     """
     gpu = cluster.gpu
     groups = program.groups
@@ -159,8 +165,8 @@ def simulate_program(
         busy[stream] += duration
         if record and duration > 0:
             events.append(Event(stream, str(a), start, start + duration))
-        if cluster.overlap < 1:
-            run_compute((1 - cluster.overlap) * duration, f"comm cpu {a}")
+        if duration > 0 and (cluster.overlap < 1 or cluster.collective_overhead_s):
+            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, f"comm cpu {a}")
         return start + duration
 
     def wait_until(end: float) -> None:
@@ -174,7 +180,7 @@ def simulate_program(
         for a in program.micro_step:
             if a.kind is Kind.COMPUTE:
                 note_memory(a.activation_peak_bytes)
-                run_compute(compute_time_s(a, gpu), a.region)
+                run_compute(compute_time_s(a, gpu, compute_dtype), a.region)
                 activations = a.activation_bytes
             elif a.kind is Kind.ALL_GATHER:
                 dynamic += a.tensor_bytes
@@ -205,7 +211,11 @@ def simulate_program(
         elif a.kind is Kind.OPTIMIZER:
             wait_until(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)
-            run_compute(_memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params), "optimizer")
+            if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
+                opt_s = n_params * gpu.optimizer_param_s + shard_numel * gpu.optimizer_element_s
+            else:
+                opt_s = _memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params)
+            run_compute(opt_s, "optimizer")
     step = max([t, *stream_free.values()])
     graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
     return Prediction(

@@ -42,6 +42,10 @@ class GpuSpec:
     """Achieved fraction of memory bandwidth for memory-bound ops."""
     op_overhead_s: float = 5e-6
     """Fixed cost per op (kernel launch / dispatch)."""
+    optimizer_param_s: float | None = None
+    """Measured optimizer-step cost per parameter tensor (None: 10 ops of op_overhead_s)."""
+    optimizer_element_s: float | None = None
+    """Measured optimizer-step cost per shard element (None: 28 bytes at memory bandwidth)."""
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
@@ -71,6 +75,9 @@ class Cluster:
     overlap: float = 1.0
     """Fraction of a collective that can hide behind compute (1 = separate engines, as on GPUs;
     lower where communication and compute share cores, as gloo on a small CPU machine)."""
+    collective_overhead_s: float = 0.0
+    """Compute-stream time each collective costs beyond its overlap share (scheduling the
+    communication thread on cores that compute keeps busy); 0 on GPUs."""
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
 

@@ -98,7 +98,7 @@ def local_state(
         if not p.is_meta:  # a partly materialised model: real values are kept as they are
             place(name, p)
     real: dict[int, torch.Tensor] = {}  # id(meta tensor) -> materialised tensor
-    for fqn, mod in model.named_modules():
+    for _, mod in model.named_modules():
         owned = _owned(mod)
         if not owned:
             continue

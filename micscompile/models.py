@@ -18,19 +18,22 @@ class GPTConfig:
     hidden: int = 256
     heads: int = 4
     tie_embeddings: bool = True
+    causal: bool = True
+    """False: bidirectional attention (a BERT-style encoder with the same blocks)."""
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.causal = cfg.causal
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -109,3 +112,7 @@ def gpt_params(cfg: GPTConfig) -> int:
     return cfg.layers * per_block + v * h * (1 if cfg.tie_embeddings else 2) + cfg.seq_len * h + 2 * h
 
 
+
+
+# Thesis Table 3-I (sequence length 512): BERT 10B = h 2560, 127 layers, 40 heads, vocab 32008
+BERT_10B = GPTConfig(vocab_size=32008, seq_len=512, layers=127, hidden=2560, heads=40, causal=False)

@@ -24,6 +24,7 @@ import torch.fx
 from micscompile import collectives as C
 from micscompile.collectives import GroupInfo, fmt_bytes, ring_wire_bytes
 from micscompile.cost_model.node_cost import NodeWork, activation_bytes, node_work
+from micscompile.cost_model.profile import META_TIME_S
 from micscompile.plan import ResolvedPlan
 from micscompile.sharding import BucketLayout
 from micscompile.trace import META_FLOPS, META_FQN, META_REGION
@@ -71,6 +72,8 @@ class Action(NamedTuple):
     """Activations alive at the end of the action."""
     activation_peak_bytes: int = 0
     """Most activation bytes alive during the action."""
+    measured_s: float | None = None
+    """Profiled time of the action's ops (profile mode), preferred to the roofline estimate."""
     region: str = ""
 
     def __str__(self) -> str:
@@ -165,10 +168,12 @@ def build_program(
             regions = [f"{n.meta.get(META_REGION, '')}:{n.meta.get(META_FQN, '') or '<root>'}" for n in run]
             region = regions[0] if regions[0] == regions[-1] else f"{regions[0]} .. {regions[-1]}"
             work = sum((node_work(n) for n in run), NodeWork())
+            timed = [n.meta[META_TIME_S] for n in run if META_TIME_S in n.meta]
             actions.append(Action(
                 Kind.COMPUTE, ops=work.ops, flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
                 matmul_flops=work.matmul_flops, mem_bytes=work.mem_bytes, activation_bytes=live[run[-1]],
                 activation_peak_bytes=max(live[n] for n in run), region=region,
+                measured_s=sum(timed) if timed else None,
             ))
             run.clear()
 

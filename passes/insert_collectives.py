@@ -203,7 +203,8 @@ def insert_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
     for node in reversed(list(graph.nodes)):
         if node in derived and not node.users:
             graph.erase_node(node)
-    left = [param_nodes[n] for n in param_nodes if n in graph.nodes]
+    alive = set(graph.nodes)  # (membership in graph.nodes is a linear scan)
+    left = [name for n, name in param_nodes.items() if n in alive]
     if left:
         raise RuntimeError(f"insert_collectives: parameters still read outside any interval: {left}")
     graph.lint()

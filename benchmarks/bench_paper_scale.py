@@ -1,0 +1,53 @@
+"""Simulated at paper scale: BERT 10B (thesis Table 3-I) on 16-128 V100s in p3dn.24xlarge nodes.
+
+    .venv/bin/python benchmarks/bench_paper_scale.py
+
+MiCS (p = 8, one node) against ZeRO-3 (p = n), micro-batch 8, 4 micro-steps, fp16
+compute priced at the V100's tensor-core peak, throughput by the thesis's formula
+(eq. 3.4). One meta trace serves every plan and cluster size. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import micscompile as mc
+from micscompile.models import BERT_10B, GPT, lm_loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-steps", type=int, default=4)
+    args = ap.parse_args()
+    cfg = BERT_10B
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.zeros(args.micro_batch, cfg.seq_len, dtype=torch.long)
+    trace = mc.trace(model, (x, x), lm_loss)
+    print(f"BERT 10B: {trace.summary()}; traced in {time.perf_counter() - t0:.1f} s")
+    flops = mc.transformer_flops(args.micro_batch * args.micro_steps, cfg.seq_len, cfg.layers, cfg.hidden,
+                                 cfg.vocab_size)
+    print(f"{'GPUs':>5} {'MiCS p=8 TFLOP/s':>17} {'ZeRO-3 TFLOP/s':>15} {'MiCS/ZeRO-3':>12} "
+          f"{'MiCS scaling eff':>17} {'sim s':>6}")
+    for nodes in args.nodes:
+        cluster = mc.Cluster.preset("p3dn.24xlarge", nodes=nodes)
+        n = cluster.world_size
+        t0 = time.perf_counter()
+        mics, zero3 = (
+            mc.simulate(trace, mc.Plan(partition_size=p, micro_batches=args.micro_steps), cluster,
+                        flops_per_step=flops, compute_dtype="float16")
+            for p in (8, n)
+        )
+        print(f"{n:>5} {mics.tflops_per_gpu:>17.1f} {zero3.tflops_per_gpu:>15.1f} "
+              f"{mics.tflops_per_gpu / zero3.tflops_per_gpu:>11.2f}x {mics.scaling_efficiency:>16.1%} "
+              f"{time.perf_counter() - t0:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()
