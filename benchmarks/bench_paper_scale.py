@@ -15,7 +15,7 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.models import BERT_10B, GPT, lm_loss
+from micscompile.models import BERT_10B, GPT, GPTConfig, lm_loss
 
 
 def main() -> None:
@@ -47,6 +47,21 @@ def main() -> None:
         print(f"{n:>5} {mics.tflops_per_gpu:>17.1f} {zero3.tflops_per_gpu:>15.1f} "
               f"{mics.tflops_per_gpu / zero3.tflops_per_gpu:>11.2f}x {mics.scaling_efficiency:>16.1%} "
               f"{time.perf_counter() - t0:>6.1f}")
+
+    # speed: GPT-3 175B (96 layers, h 12288, seq 2048) on 1024 A100-80GB, from a meta trace
+    cfg = GPTConfig(vocab_size=51200, seq_len=2048, layers=96, hidden=12288, heads=96)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    trace = mc.trace(model, (x, x), lm_loss)
+    traced = time.perf_counter() - t0
+    pred = mc.simulate(trace, mc.Plan(partition_size=64, micro_batches=8), mc.Cluster.preset("p4de.24xlarge", nodes=128),
+                       compute_dtype="bfloat16")
+    total = time.perf_counter() - t0
+    print(f"\nGPT-3 175B on 1024 A100-80GB (p=64, 8 micro-batches of 1): trace {traced:.1f} s + simulate "
+          f"{total - traced:.1f} s = {total:.1f} s; predicted {pred.tflops_per_gpu:.0f} TFLOP/s per GPU "
+          f"(fp32 gathers, no checkpointing: peak {pred.peak_memory_bytes / 2**30:.0f} GiB, infeasible as planned)")
 
 
 if __name__ == "__main__":
