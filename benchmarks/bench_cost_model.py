@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
-from micscompile.cost_model.profile import profile_trace
+from micscompile.cost_model.profile import META_TIME_S, profile_trace
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
 
 MODELS = {
@@ -72,14 +72,16 @@ def main() -> None:
             with torch.device("meta"):
                 meta_model = GPT(cfg)
             trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss)
-            if args.profile:  # every rank profiles at once: each measures its share of the machine
-                profile_trace(trace)
             for p in (1, 2, 4):
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
                 measured = measure(step, batches, args.warmup)
                 del step
+                if args.profile and p == 1:  # every rank profiles at once: each measures its share
+                    profile_trace(trace)
+                    say(f"profiled micro-step graph: "
+                        f"{sum(n.meta.get(META_TIME_S, 0) for n in trace.gm.graph.nodes) * 1e3:.1f} ms")
                 pred = mc.simulate(trace, plan, cluster)
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,

@@ -129,46 +129,32 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
             say(f"{kind:>14} g={g}: alpha {fits[fit_key(kind, g)]['alpha_s'] * 1e6:.0f} us, "
                 f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
 
-    # overlap: an all-gather in flight during a matmul loop of about the same length
-    # (with a small collective beside long compute, noise swamps the signal)
+    # What a collective costs the compute stream in the Program's pattern (issue, compute, wait),
+    # at three sizes: charge(N) = overhead + (1 - overlap) * D(N), fitted by least squares.
+    # (Two separate probes, one per constant, each swing with the noise of a shared machine.)
     a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
-    out = torch.zeros((16 << 20) // 4, device=device)
-    inp = torch.zeros(out.numel() // world, device=device)
-    comm = _timed(lambda: dist.all_gather_single(out, inp), repeats)
-    one_mm = _timed(lambda: torch.mm(a, b), repeats)
-    loops = max(1, round(comm / one_mm))
-    compute = _timed(lambda: [torch.mm(a, b) for _ in range(loops)], repeats)
-
-    def both() -> None:
-        work = dist.all_gather_single(out, inp, async_op=True)
-        for _ in range(loops):
-            torch.mm(a, b)
-        work.wait()
-
-    together = _timed(both, repeats)
-    # the simulator charges compute (1 - overlap) of each collective: together = compute + (1 - o) comm
-    overlap = min(max(1 - (together - compute) / comm, 0.0), 1.0) if comm > 0 else 1.0
-    say(f"overlap {overlap:.2f} (compute {compute * 1e3:.1f} ms, all-gather {comm * 1e3:.1f} ms, "
-        f"together {together * 1e3:.1f} ms)")
-
-    # per-collective overhead under load: the Program's pattern (issue, compute, wait) with small
-    # gathers, against the same compute alone; what remains after the overlap share is overhead
-    chunks = 24
-    small_out = torch.zeros((16 << 10) // 4, device=device)
-    small_in = torch.zeros(small_out.numel() // world, device=device)
-    small = _timed(lambda: dist.all_gather_single(small_out, small_in), repeats)
+    chunks = 16
     alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], repeats)
+    durations, charges = [], []
+    for nbytes in (64 << 10, 1 << 20, 4 << 20):
+        out = torch.zeros(nbytes // 4, device=device)
+        inp = torch.zeros(out.numel() // world, device=device)
+        durations.append(_timed(lambda: dist.all_gather_single(out, inp), repeats))
 
-    def interleaved() -> None:
-        for _ in range(chunks):
-            work = dist.all_gather_single(small_out, small_in, async_op=True)
-            torch.mm(a, b)
-            torch.mm(a, b)
-            work.wait()
+        def pattern() -> None:
+            for _ in range(chunks):
+                work = dist.all_gather_single(out, inp, async_op=True)
+                torch.mm(a, b)
+                torch.mm(a, b)
+                work.wait()
 
-    loaded = _timed(interleaved, repeats)
-    overhead = max((loaded - alone) / chunks - (1 - overlap) * small, 0.0)
-    say(f"collective overhead under load {overhead * 1e6:.0f} us (small all-gather alone {small * 1e6:.0f} us)")
+        charges.append(max(_timed(pattern, repeats) - alone, 0.0) / chunks)
+    fit = _fit(durations, charges)
+    overlap = min(max(1 - fit["beta_s_per_byte"], 0.0), 1.0)  # slope = 1 - overlap
+    overhead = fit["alpha_s"]
+    say("collective cost to compute: " + ", ".join(
+        f"{d * 1e3:.1f} ms gather -> {c * 1e3:.1f} ms" for d, c in zip(durations, charges))
+        + f"; overlap {overlap:.2f}, overhead {overhead * 1e6:.0f} us")
 
     g = world
     world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
