@@ -87,6 +87,21 @@ def _collective(kind: str, nbytes: int, g: int, group, device: torch.device) -> 
     return lambda: dist.all_reduce(full, group=group)
 
 
+def _program_pattern(nbytes: int, world: int, chunks: int, a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
+    """``chunks`` times: issue an all-gather of ``nbytes``, compute two matmuls, wait (as a Program does)."""
+    out = torch.zeros(nbytes // 4, device=a.device)
+    inp = torch.zeros(out.numel() // world, device=a.device)
+
+    def pattern() -> None:
+        for _ in range(chunks):
+            work = dist.all_gather_single(out, inp, async_op=True)
+            torch.mm(a, b)
+            torch.mm(a, b)
+            work.wait()
+
+    return pattern
+
+
 def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Cluster:
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -137,17 +152,8 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], repeats)
     durations, charges = [], []
     for nbytes in (64 << 10, 1 << 20, 4 << 20):
-        out = torch.zeros(nbytes // 4, device=device)
-        inp = torch.zeros(out.numel() // world, device=device)
-        durations.append(_timed(lambda: dist.all_gather_single(out, inp), repeats))
-
-        def pattern() -> None:
-            for _ in range(chunks):
-                work = dist.all_gather_single(out, inp, async_op=True)
-                torch.mm(a, b)
-                torch.mm(a, b)
-                work.wait()
-
+        durations.append(_timed(_collective("all_gather", nbytes, world, None, device), repeats))
+        pattern = _program_pattern(nbytes, world, chunks, a, b)
         charges.append(max(_timed(pattern, repeats) - alone, 0.0) / chunks)
     fit = _fit(durations, charges)
     overlap = min(max(1 - fit["beta_s_per_byte"], 0.0), 1.0)  # slope = 1 - overlap

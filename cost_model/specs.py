@@ -130,20 +130,17 @@ A100_80GB = dataclasses.replace(A100_40GB, name="A100-80GB", memory_bandwidth_bp
 H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
                memory_bandwidth_bps=3350e9, memory_bytes=80 * GIB)
 
+def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float, nics: int,
+                     nic_latency_s: float) -> Cluster:
+    """A cluster of 8-GPU nodes: per-GPU NVLink/NVSwitch inside, ``nics`` NICs per node across."""
+    return Cluster(name=name, nodes=1, gpus_per_node=8, gpu=gpu, intra=Link(bandwidth_bps=nvlink_bps, latency_s=5e-6),
+                   inter=Link(bandwidth_bps=nic_gbps * GBPS_TO_BPS, latency_s=nic_latency_s), nics_per_node=nics)
+
+
 PRESETS: dict[str, Cluster] = {
-    "p3dn.24xlarge": Cluster(name="p3dn.24xlarge", nodes=1, gpus_per_node=8, gpu=V100_32GB,
-                             intra=Link(bandwidth_bps=150e9, latency_s=5e-6),
-                             inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6)),
-    "p4d.24xlarge": Cluster(name="p4d.24xlarge", nodes=1, gpus_per_node=8, gpu=A100_40GB,
-                            intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
-                            inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6), nics_per_node=4),
-    "p4de.24xlarge": Cluster(name="p4de.24xlarge", nodes=1, gpus_per_node=8, gpu=A100_80GB,
-                             intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
-                             inter=Link(bandwidth_bps=100 * GBPS_TO_BPS, latency_s=20e-6), nics_per_node=4),
-    "dgx-a100": Cluster(name="dgx-a100", nodes=1, gpus_per_node=8, gpu=A100_80GB,
-                        intra=Link(bandwidth_bps=300e9, latency_s=5e-6),
-                        inter=Link(bandwidth_bps=200 * GBPS_TO_BPS, latency_s=10e-6), nics_per_node=8),
-    "dgx-h100": Cluster(name="dgx-h100", nodes=1, gpus_per_node=8, gpu=H100,
-                        intra=Link(bandwidth_bps=450e9, latency_s=5e-6),
-                        inter=Link(bandwidth_bps=400 * GBPS_TO_BPS, latency_s=10e-6), nics_per_node=8),
+    "p3dn.24xlarge": _eight_gpu_nodes("p3dn.24xlarge", V100_32GB, 150e9, 100, 1, 20e-6),
+    "p4d.24xlarge": _eight_gpu_nodes("p4d.24xlarge", A100_40GB, 300e9, 100, 4, 20e-6),
+    "p4de.24xlarge": _eight_gpu_nodes("p4de.24xlarge", A100_80GB, 300e9, 100, 4, 20e-6),
+    "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6),
+    "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6),
 }
