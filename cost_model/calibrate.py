@@ -87,14 +87,17 @@ def _collective(kind: str, nbytes: int, g: int, group, device: torch.device) -> 
     return lambda: dist.all_reduce(full, group=group)
 
 
-def _program_pattern(nbytes: int, world: int, chunks: int, a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
-    """``chunks`` times: issue an all-gather of ``nbytes``, compute two matmuls, wait (as a Program does)."""
+def _program_pattern(
+    nbytes: int, g: int, chunks: int, a: torch.Tensor, b: torch.Tensor, group,
+) -> Callable[[], None]:
+    """``chunks`` times: issue an all-gather of ``nbytes`` in ``group``, compute two matmuls, wait
+    (what a Program does)."""
     out = torch.zeros(nbytes // 4, device=a.device)
-    inp = torch.zeros(out.numel() // world, device=a.device)
+    inp = torch.zeros(out.numel() // g, device=a.device)
 
     def pattern() -> None:
         for _ in range(chunks):
-            work = dist.all_gather_single(out, inp, async_op=True)
+            work = dist.all_gather_single(out, inp, group=group, async_op=True)
             torch.mm(a, b)
             torch.mm(a, b)
             work.wait()
@@ -120,22 +123,26 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     op_overhead = _timed(lambda: tiny.add(tiny), repeats)
     say(f"matmul {matmul_flops / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
 
-    # optimizer step (AdamW): cost per parameter tensor and per element, from two shapes of 1M elements
-    def adamw_time(tensors: int) -> float:
-        params = [torch.nn.Parameter(torch.randn((1 << 20) // tensors, device=device)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        return _timed(opt.step, repeats)
-
-    many, few = adamw_time(64), adamw_time(4)
-    per_param = max((many - few) / 60, 0.0)
-    per_element = max((few - 4 * per_param) / (1 << 20), 0.0)
-    say(f"AdamW step {per_param * 1e6:.1f} us per tensor + {per_element * 1e9:.2f} ns per element")
+    # optimizer step (AdamW), laid out as TrainStep lays it out: 48 parameters and their gradients
+    # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements.
+    # One per-element cost: with realistic sizes the per-tensor term is below the noise.
+    elements, tensors = 1 << 22, 48
+    flat, grad = torch.randn(elements, device=device), torch.randn(elements, device=device)
+    size = elements // tensors
+    params = []
+    for i in range(tensors):
+        p = torch.nn.Parameter(flat[i * size : (i + 1) * size])
+        p.grad = grad[i * size : (i + 1) * size]
+        params.append(p)
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    per_param, per_element = 0.0, _timed(adamw.step, repeats) / (size * tensors)
+    del adamw, params, flat, grad
+    say(f"AdamW step {per_element * 1e9:.2f} ns per element")
 
     # collectives: alpha/beta per kind and group size
     fits: dict[str, dict[str, float]] = {}
-    for g, pg in _groups(world, rank).items():
+    groups = _groups(world, rank)
+    for g, pg in groups.items():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             times = []
             for nbytes in COLLECTIVE_SIZES_BYTES:
@@ -145,22 +152,28 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
                 f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
 
     # What a collective costs the compute stream in the Program's pattern (issue, compute, wait),
-    # at three sizes: charge(N) = overhead + (1 - overlap) * D(N), fitted by least squares.
-    # (Two separate probes, one per constant, each swing with the noise of a shared machine.)
+    # per group size (two 2-rank groups load the cores less than one 4-rank group) at three sizes,
+    # fitted against the message size (which spans 64x; durations of small messages are all
+    # latency, so fitting against them is ill-conditioned).
     a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
-    chunks = 16
-    alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], repeats)
-    durations, charges = [], []
-    for nbytes in (64 << 10, 1 << 20, 4 << 20):
-        durations.append(_timed(_collective("all_gather", nbytes, world, None, device), repeats))
-        pattern = _program_pattern(nbytes, world, chunks, a, b)
-        charges.append(max(_timed(pattern, repeats) - alone, 0.0) / chunks)
-    fit = _fit(durations, charges)
-    overlap = min(max(1 - fit["beta_s_per_byte"], 0.0), 1.0)  # slope = 1 - overlap
-    overhead = fit["alpha_s"]
-    say("collective cost to compute: " + ", ".join(
-        f"{d * 1e3:.1f} ms gather -> {c * 1e3:.1f} ms" for d, c in zip(durations, charges))
-        + f"; overlap {overlap:.2f}, overhead {overhead * 1e6:.0f} us")
+    chunks, pattern_repeats = 32, max(repeats, 7)  # small signals on a shared machine: more samples
+    alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], pattern_repeats)
+    sizes = [64 << 10, 1 << 20, 4 << 20]
+    compute_fits: dict[str, dict[str, float]] = {}
+    overlap = overhead = 0.0
+    for g, pg in groups.items():
+        durations, charges = [], []
+        for nbytes in sizes:
+            durations.append(_timed(_collective("all_gather", nbytes, g, pg, device), repeats))
+            pattern = _program_pattern(nbytes, g, chunks, a, b, pg)
+            charges.append(max(_timed(pattern, pattern_repeats) - alone, 0.0) / chunks)
+        compute_fits[str(g)] = _fit([float(n) for n in sizes], charges)
+        # for reading: the overlap these figures imply at the largest size
+        overlap = min(max(1 - charges[-1] / durations[-1], 0.0), 1.0) if durations[-1] else 1.0
+        overhead = compute_fits[str(g)]["alpha_s"]
+        say(f"collective cost to compute, g={g}: " + ", ".join(
+            f"{n >> 10} KiB gather ({d * 1e3:.1f} ms) -> {c * 1e3:.1f} ms" for n, d, c in zip(sizes, durations, charges))
+            + f"; fit {overhead * 1e6:.0f} us + {compute_fits[str(g)]['beta_s_per_byte'] * 1e9:.2f} ns/B")
 
     g = world
     world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
@@ -173,4 +186,5 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
         optimizer_element_s=per_element,
     )
     return Cluster(name="local", nodes=1, gpus_per_node=world, gpu=gpu, intra=link, inter=link,
-                   overlap=overlap, collective_overhead_s=overhead, collective_fits=fits)
+                   overlap=overlap, collective_overhead_s=overhead, collective_compute_fits=compute_fits,
+                   collective_fits=fits)

@@ -13,7 +13,8 @@ Compute time of an action (cost_model.specs.GpuSpec):
 write of the bucket on the compute stream. ``Cluster.overlap`` < 1 charges the
 compute stream ``(1 - overlap)`` of every collective's time (cores shared with the
 communication library, as gloo on a small CPU machine), plus
-``Cluster.collective_overhead_s`` per collective.
+``Cluster.collective_overhead_s`` per collective; a calibrated cluster instead charges
+its measured ``collective_compute_fits`` for the group's size (alpha + beta * bytes).
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
 ``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
@@ -165,7 +166,10 @@ def simulate_program(
         busy[stream] += duration
         if record and duration > 0:
             events.append(Event(stream, str(a), start, start + duration))
-        if duration > 0 and (cluster.overlap < 1 or cluster.collective_overhead_s):
+        fit = cluster.collective_compute_fits.get(str(group.size))
+        if duration > 0 and fit is not None:
+            run_compute(fit["alpha_s"] + fit["beta_s_per_byte"] * a.tensor_bytes, f"comm cpu {a}")
+        elif duration > 0 and (cluster.overlap < 1 or cluster.collective_overhead_s):
             run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, f"comm cpu {a}")
         return start + duration
 

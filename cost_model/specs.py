@@ -78,6 +78,10 @@ class Cluster:
     collective_overhead_s: float = 0.0
     """Compute-stream time each collective costs beyond its overlap share (scheduling the
     communication thread on cores that compute keeps busy); 0 on GPUs."""
+    collective_compute_fits: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Measured compute-stream cost of one collective in flight, per group size ("2", "4", ...), as
+    {"alpha_s", "beta_s_per_byte"} (calibration); where present it replaces
+    ``(1 - overlap) * duration + collective_overhead_s``."""
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
 

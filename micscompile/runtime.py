@@ -196,9 +196,26 @@ def _check_agreement(prints: dict[str, str] | None, error: BaseException | None,
             raise RuntimeError(f"{hint}: {sides}")
 
 
+_MESHES: dict[tuple, object] = {}
+"""DeviceMeshes already built in this process, by (device type, d, p), for the default group in
+``_MESHES_WORLD``: compiling several plans (tests, benchmarks, measured autotuning) reuses their
+process groups instead of creating new ones (and their communication threads) every time."""
+_MESHES_WORLD: list = [None]
+
+
+def _mesh(device_type: str, replicas: int, partition_size: int):
+    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
+        _MESHES.clear()
+        _MESHES_WORLD[0] = dist.group.WORLD
+    key = (device_type, replicas, partition_size)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (replicas, partition_size), mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
+
+
 def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
     """The planned groups, with their ProcessGroups from a ("replicate", "shard") DeviceMesh."""
-    mesh = init_device_mesh(device.type, (rp.replicas, rp.partition_size), mesh_dim_names=("replicate", "shard"))
+    mesh = _mesh(device.type, rp.replicas, rp.partition_size)
     groups = planned_groups(rp, rank)
     for name in ("shard", "replicate"):
         pg = mesh.get_group(name)
