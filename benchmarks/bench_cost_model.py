@@ -22,25 +22,12 @@ import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
 from micscompile.cost_model.profile import META_TIME_S, profile_trace
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from timing import median_step_s
 
 MODELS = {
     "gpt-small": GPTConfig(vocab_size=512, seq_len=64, layers=2, hidden=128),
     "gpt-medium": GPTConfig(vocab_size=512, seq_len=64, layers=4, hidden=256),
 }
-
-
-def measure(step, batches, warmup: int) -> float:
-    for b in batches[:warmup]:
-        step(*b)
-    times = []
-    for b in batches[warmup:]:
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(*b)
-        times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med)
 
 
 def main() -> None:
@@ -76,7 +63,7 @@ def main() -> None:
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-                measured = measure(step, batches, args.warmup)
+                measured, _ = median_step_s(step, batches, args.warmup)
                 del step
                 if args.profile and p == 1:  # every rank profiles at once: each measures its share
                     profile_trace(trace)

@@ -17,8 +17,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from timing import median_step_s
 
 
 def adamw(params):
@@ -77,21 +76,6 @@ def build(system: str, model: GPT, p: int, s: int, example):
     return lambda x, y: eager_step(model, opt, s, x, y)
 
 
-def timed(step, batches, warmup: int) -> tuple[float, float]:
-    for x, y in batches[:warmup]:
-        step(x, y)
-    times, loss = [], 0.0
-    for x, y in batches[warmup:]:
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step(x, y)
-        times.append(time.perf_counter() - t0)
-    # every rank must agree on the time: take the slowest rank's median
-    med = torch.tensor([statistics.median(times)])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med), loss
-
-
 def global_mean(local_loss: float) -> float:
     """Peers return this rank's loss; micscompile returns the global mean: compare those."""
     t = torch.tensor([local_loss])
@@ -132,7 +116,7 @@ def main() -> None:
     for s in args.micro_batches:
         for system in systems:
             step = build(system, model, p, s, batches[0])
-            t, loss = timed(step, batches, args.warmup)
+            t, loss = median_step_s(step, batches, args.warmup)
             results[(system, s)] = (t, loss if system == "micscompile" else global_mean(loss))
             del step
 

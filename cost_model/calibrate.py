@@ -135,7 +135,7 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
         p.grad = grad[i * size : (i + 1) * size]
         params.append(p)
     adamw = torch.optim.AdamW(params, lr=1e-3)
-    per_param, per_element = 0.0, _timed(adamw.step, repeats) / (size * tensors)
+    per_element = _timed(adamw.step, repeats) / (size * tensors)
     del adamw, params, flat, grad
     say(f"AdamW step {per_element * 1e9:.2f} ns per element")
 
@@ -160,7 +160,7 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], pattern_repeats)
     sizes = [64 << 10, 1 << 20, 4 << 20]
     compute_fits: dict[str, dict[str, float]] = {}
-    overlap = overhead = 0.0
+    overlap = overhead = 0.0  # informational (the simulator uses compute_fits): from the world group
     for g, pg in groups.items():
         durations, charges = [], []
         for nbytes in sizes:
@@ -168,12 +168,13 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
             pattern = _program_pattern(nbytes, g, chunks, a, b, pg)
             charges.append(max(_timed(pattern, pattern_repeats) - alone, 0.0) / chunks)
         compute_fits[str(g)] = _fit([float(n) for n in sizes], charges)
-        # for reading: the overlap these figures imply at the largest size
-        overlap = min(max(1 - charges[-1] / durations[-1], 0.0), 1.0) if durations[-1] else 1.0
-        overhead = compute_fits[str(g)]["alpha_s"]
+        if g == world:  # the overlap these figures imply at the largest size, for reading
+            overlap = min(max(1 - charges[-1] / durations[-1], 0.0), 1.0) if durations[-1] else 1.0
+            overhead = compute_fits[str(g)]["alpha_s"]
         say(f"collective cost to compute, g={g}: " + ", ".join(
             f"{n >> 10} KiB gather ({d * 1e3:.1f} ms) -> {c * 1e3:.1f} ms" for n, d, c in zip(sizes, durations, charges))
-            + f"; fit {overhead * 1e6:.0f} us + {compute_fits[str(g)]['beta_s_per_byte'] * 1e9:.2f} ns/B")
+            + f"; fit {compute_fits[str(g)]['alpha_s'] * 1e6:.0f} us + "
+            f"{compute_fits[str(g)]['beta_s_per_byte'] * 1e9:.2f} ns/B")
 
     g = world
     world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
@@ -182,7 +183,7 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
     gpu = GpuSpec(
         name=f"{device.type} rank (1/{world} of this machine)", peak_flops={"float32": matmul_flops},
         memory_bandwidth_bps=bandwidth, memory_bytes=int(mem_total // world), matmul_efficiency=1.0,
-        memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=per_param,
+        memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
         optimizer_element_s=per_element,
     )
     return Cluster(name="local", nodes=1, gpus_per_node=world, gpu=gpu, intra=link, inter=link,

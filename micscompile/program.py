@@ -107,12 +107,6 @@ class Program:
                 live -= a.tensor_bytes
         return peak
 
-    def collective_order(self) -> list[str]:
-        """The collectives this rank issues in one step, in order (must match across ranks)."""
-        s = self.plan.micro_batches
-        issue = [str(a) for a in self.micro_step if a.kind in _COLLECTIVE_NAME] * s
-        return issue + [str(a) for a in self.boundary if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE)]
-
     def fingerprint(self) -> str:
         text = "|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
