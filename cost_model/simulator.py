@@ -32,13 +32,7 @@ from pathlib import Path
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.collective_time import collective_time_s
 from micscompile.cost_model.specs import Cluster, GpuSpec
-from micscompile.program import Action, Kind, Program
-
-_COLLECTIVE = {
-    Kind.ALL_GATHER: "all_gather", Kind.REDUCE_SCATTER: "reduce_scatter",
-    Kind.ALL_REDUCE: "all_reduce", Kind.LOSS_ALL_REDUCE: "all_reduce",
-}
-
+from micscompile.program import COLLECTIVE_OF_KIND, Action, Kind, Program
 
 @dataclass(frozen=True)
 class Event:
@@ -159,7 +153,7 @@ def simulate_program(
 
     def issue(a: Action) -> float:
         group = groups[a.group]
-        duration = collective_time_s(_COLLECTIVE[a.kind], a.tensor_bytes, group.ranks, cluster)
+        duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
         stream = f"comm:{a.group}"
         start = max(t, stream_free[stream])
         stream_free[stream] = start + duration

@@ -49,7 +49,11 @@ _ISSUE_KIND = {
     C.pack_local: Kind.PACK,
     C.release: Kind.RELEASE,
 }
-_COLLECTIVE_NAME = {Kind.ALL_GATHER: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER, Kind.ALL_REDUCE: C.ALL_REDUCE}
+COLLECTIVE_OF_KIND = {
+    Kind.ALL_GATHER: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
+    Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE,
+}
+"""The collective each communicating action kind issues (what it costs and how it is counted)."""
 
 
 class Action(NamedTuple):
@@ -117,7 +121,7 @@ class Program:
         s = self.plan.micro_batches
         for actions, times in ((self.micro_step, s), (self.boundary, 1)):
             for a in actions:
-                name = _COLLECTIVE_NAME.get(a.kind) or (C.ALL_REDUCE if a.kind is Kind.LOSS_ALL_REDUCE else None)
+                name = COLLECTIVE_OF_KIND.get(a.kind)
                 if name is None:
                     continue
                 key = (name, a.group)

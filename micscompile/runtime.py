@@ -63,8 +63,8 @@ class TrainStep:
         self._scale = 1.0 / (plan.world_size * plan.micro_batches)
         trainable, unused = set(graph.trainable), graph.unused_params
         self._grads = [torch.zeros_like(s) for s in shards]
-        reduced = {a.bucket for a in program.micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK)}
-        self._reduced = [lay.index in reduced for lay in comm.layouts]
+        # the Program decides which buckets the boundary all-reduces (2-hop, d > 1, reduced buckets)
+        self._boundary_buckets = [a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE]
         self.params: dict[str, nn.Parameter] = {}
         rank = comm.shard.rank
         for lay, shard, grad in zip(comm.layouts, shards, self._grads):
@@ -118,11 +118,10 @@ class TrainStep:
                         acc.copy_(g) if j == 0 else acc.add_(g)
                 del outputs  # gradient buffers die here, not a micro-batch later
             works = []
-            if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
-                for b, acc in enumerate(self._grads):
-                    if self._reduced[b]:
-                        works.append(dist.all_reduce(acc, group=comm.replicate.group, async_op=True))
-                        comm.stats.record(C.ALL_REDUCE, comm.replicate, acc.numel() * acc.element_size())
+            for b in self._boundary_buckets:
+                acc = self._grads[b]
+                works.append(dist.all_reduce(acc, group=comm.replicate.group, async_op=True))
+                comm.stats.record(C.ALL_REDUCE, comm.replicate, acc.numel() * acc.element_size())
             loss_buf = loss_sum.reshape(1)
             works.append(dist.all_reduce(loss_buf, group=comm.world.group, async_op=True))
             comm.stats.record(C.ALL_REDUCE, comm.world, loss_buf.numel() * loss_buf.element_size())
