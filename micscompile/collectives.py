@@ -192,5 +192,3 @@ def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor
     """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
     return pack_grads(comm.layouts[bucket], grads, like)
 
-
-GRAPH_COLLECTIVES = (all_gather_issue, collective_wait, release, reduce_scatter_issue, all_reduce_issue, pack_local)
