@@ -15,7 +15,6 @@ Integer inputs are zeros (valid indices for embeddings and targets of any size).
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -57,14 +56,10 @@ def _random_like(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
 
 def profile_trace(trace: TrainGraph, device: torch.device | str = "cpu", repeats: int = 3) -> TrainGraph:
     """Annotate ``trace``'s nodes with their measured time on ``device`` (in place); returns it."""
-    from micscompile.passes.retarget_device import META
+    from micscompile.passes.retarget_device import retarget_device
 
     device = torch.device(device)
-    gm = torch.fx.GraphModule(trace.gm, copy.deepcopy(trace.gm.graph))
-    for node in gm.graph.nodes:  # factory ops traced on meta must run here
-        fix = lambda a: device if isinstance(a, torch.device) and a == META else a  # noqa: E731
-        node.args, node.kwargs = torch.fx.node.map_aggregate(node.args, fix), torch.fx.node.map_aggregate(node.kwargs, fix)
-    gm.recompile()
+    gm = torch.fx.GraphModule(trace.gm, retarget_device(trace.graph_copy(), device))  # factory ops traced on meta
     inputs = [_random_like(n, device) for n in gm.graph.nodes if n.op == "placeholder"]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     aligned = dist.is_available() and dist.is_initialized()

@@ -7,11 +7,7 @@ symmetric under MiCS, so rank 0's Program stands for all of them.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-
-import torch
-import torch.fx
 
 from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
@@ -40,9 +36,8 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
 def lower(trace: TrainGraph, rp: ResolvedPlan, rank: int = 0) -> Program:
     """The Program ``mc.compile`` would run on ``rank``, built without a process group."""
     ctx = make_context(trace, rp)
-    gm = torch.fx.GraphModule(trace.gm, copy.deepcopy(trace.gm.graph))
-    gm, _ = run_passes(gm, ctx, build_pass_list(rp.plan))
-    return build_program(gm, rp, ctx.layouts, planned_groups(rp, rank), rank)
+    graph, _ = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan))
+    return build_program(graph, rp, ctx.layouts, planned_groups(rp, rank), rank)
 
 
 def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:

@@ -151,15 +151,15 @@ class Program:
 
 
 def build_program(
-    gm: torch.fx.GraphModule, plan: ResolvedPlan, layouts: tuple[BucketLayout, ...],
+    graph: torch.fx.Graph, plan: ResolvedPlan, layouts: tuple[BucketLayout, ...],
     groups: dict[str, GroupInfo], rank: int,
 ) -> Program:
     """Lower a rewritten graph (insert_collectives output) to a Program."""
     actions: list[Action] = []
     issued: dict[torch.fx.Node, Kind] = {}
     run: list[torch.fx.Node] = []
-    collective_nodes = {n for n in gm.graph.nodes if n.target in _ISSUE_KIND or n.target is C.collective_wait}
-    live = activation_bytes(gm.graph, exclude=collective_nodes)
+    collective_nodes = {n for n in graph.nodes if n.target in _ISSUE_KIND or n.target is C.collective_wait}
+    live = activation_bytes(graph, exclude=collective_nodes)
 
     def flush() -> None:
         if run:
@@ -175,7 +175,7 @@ def build_program(
             ))
             run.clear()
 
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         kind = _ISSUE_KIND.get(node.target)

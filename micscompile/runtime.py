@@ -16,7 +16,6 @@ optimizer on the local fp32 shards.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -264,9 +263,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
         check_initializable(model, init_fn)
         ctx = make_context(tg, rp, device)
-        gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
-        gm, records = run_passes(gm, ctx, build_pass_list(plan), disable=disable_passes, log=log)
-        program = build_program(gm, rp, ctx.layouts, planned_groups(rp, rank), rank)
+        graph, records = run_passes(tg.graph_copy(), ctx, build_pass_list(plan), disable=disable_passes, log=log)
+        program = build_program(graph, rp, ctx.layouts, planned_groups(rp, rank), rank)
         budget = plan.memory_budget_bytes
         if budget is not None and program.peak_gathered_bytes > budget:
             largest = max(lay.full_bytes for lay in ctx.layouts)
@@ -287,6 +285,6 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"])
     shards, buffers = local_state(model, layouts, groups["shard"].rank, device, init_fn)
     return TrainStep(
-        gm=gm, program=program, comm=comm, graph=tg, shards=shards, buffers=buffers,
+        gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=buffers,
         optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
     )

@@ -15,6 +15,7 @@ stack traces into backward.
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -86,6 +87,10 @@ class TrainGraph:
 
     def param_bytes(self, name: str) -> int:
         return self.param_shapes[name].numel() * self.param_dtypes[name].itemsize
+
+    def graph_copy(self) -> torch.fx.Graph:
+        """A private copy of the graph for passes to rewrite (meta and all)."""
+        return copy.deepcopy(self.gm.graph)
 
     def summary(self) -> str:
         nodes = [n for n in self.gm.graph.nodes if n.op == "call_function"]

@@ -1,1 +1,2 @@
-"""Graph passes: each is ``name_pass(gm, ctx) -> gm``; analyses live beside them."""
+"""Graph passes: each is ``name_pass(graph, ctx) -> graph`` (no code generation:
+the caller builds one GraphModule at the end); analyses live beside them."""

@@ -18,7 +18,7 @@ from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.retarget_device import retarget_device_pass
 from micscompile.plan import Plan
 
-PassFn = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+PassFn = Callable[[torch.fx.Graph, PassContext], torch.fx.Graph]
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class PassRecord:
         return f"{self.name:<20} {self.seconds * 1e3:8.1f} ms  {delta or 'ops unchanged'}"
 
 
-def op_counts(gm: torch.fx.GraphModule) -> Counter:
+def op_counts(graph: torch.fx.Graph) -> Counter:
     return Counter(
-        getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"
+        getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"
     )
 
 
@@ -45,13 +45,13 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
 
 
 def run_passes(
-    gm: torch.fx.GraphModule,
+    graph: torch.fx.Graph,
     ctx: PassContext,
     passes: list[tuple[str, PassFn]],
     *,
     disable: Iterable[str] = (),
     log: Callable[[str], None] | None = None,
-) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
+) -> tuple[torch.fx.Graph, list[PassRecord]]:
     disabled = set(disable)
     unknown = disabled - {name for name, _ in passes}
     if unknown:
@@ -60,16 +60,20 @@ def run_passes(
     for name, fn in passes:
         if name in disabled:
             continue
-        before = op_counts(gm)
+        before = op_counts(graph)
         if log:
-            log(f"--- before {name} ---\n{gm.code}")
+            log(f"--- before {name} ---\n{_code(graph)}")
         start = time.perf_counter()
-        gm = fn(gm, ctx)
+        graph = fn(graph, ctx)
         seconds = time.perf_counter() - start
-        gm.graph.lint()
-        after = op_counts(gm)
+        graph.lint()
+        after = op_counts(graph)
         delta = {k: after[k] - before[k] for k in before | after if after[k] != before[k]}
         records.append(PassRecord(name, seconds, delta))
         if log:
-            log(f"--- after {name} ({seconds * 1e3:.1f} ms) ---\n{gm.code}")
-    return gm, records
+            log(f"--- after {name} ({seconds * 1e3:.1f} ms) ---\n{_code(graph)}")
+    return graph, records
+
+
+def _code(graph: torch.fx.Graph) -> str:
+    return graph.python_code(root_module="self").src

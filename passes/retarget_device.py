@@ -15,20 +15,20 @@ from micscompile.passes.context import PassContext
 META = torch.device("meta")
 
 
-def retarget_device_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    def fix(a):
-        return ctx.device if isinstance(a, torch.device) and a == META else a
+def retarget_device_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
+    return retarget_device(graph, ctx.device)
 
-    changed = False
-    for node in gm.graph.nodes:
+
+def retarget_device(graph: torch.fx.Graph, device: torch.device) -> torch.fx.Graph:
+    """Rewrite every ``device=meta`` argument in ``graph`` to ``device`` (in place)."""
+
+    def fix(a):
+        return device if isinstance(a, torch.device) and a == META else a
+
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         args, kwargs = torch.fx.node.map_aggregate(node.args, fix), torch.fx.node.map_aggregate(node.kwargs, fix)
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs = args, kwargs
-            changed = True
-    if not changed:
-        return gm
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return graph

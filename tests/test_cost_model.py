@@ -99,6 +99,18 @@ def test_simulation_is_deterministic_and_exports_a_trace(lm_trace, tmp_path):
     assert any(e["ph"] == "C" for e in events)  # memory counter
 
 
+def test_simulate_generates_no_code_and_leaves_the_trace_alone(lm_trace, monkeypatch):
+    """Simulation is pure graph analysis: no GraphModule codegen (0.8 s per copy at 175B)."""
+    before = [(n.name, n.target, n.args) for n in lm_trace.gm.graph.nodes]
+
+    def refuse(self):
+        raise AssertionError("simulate recompiled a GraphModule")
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", refuse)
+    mc.simulate(lm_trace, mc.Plan(partition_size=4, micro_batches=2), Cluster.preset("p4d.24xlarge", nodes=1))
+    assert [(n.name, n.target, n.args) for n in lm_trace.gm.graph.nodes] == before
+
+
 def test_mics_beats_zero3_across_nodes(lm_trace):
     """Sharding inside a node (p = 8) costs less than across all 32 GPUs (ZeRO-3) on p3dn."""
     cluster = Cluster.preset("p3dn.24xlarge", nodes=4)

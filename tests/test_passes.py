@@ -1,6 +1,5 @@
 """insert_collectives and the pass runner on small traced graphs (no process group)."""
 
-import copy
 from collections import Counter
 
 import pytest
@@ -28,39 +27,38 @@ def lm_trace():
 
 def rewrite(tg, p: int, **plan):
     ctx = make_context(tg, mc.Plan(partition_size=p, **plan).resolve(4))
-    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
-    return insert_collectives_pass(gm, ctx), ctx
+    return insert_collectives_pass(tg.graph_copy(), ctx), ctx
 
 
-def targets(gm) -> Counter:
-    return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+def targets(graph) -> Counter:
+    return Counter(n.target for n in graph.nodes if n.op == "call_function")
 
 
 def test_counts_for_tied_lm():
-    gm, ctx = rewrite(lm_trace(), 2)
-    t = targets(gm)
+    graph, ctx = rewrite(lm_trace(), 2)
+    t = targets(graph)
     # 4 buckets (emb, blocks.0, blocks.1, ln); emb has 3 use intervals, the others 2
     assert [lay.name for lay in ctx.layouts] == ["emb", "blocks.0", "blocks.1", "ln"]
     assert t[C.all_gather_issue] == 9 and t[C.release] == 9
     assert t[C.reduce_scatter_issue] == 4
     assert t[C.collective_wait] == 9 + 4
-    gm.graph.lint()
+    graph.lint()
 
 
 def test_signature_is_comm_shards_buffers_inputs():
-    gm, ctx = rewrite(lm_trace(), 2)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    graph, ctx = rewrite(lm_trace(), 2)
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
     assert names[:5] == ["comm", "shard_0", "shard_1", "shard_2", "shard_3"] and len(names) == 7
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
     assert len(out) == 1 + len(ctx.layouts)
     assert all(o.target is C.collective_wait for o in out[1:])
 
 
 def test_gathered_parameters_never_outlive_their_interval():
     """Every use of an unpacked parameter is in its interval's phase and before its release."""
-    gm, _ = rewrite(lm_trace(), 4)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for rel in (n for n in gm.graph.nodes if n.target is C.release):
+    graph, _ = rewrite(lm_trace(), 4)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for rel in (n for n in graph.nodes if n.target is C.release):
         for unpacked in rel.args[2:]:
             assert unpacked.target is unpack_param
             users = [u for u in unpacked.users if u is not rel]
@@ -70,23 +68,23 @@ def test_gathered_parameters_never_outlive_their_interval():
 
 
 def test_prefetch_issues_next_gather_right_after_previous_wait():
-    gm, _ = rewrite(lm_trace(), 2)
-    nodes = list(gm.graph.nodes)
+    graph, _ = rewrite(lm_trace(), 2)
+    nodes = list(graph.nodes)
     waits = [i for i, n in enumerate(nodes) if n.target is C.collective_wait and n.args[1].target is C.all_gather_issue]
     for w in waits[:-1]:
         assert nodes[w + 1].target is C.all_gather_issue
 
 
 def test_p1_is_plain_data_parallel_no_gathers():
-    gm, _ = rewrite(lm_trace(), 1)
-    t = targets(gm)
+    graph, _ = rewrite(lm_trace(), 1)
+    t = targets(graph)
     assert t[C.all_gather_issue] == t[C.release] == t[C.reduce_scatter_issue] == 0
     assert t[C.pack_local] == 4
 
 
 def test_every_step_all_reduces_instead_of_reduce_scatter():
-    gm, _ = rewrite(lm_trace(), 2, grad_sync="every_step")
-    t = targets(gm)
+    graph, _ = rewrite(lm_trace(), 2, grad_sync="every_step")
+    t = targets(graph)
     assert t[C.all_reduce_issue] == 4 and t[C.reduce_scatter_issue] == 0
 
 
@@ -95,17 +93,17 @@ def test_bucket_bytes_merges_consecutive_blocks():
     _, ctx = rewrite(tg, 2, bucket_bytes=10**9)
     assert len(ctx.layouts) == 1
     assert ctx.layouts[0].name == "emb+blocks.0+blocks.1+ln"
-    gm, _ = rewrite(tg, 2, bucket_bytes=10**9)
-    assert all(n.meta[META_BUCKET] == 0 for n in gm.graph.nodes if n.target is C.all_gather_issue)
+    graph, _ = rewrite(tg, 2, bucket_bytes=10**9)
+    assert all(n.meta[META_BUCKET] == 0 for n in graph.nodes if n.target is C.all_gather_issue)
 
 
 def test_program_lowering_and_peak():
     tg = lm_trace()
-    gm, ctx = rewrite(tg, 2)
+    graph, ctx = rewrite(tg, 2)
     rp = ctx.plan
     groups = {g: GroupInfo(g, None, r, 0, False) for g, r in
               [("shard", (0, 1)), ("replicate", (0, 2)), ("world", (0, 1, 2, 3))]}
-    prog = build_program(gm, rp, ctx.layouts, groups, rank=0)
+    prog = build_program(graph, rp, ctx.layouts, groups, rank=0)
     kinds = Counter(a.kind for a in prog.micro_step)
     assert kinds[Kind.ALL_GATHER] == 9 and kinds[Kind.REDUCE_SCATTER] == 4 and kinds[Kind.WAIT] == 13
     assert [str(a) for a in prog.boundary] == ["AR0", "AR1", "AR2", "AR3", "ARL", "OPT"]
@@ -118,32 +116,31 @@ def test_program_lowering_and_peak():
 def test_runner_times_lints_and_disables():
     tg = lm_trace()
     ctx = make_context(tg, mc.Plan(partition_size=2).resolve(4))
-    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph))
     logged = []
-    out, records = run_passes(gm, ctx, build_pass_list(ctx.plan.plan), log=logged.append)
+    out, records = run_passes(tg.graph_copy(), ctx, build_pass_list(ctx.plan.plan), log=logged.append)
     assert [r.name for r in records] == ["retarget_device", "insert_collectives"]
     assert records[0].op_delta == {}  # TiedLM creates no tensors: nothing to retarget
     assert records[1].op_delta["all_gather_issue"] == 9
     assert len(logged) == 4 and "all_gather_issue" in logged[3]
-    _, only = run_passes(copy.deepcopy(gm), ctx, build_pass_list(ctx.plan.plan), disable=["insert_collectives"])
+    _, only = run_passes(tg.graph_copy(), ctx, build_pass_list(ctx.plan.plan), disable=["insert_collectives"])
     assert [r.name for r in only] == ["retarget_device"]
     with pytest.raises(ValueError, match="unknown passes"):
-        run_passes(gm, ctx, build_pass_list(ctx.plan.plan), disable=["nope"])
+        run_passes(tg.graph_copy(), ctx, build_pass_list(ctx.plan.plan), disable=["nope"])
 
 
 def test_first_layer_weight_is_not_regathered_when_backward_does_not_read_it():
     """A Linear whose input needs no gradient never reads its weight in backward."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     tg = mc.trace(model, (torch.zeros(2, 4), torch.zeros(2, 3)), torch.nn.functional.mse_loss)
-    gm, _ = rewrite(tg, 2)
-    per_bucket = Counter(n.args[1] for n in gm.graph.nodes if n.target is C.all_gather_issue)
+    graph, _ = rewrite(tg, 2)
+    per_bucket = Counter(n.args[1] for n in graph.nodes if n.target is C.all_gather_issue)
     assert per_bucket == {0: 1, 1: 2}  # bucket '0' (first Linear) forward only; '2' forward + backward
 
 
 def test_convnet_every_bucket_regathered_in_backward():
     tg = mc.trace(ConvNet(), (torch.zeros(4, 3, 8), torch.zeros(4, dtype=torch.long)), cls_loss)
-    gm, ctx = rewrite(tg, 2)
-    assert Counter(n.args[1] for n in gm.graph.nodes if n.target is C.all_gather_issue) == {0: 2, 1: 2, 2: 2}
+    graph, ctx = rewrite(tg, 2)
+    assert Counter(n.args[1] for n in graph.nodes if n.target is C.all_gather_issue) == {0: 2, 1: 2, 2: 2}
 
 
 def test_retarget_device_moves_factory_ops_off_meta():
@@ -156,13 +153,13 @@ def test_retarget_device_moves_factory_ops_off_meta():
         model = GPT(cfg)
     tg = mc.trace(model, lm_batch(cfg, 2, torch.Generator().manual_seed(0)), gpt_loss)
 
-    def devices(gm):
-        return [a for n in gm.graph.nodes for a in [*n.args, *n.kwargs.values()] if isinstance(a, torch.device)]
+    def devices(graph):
+        return [a for n in graph.nodes for a in [*n.args, *n.kwargs.values()] if isinstance(a, torch.device)]
 
-    assert torch.device("meta") in devices(tg.gm)  # the causal mask is built on meta
+    assert torch.device("meta") in devices(tg.gm.graph)  # the causal mask is built on meta
     ctx = make_context(tg, mc.Plan(partition_size=1).resolve(1), torch.device("cpu"))
-    gm = retarget_device_pass(torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.gm.graph)), ctx)
-    assert devices(gm) and set(devices(gm)) == {torch.device("cpu")}
+    graph = retarget_device_pass(tg.graph_copy(), ctx)
+    assert devices(graph) and set(devices(graph)) == {torch.device("cpu")}
 
 
 def test_random_ops_on_parameters_are_not_redrawn_per_interval():
@@ -177,8 +174,8 @@ def test_random_ops_on_parameters_are_not_redrawn_per_interval():
             return torch.nn.functional.linear(self.a(x), w, self.b.bias)
 
     tg = mc.trace(Noisy(), (torch.zeros(2, 4), torch.zeros(2, 4)), torch.nn.functional.mse_loss)
-    gm, _ = rewrite(tg, 2)
-    draws = [n for n in gm.graph.nodes if n.target == torch.ops.aten.randn_like.default]
+    graph, _ = rewrite(tg, 2)
+    draws = [n for n in graph.nodes if n.target == torch.ops.aten.randn_like.default]
     assert len(draws) == 1  # drawn once, shared by forward and backward
 
 
@@ -195,5 +192,5 @@ def test_unused_parameter_gets_no_reduction():
 
     tg = mc.trace(Wrap(), (torch.zeros(2, 4), torch.zeros(2, 4)), torch.nn.functional.mse_loss)
     assert tg.unused_params == {"m.unused.weight", "m.unused.bias"}
-    gm, ctx = rewrite(tg, 2)
-    assert sum(1 for n in gm.graph.nodes if n.target is C.reduce_scatter_issue) == 1
+    graph, ctx = rewrite(tg, 2)
+    assert sum(1 for n in graph.nodes if n.target is C.reduce_scatter_issue) == 1
