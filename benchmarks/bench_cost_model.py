@@ -2,9 +2,11 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_cost_model.py
 
-Calibrates the machine first (same launch), then for each configuration compiles
-and times real steps (median, slowest rank) and predicts the same step with
-``mc.simulate`` on the calibrated cluster from a meta-device trace.
+Calibrates the machine first (same launch), then for each configuration profiles
+the meta-device trace's graph on every rank (profile mode), compiles and times real
+steps (median over steps of the slowest rank), and predicts the same step with
+``mc.simulate`` on the calibrated cluster. ``--no-profile`` prices ops with the
+calibrated roofline instead.
 """
 
 from __future__ import annotations
@@ -55,26 +57,25 @@ def main() -> None:
         gen = torch.Generator().manual_seed(rank)
         batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
         for s in (1, 4):
-            # one trace (and profile) per micro-batch shape, shared by every partition size
+            # one trace per micro-batch shape, shared by every partition size
             with torch.device("meta"):
                 meta_model = GPT(cfg)
             trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss)
             for p in (1, 2, 4):
                 plan = mc.Plan(partition_size=p, micro_batches=s)
-                step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
-                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-                measured, _ = median_step_s(step, batches, args.warmup)
-                del step
-                if args.profile and p == 1:  # every rank profiles at once: each measures its share
-                    profile_trace(trace)
-                    say(f"profiled micro-step graph: "
-                        f"{sum(n.meta.get(META_TIME_S, 0) for n in trace.gm.graph.nodes) * 1e3:.1f} ms")
+                if args.profile:  # every rank at once (each measures its share), just before the run:
+                    profile_trace(trace, micro_batches=s)  # a shared machine's speed drifts by minutes
+                measured, _ = median_step_s(mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
+                                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+                                            batches, args.warmup)
                 pred = mc.simulate(trace, plan, cluster)
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})
+                profiled = sum(n.meta.get(META_TIME_S, 0) for n in trace.gm.graph.nodes)
                 say(f"{name:<11} p={p} s={s}: measured {measured * 1e3:7.1f} ms  predicted "
-                    f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}   ({pred.compute_s * 1e3:.0f} ms compute, "
+                    f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}   (micro-step graph {profiled * 1e3:.0f} ms; "
+                    f"{pred.compute_s * 1e3:.0f} ms compute, "
                     f"{pred.exposed_comm_s * 1e3:.0f} ms exposed; "
                     + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pred.stream_busy_s.items())) + ")")
     if rank == 0:

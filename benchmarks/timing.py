@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from micscompile.cost_model.calibrate import slowest_rank_median
+
 
 def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], warmup: int) -> tuple[float, object]:
     """Run ``warmup`` steps, then time one step per remaining batch (barrier before each).
-    Returns (the slowest rank's median step time, the last step's return value)."""
+    Returns (the median over steps of the slowest rank's time, the last step's return value)."""
     for batch in batches[:warmup]:
         step(*batch)
     times, out = [], None
@@ -21,6 +22,4 @@ def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], war
         t0 = time.perf_counter()
         out = step(*batch)
         times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # every rank must agree: the step waits for the slowest
-    return float(med), out
+    return slowest_rank_median(times), out  # a step waits for its slowest rank

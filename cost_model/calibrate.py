@@ -5,7 +5,7 @@ training runs: on a shared machine, concurrent ranks split its cores and memory
 bandwidth. Measured: matmul throughput, memory bandwidth, per-op overhead, alpha
 and beta of all-gather / reduce-scatter / all-reduce for every group size that
 divides the world (consecutive-rank groups, all running at once), and the
-communication/compute overlap. Times are medians over repeats, maxed over ranks.
+what a collective in flight costs compute. Times are medians over repeats of the slowest rank's time.
 
 Run it as ``python -m micscompile calibrate --nproc 4`` (writes local_cluster.json).
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
-COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))
 
 
@@ -32,31 +32,56 @@ MIN_WINDOW_S = 0.1
 measure a rank running alone, not its fair share of the cores."""
 
 
-def _timed(fn: Callable[[], object], repeats: int, group=None) -> float:
-    """Seconds per call of ``fn``: median over ``repeats`` windows of >= MIN_WINDOW_S each,
-    all ranks aligned and agreeing on the inner count; the slowest rank's median."""
+def slowest_rank_median(times: list[float]) -> float:
+    """The median over aligned samples of the slowest rank's time in each (every rank must call
+    it with as many samples): a step waits for its slowest rank, and which rank is slowest
+    changes from step to step, so the median of per-sample maxima exceeds the slowest median."""
+    t = torch.tensor(times, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _inner_count(fn: Callable[[], object]) -> int:
+    """Calls of ``fn`` per window of >= MIN_WINDOW_S, the same on every rank (collectives must match)."""
     t0 = time.perf_counter()
     fn()
     inner = torch.tensor([max(1, int(MIN_WINDOW_S / max(time.perf_counter() - t0, 1e-6)))])
-    dist.all_reduce(inner, op=dist.ReduceOp.MAX)  # same count everywhere: collectives must match
-    inner = int(inner)
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    med = torch.tensor([statistics.median(times)])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med)
+    dist.all_reduce(inner, op=dist.ReduceOp.MAX)
+    return int(inner)
+
+
+def _window(fn: Callable[[], object], inner: int, group=None) -> float:
+    """Seconds per call over ``inner`` calls, all ranks starting together."""
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def _timed(fn: Callable[[], object], repeats: int, group=None) -> float:
+    """Seconds per call of ``fn``: median over ``repeats`` windows of >= MIN_WINDOW_S each of the
+    slowest rank's time."""
+    inner = _inner_count(fn)
+    return slowest_rank_median([_window(fn, inner, group) for _ in range(repeats)])
+
+
+def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: int) -> float:
+    """Seconds per call that ``fn`` takes beyond ``base``, from alternating windows: a shared
+    machine drifts by more than the difference between two windows timed apart."""
+    inner_fn, inner_base = _inner_count(fn), _inner_count(base)
+    return slowest_rank_median([_window(fn, inner_fn) - _window(base, inner_base) for _ in range(repeats)])
 
 
 def _fit(sizes: list[float], times: list[float]) -> dict[str, float]:
-    """Least-squares T = alpha + beta * N, clipped to non-negative."""
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    beta = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sum((x - mx) ** 2 for x in sizes)
+    """T = alpha + beta * N by least squares on the *relative* error, clipped to non-negative:
+    sizes span 1000x, and a plain fit lets the largest message decide the small ones."""
+    w = [1 / max(t, 1e-12) ** 2 for t in times]
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, sizes)) / sw, sum(wi * y for wi, y in zip(w, times)) / sw
+    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, times)) / sum(
+        wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
     beta = max(beta, 1e-15)
     alpha = max(my - beta * mx, 0.0)
     return {"alpha_s": alpha, "beta_s_per_byte": beta}
@@ -90,7 +115,7 @@ def _collective(kind: str, nbytes: int, g: int, group, device: torch.device) -> 
 def _program_pattern(
     nbytes: int, g: int, chunks: int, a: torch.Tensor, b: torch.Tensor, group,
 ) -> Callable[[], None]:
-    """``chunks`` times: issue an all-gather of ``nbytes`` in ``group``, compute two matmuls, wait
+    """``chunks`` times: issue an all-gather of ``nbytes`` in ``group``, one matmul, wait
     (what a Program does)."""
     out = torch.zeros(nbytes // 4, device=a.device)
     inp = torch.zeros(out.numel() // g, device=a.device)
@@ -99,13 +124,32 @@ def _program_pattern(
         for _ in range(chunks):
             work = dist.all_gather_single(out, inp, group=group, async_op=True)
             torch.mm(a, b)
-            torch.mm(a, b)
             work.wait()
 
     return pattern
 
 
-def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Cluster:
+def _gathers_at_once(nbytes: int, g: int, at_once: int, group, device: torch.device) -> Callable[[], None]:
+    """Issue ``at_once`` all-gathers of ``nbytes`` in ``group``, then wait for them all."""
+    bufs = [(torch.zeros(nbytes // 4, device=device), torch.zeros(nbytes // 4 // g, device=device))
+            for _ in range(at_once)]
+
+    def run() -> None:
+        for work in [dist.all_gather_single(full, part, group=group, async_op=True) for full, part in bufs]:
+            work.wait()
+
+    return run
+
+
+def _matmuls(a: torch.Tensor, b: torch.Tensor, chunks: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(chunks):
+            torch.mm(a, b)
+
+    return run
+
+
+def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Cluster:
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
@@ -151,30 +195,36 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
             say(f"{kind:>14} g={g}: alpha {fits[fit_key(kind, g)]['alpha_s'] * 1e6:.0f} us, "
                 f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
 
-    # What a collective costs the compute stream in the Program's pattern (issue, compute, wait),
-    # per group size (two 2-rank groups load the cores less than one 4-rank group) at three sizes,
-    # fitted against the message size (which spans 64x; durations of small messages are all
-    # latency, so fitting against them is ill-conditioned).
-    a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
-    chunks, pattern_repeats = 32, max(repeats, 7)  # small signals on a shared machine: more samples
-    alone = _timed(lambda: [torch.mm(a, b) for _ in range(2 * chunks)], pattern_repeats)
-    sizes = [64 << 10, 1 << 20, 4 << 20]
-    compute_fits: dict[str, dict[str, float]] = {}
-    overlap = overhead = 0.0  # informational (the simulator uses compute_fits): from the world group
+    # What a collective costs the compute stream in the Program's pattern (issue, compute X, wait),
+    # per group size (two 2-rank groups load the cores less than one 4-rank group): measured at two
+    # compute lengths, extra = exposed_fraction * duration + slowdown * X (cores shared with the
+    # communication threads: on 4 ranks over 2 cores nothing hides, and compute alongside slows);
+    # and what a collective issued while another of its group is in flight adds (gloo runs a group's
+    # collectives on 2 threads: two at once take ~1.6x one, not 2x).
+    chunks, pattern_repeats = 32, max(repeats, 11)  # small signals on a shared machine: more samples
+    small, big = ((torch.randn(n, n, device=device), torch.randn(n, n, device=device)) for n in (256, 512))
+    x_small, x_big = (_timed(_matmuls(*m, chunks), repeats) / chunks for m in (small, big))
+    interference: dict[str, dict[str, float]] = {}
     for g, pg in groups.items():
-        durations, charges = [], []
-        for nbytes in sizes:
-            durations.append(_timed(_collective("all_gather", nbytes, g, pg, device), repeats))
-            pattern = _program_pattern(nbytes, g, chunks, a, b, pg)
-            charges.append(max(_timed(pattern, pattern_repeats) - alone, 0.0) / chunks)
-        compute_fits[str(g)] = _fit([float(n) for n in sizes], charges)
-        if g == world:  # the overlap these figures imply at the largest size, for reading
-            overlap = min(max(1 - charges[-1] / durations[-1], 0.0), 1.0) if durations[-1] else 1.0
-            overhead = compute_fits[str(g)]["alpha_s"]
-        say(f"collective cost to compute, g={g}: " + ", ".join(
-            f"{n >> 10} KiB gather ({d * 1e3:.1f} ms) -> {c * 1e3:.1f} ms" for n, d, c in zip(sizes, durations, charges))
-            + f"; fit {compute_fits[str(g)]['alpha_s'] * 1e6:.0f} us + "
-            f"{compute_fits[str(g)]['beta_s_per_byte'] * 1e9:.2f} ns/B")
+        exposed, slowdown, queued, shown = [], [], [], []
+        for nbytes in (64 << 10, 1 << 20, 4 << 20):
+            d = _timed(_gathers_at_once(nbytes, g, 1, pg, device), repeats)
+            queued.append(min(max(_timed(_gathers_at_once(nbytes, g, 2, pg, device), repeats) / d - 1, 0.0), 1.0))
+            extra_small, extra_big = (
+                _timed_extra(_program_pattern(nbytes, g, chunks, *m, pg), _matmuls(*m, chunks), pattern_repeats) / chunks
+                for m in (small, big)
+            )
+            phi = min(max((extra_big - extra_small) / (x_big - x_small), 0.0), 1.0)
+            slowdown.append(phi)
+            exposed.append(min(max((extra_small - phi * x_small) / d, 0.0), 1.0) if d > 0 else 0.0)
+            shown.append(f"{nbytes >> 10} KiB ({d * 1e3:.1f} ms): +{extra_small * 1e3:.1f} / +{extra_big * 1e3:.1f} ms")
+        phi = statistics.median(slowdown)
+        interference[str(g)] = {"exposed_fraction": statistics.median(exposed), "slowdown": phi,
+                                "max_slowdown_s": phi * x_big, "queued_fraction": statistics.median(queued)}
+        say(f"gather in flight, g={g}, beside {x_small * 1e3:.1f} / {x_big * 1e3:.1f} ms of matmul: "
+            + ", ".join(shown) + f" -> {interference[str(g)]['exposed_fraction']:.0%} of its duration exposed, "
+            f"compute alongside {phi:.0%} slower; a second gather in flight adds "
+            f"{interference[str(g)]['queued_fraction']:.0%} of its duration")
 
     g = world
     world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
@@ -187,5 +237,4 @@ def calibrate(repeats: int = 5, log: Callable[[str], None] | None = None) -> Clu
         optimizer_element_s=per_element,
     )
     return Cluster(name="local", nodes=1, gpus_per_node=world, gpu=gpu, intra=link, inter=link,
-                   overlap=overlap, collective_overhead_s=overhead, collective_compute_fits=compute_fits,
-                   collective_fits=fits)
+                   collective_interference=interference, collective_fits=fits)

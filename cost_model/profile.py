@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from micscompile.cost_model.calibrate import slowest_rank_median
 from micscompile.trace import TrainGraph
 
-WHOLE_WINDOW_S = 1.0
-"""Time the whole graph for at least this long: shorter windows on a busy machine are noise."""
+WHOLE_WINDOW_S = 2.0
+WHOLE_MIN_SAMPLES = 7
+"""Time the whole graph for at least WHOLE_WINDOW_S and WHOLE_MIN_SAMPLES steps' worth of runs:
+fewer samples on a busy machine are noise (3 samples of a 0.3 s graph moved the total by 20%)."""
 META_TIME_S = "mc_time_s"
 """Measured seconds of one execution of the node (profile mode)."""
 
@@ -54,8 +57,17 @@ def _random_like(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
     return torch.zeros(val.shape, dtype=val.dtype, device=device)
 
 
-def profile_trace(trace: TrainGraph, device: torch.device | str = "cpu", repeats: int = 3) -> TrainGraph:
-    """Annotate ``trace``'s nodes with their measured time on ``device`` (in place); returns it."""
+def profile_trace(
+    trace: TrainGraph, device: torch.device | str = "cpu", repeats: int = 3, micro_batches: int = 1,
+) -> TrainGraph:
+    """Annotate ``trace``'s nodes with their measured time on ``device`` (in place); returns it.
+
+    ``micro_batches``: how many times a step runs the graph back to back (``Plan.micro_batches``).
+    The whole-graph time is measured that way, between barriers: on a shared machine a rank
+    that finishes early frees cores for the others, which a lone run between barriers
+    credits to every micro-batch (4 runs of 1/4 of the batch cost ~30% more than 1/4 of one
+    run of the whole batch on 4 ranks over 2 cores).
+    """
     from micscompile.passes.retarget_device import retarget_device
 
     device = torch.device(device)
@@ -75,7 +87,8 @@ def profile_trace(trace: TrainGraph, device: torch.device | str = "cpu", repeats
         # the total decides the prediction: time it over >= WHOLE_WINDOW_S (same count on every rank)
         t0 = time.perf_counter()
         gm(*inputs)
-        count = torch.tensor([max(repeats, int(WHOLE_WINDOW_S / max(time.perf_counter() - t0, 1e-6)))])
+        once = max(time.perf_counter() - t0, 1e-6) * micro_batches
+        count = torch.tensor([max(WHOLE_MIN_SAMPLES, int(WHOLE_WINDOW_S / once))])
         if aligned:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         whole = []
@@ -83,16 +96,15 @@ def profile_trace(trace: TrainGraph, device: torch.device | str = "cpu", repeats
             barrier()
             sync()
             t0 = time.perf_counter()
-            gm(*inputs)
+            for _ in range(micro_batches):
+                gm(*inputs)
             sync()
-            whole.append(time.perf_counter() - t0)
+            whole.append((time.perf_counter() - t0) / micro_batches)
     per_node = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
-    total = torch.tensor([statistics.median(whole)])
-    if aligned:  # every rank runs the graph in a step; a step waits for the slowest
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    total = slowest_rank_median(whole)  # every rank runs the graph in a step; a step waits for the slowest
     # timing node by node (with syncs) misses what happens between ops in a straight run:
     # keep the per-node split, scale it to the measured time of the whole graph
-    scale = float(total) / max(sum(per_node.values()), 1e-12)
+    scale = total / max(sum(per_node.values()), 1e-12)
     by_name = {n.name: n for n in trace.gm.graph.nodes}
     for name, seconds in per_node.items():
         by_name[name].meta[META_TIME_S] = seconds * scale

@@ -13,8 +13,11 @@ Compute time of an action (cost_model.specs.GpuSpec):
 write of the bucket on the compute stream. ``Cluster.overlap`` < 1 charges the
 compute stream ``(1 - overlap)`` of every collective's time (cores shared with the
 communication library, as gloo on a small CPU machine), plus
-``Cluster.collective_overhead_s`` per collective; a calibrated cluster instead charges
-its measured ``collective_compute_fits`` for the group's size (alpha + beta * bytes).
+``Cluster.collective_overhead_s`` per collective. A calibrated cluster instead has, per
+group size, ``Cluster.collective_interference``: the exposed fraction of the collective's
+duration, charged at issue, and a slowdown of the compute that runs while it is in flight
+(until its wait), up to a maximum (measured on 4 gloo ranks over 2 cores: ~all of a
+gather's duration is exposed and compute beside it runs 10-50% slower).
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
 ``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
@@ -131,7 +134,7 @@ def simulate_program(
     t = 0.0
     busy: dict[str, float] = defaultdict(float)
     stream_free: dict[str, float] = defaultdict(float)
-    pending: dict[tuple[Kind, int | None], deque] = defaultdict(deque)
+    pending: dict[tuple[Kind, int | None], deque] = defaultdict(deque)  # [end, slowdown, slowdown left, bytes freed, group]
     events: list[Event] = []
     memory: list[tuple[float, int]] = []
     dynamic = 0  # gathered + packed buckets
@@ -151,21 +154,40 @@ def simulate_program(
         t += duration
         busy["compute"] += duration
 
-    def issue(a: Action) -> float:
+    def issue(a: Action) -> tuple[float, float, float]:
+        """Enqueue ``a`` on its stream and charge compute its exposed share; returns (its end, the
+        slowdown of compute beside it, the most that slowdown may cost)."""
         group = groups[a.group]
+        cost = cluster.collective_interference.get(str(group.size))
         duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
         stream = f"comm:{a.group}"
+        if cost is not None and any(item[4] == a.group for queue in pending.values() for item in queue):
+            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
         start = max(t, stream_free[stream])
         stream_free[stream] = start + duration
         busy[stream] += duration
         if record and duration > 0:
             events.append(Event(stream, str(a), start, start + duration))
-        fit = cluster.collective_compute_fits.get(str(group.size))
-        if duration > 0 and fit is not None:
-            run_compute(fit["alpha_s"] + fit["beta_s_per_byte"] * a.tensor_bytes, f"comm cpu {a}")
-        elif duration > 0 and (cluster.overlap < 1 or cluster.collective_overhead_s):
+        if duration <= 0:
+            return start + duration, 0.0, 0.0
+        if cost is None:
             run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, f"comm cpu {a}")
-        return start + duration
+            return start + duration, 0.0, 0.0
+        run_compute(cost["exposed_fraction"] * duration, f"comm cpu {a}")
+        return start + duration, cost["slowdown"], cost["max_slowdown_s"]
+
+    def run_compute_beside_collectives(duration: float, name: str) -> None:
+        """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
+        collective's maximum."""
+        extra = 0.0
+        for queue in pending.values():
+            for item in queue:
+                take = min(item[1] * duration, item[2])
+                item[2] -= take
+                extra += take
+        run_compute(duration, name)
+        if extra > 0:
+            run_compute(extra, "slowed by collectives in flight")
 
     def wait_until(end: float) -> None:
         nonlocal t, exposed
@@ -178,12 +200,12 @@ def simulate_program(
         for a in program.micro_step:
             if a.kind is Kind.COMPUTE:
                 note_memory(a.activation_peak_bytes)
-                run_compute(compute_time_s(a, gpu, compute_dtype), a.region)
+                run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
                 activations = a.activation_bytes
             elif a.kind is Kind.ALL_GATHER:
                 dynamic += a.tensor_bytes
                 note_memory(activations)
-                pending[(a.kind, a.bucket)].append((issue(a), 0))
+                pending[(a.kind, a.bucket)].append([*issue(a), 0, a.group])
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
                 run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")
                 dynamic += a.tensor_bytes
@@ -191,9 +213,9 @@ def simulate_program(
                 if a.kind is Kind.PACK:
                     dynamic -= a.tensor_bytes  # consumed by accumulation right away
                 else:
-                    pending[(a.kind, a.bucket)].append((issue(a), a.tensor_bytes))
+                    pending[(a.kind, a.bucket)].append([*issue(a), a.tensor_bytes, a.group])
             elif a.kind is Kind.WAIT:
-                end, frees = pending[(a.waits_for, a.bucket)].popleft()
+                end, _, _, frees, _ = pending[(a.waits_for, a.bucket)].popleft()
                 wait_until(end)
                 dynamic -= frees
             elif a.kind is Kind.RELEASE:
@@ -205,7 +227,7 @@ def simulate_program(
     ends = []
     for a in program.boundary:
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
-            ends.append(issue(a))
+            ends.append(issue(a)[0])  # nothing computes beside them: no slowdown
         elif a.kind is Kind.OPTIMIZER:
             wait_until(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)

@@ -78,9 +78,12 @@ class Cluster:
     collective_overhead_s: float = 0.0
     """Compute-stream time each collective costs beyond its overlap share (scheduling the
     communication thread on cores that compute keeps busy); 0 on GPUs."""
-    collective_compute_fits: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Measured compute-stream cost of one collective in flight, per group size ("2", "4", ...), as
-    {"alpha_s", "beta_s_per_byte"} (calibration); where present it replaces
+    collective_interference: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Measured cost to the compute stream of a collective in flight, per group size ("2", "4", ...):
+    {"exposed_fraction": of its duration, paid at issue; "slowdown": fraction by which compute
+    alongside it (until its wait) runs slower, at most "max_slowdown_s"; "queued_fraction": of its
+    duration a collective adds when issued while another of its group is in flight (1: they
+    run one after the other, as on one NCCL stream)} (calibration). Where present it replaces
     ``(1 - overlap) * duration + collective_overhead_s``."""
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""

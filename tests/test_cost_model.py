@@ -111,6 +111,28 @@ def test_simulate_generates_no_code_and_leaves_the_trace_alone(lm_trace, monkeyp
     assert [(n.name, n.target, n.args) for n in lm_trace.gm.graph.nodes] == before
 
 
+def test_collective_interference_charges_exposure_and_slowdown(lm_trace):
+    """A calibrated cluster's collective costs: the exposed share of each collective's duration at
+    issue, and a slowdown of the compute beside it, capped per collective."""
+    import dataclasses
+
+    base = dataclasses.replace(Cluster.preset("p4d.24xlarge"), gpus_per_node=4)
+    plan = mc.Plan(partition_size=2, micro_batches=2)  # shard and replicate groups of 2
+
+    def run(exposed, slowdown, cap):
+        cost = {"2": {"exposed_fraction": exposed, "slowdown": slowdown, "max_slowdown_s": cap}}
+        return mc.simulate(lm_trace, plan, dataclasses.replace(base, collective_interference=cost), scaling=False)
+
+    free, exposed = run(0.0, 0.0, 0.0), run(1.0, 0.0, 0.0)
+    comm = free.stream_busy_s["comm:shard"] + free.stream_busy_s["comm:replicate"]
+    assert exposed.compute_s - free.compute_s == pytest.approx(comm, rel=1e-6)
+    assert exposed.exposed_comm_s <= free.exposed_comm_s
+    slowed, capped = run(0.0, 0.5, 1.0), run(0.0, 0.5, 1e-6)
+    assert free.compute_s < slowed.compute_s <= 1.5 * free.compute_s
+    n_collectives = sum(1 for e in free.events if e.track.startswith("comm:") and e.track != "comm:world")
+    assert capped.compute_s - free.compute_s <= n_collectives * 1e-6 + 1e-12
+
+
 def test_mics_beats_zero3_across_nodes(lm_trace):
     """Sharding inside a node (p = 8) costs less than across all 32 GPUs (ZeRO-3) on p3dn."""
     cluster = Cluster.preset("p3dn.24xlarge", nodes=4)
