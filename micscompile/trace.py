@@ -27,6 +27,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -253,7 +254,9 @@ def trace(
             return joint(params, buffers, *inputs)
 
     try:
-        with fx_traceback.preserve_node_meta():
+        # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
+        # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
+        with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
             gm = make_fx(recorded_joint, tracing_mode="fake")(params, buffers, *inputs)
     except TraceError:
         raise
@@ -275,7 +278,7 @@ def trace(
             h.remove()
 
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat signature: (*params, *buffers, *inputs)
-    gm.recompile()
+    gm.recompile()  # lazy (see above): marks the code stale
     _annotate(gm, fwd_marks, bwd_marks, bwd_start[0])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [f"parameter '{n}'" for n in params] + [f"buffer '{n}'" for n in buffers]
