@@ -12,10 +12,9 @@ import dataclasses
 from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
-from micscompile.passes.context import make_context
-from micscompile.passes.manager import build_pass_list, run_passes
+from micscompile.passes.schedule import schedule
 from micscompile.plan import Plan, ResolvedPlan
-from micscompile.program import Kind, Program, build_program
+from micscompile.program import Kind, Program
 from micscompile.trace import TrainGraph
 
 
@@ -33,11 +32,14 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
     }
 
 
-def lower(trace: TrainGraph, rp: ResolvedPlan, rank: int = 0) -> Program:
-    """The Program ``mc.compile`` would run on ``rank``, built without a process group."""
-    ctx = make_context(trace, rp)
-    graph, _ = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan))
-    return build_program(graph, rp, ctx.layouts, planned_groups(rp, rank), rank)
+def lower(
+    trace: TrainGraph, rp: ResolvedPlan, rank: int = 0, cluster: Cluster | None = None,
+    prefetch_distances: tuple[int, ...] | None = None, **costs,
+) -> Program:
+    """The Program ``mc.compile`` would run on ``rank`` (scheduled on ``cluster``), built without a
+    process group."""
+    return schedule(trace, rp, cluster, planned_groups(rp, rank), rank, distances=prefetch_distances,
+                    costs=costs).program
 
 
 def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:
@@ -57,16 +59,18 @@ def simulate(
     *,
     flops_per_step: float | None = None,
     scaling: bool = True,
+    prefetch_distances: tuple[int, ...] | None = None,
     **costs,
 ) -> Prediction:
     """Predict one optimizer step of ``plan`` on ``cluster`` (world size = cluster.world_size).
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
-    ``costs`` go to ``cost_model.simulator.simulate_program``.
+    ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
+    ``mc.compile`` schedules it (``passes.schedule``; ``prefetch_distances`` as there).
     """
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
-    program = lower(trace, rp)
+    program = lower(trace, rp, cluster=cluster, prefetch_distances=prefetch_distances, **costs)
     buffer_bytes = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
         for n in list(trace.gm.graph.nodes)[trace.num_params : trace.num_params + len(trace.buffer_names)]

@@ -29,11 +29,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from micscompile import collectives as C
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import check_initializable, fingerprint, local_state
-from micscompile.passes.context import make_context
-from micscompile.passes.manager import PassRecord, build_pass_list, run_passes
+from micscompile.cost_model.specs import Cluster
+from micscompile.passes.manager import PassRecord
+from micscompile.passes.schedule import schedule
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
-from micscompile.program import Kind, Program, build_program
+from micscompile.program import Kind, Program
 from micscompile.sharding import BucketLayout, local_piece, unpack_param
 from micscompile.trace import TrainGraph, split_batch, trace
 
@@ -233,6 +234,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     example_inputs: Sequence[torch.Tensor],
     init_fn: Callable[[nn.Module], None] | None = None,
     num_model_inputs: int = 1,
+    cluster: Cluster | None = None,
+    prefetch_distances: tuple[int, ...] | None = None,
     disable_passes: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
 ) -> TrainStep:
@@ -244,6 +247,11 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     (elementwise optimizers such as SGD and AdamW give the unsharded result). A model
     on the meta device is initialised module by module with ``init_fn`` (default:
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
+
+    The prefetch distance of the gathers is chosen under ``plan.memory_budget_bytes`` by
+    simulating the candidates (``prefetch_distances``, default 0-4) on ``cluster`` (e.g.
+    ``Cluster.preset("local")`` after calibrating); without one, one use interval ahead
+    where the budget allows (passes.schedule).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -262,17 +270,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
         check_initializable(model, init_fn)
-        ctx = make_context(tg, rp, device)
-        graph, records = run_passes(tg.graph_copy(), ctx, build_pass_list(plan), disable=disable_passes, log=log)
-        program = build_program(graph, rp, ctx.layouts, planned_groups(rp, rank), rank)
-        budget = plan.memory_budget_bytes
-        if budget is not None and program.peak_gathered_bytes > budget:
-            largest = max(lay.full_bytes for lay in ctx.layouts)
-            raise PlanError(
-                f"memory_budget_bytes={budget:,} is below the {program.peak_gathered_bytes:,} bytes of gathered "
-                f"parameters this plan keeps live (largest bucket {largest:,} bytes); raise the budget, "
-                f"or lower bucket_bytes / raise partition_size"
-            )
+        sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
+                         distances=prefetch_distances, disable=disable_passes, log=log)
+        ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
         state_keys = list(model.state_dict(keep_vars=True).keys())
         prints = {"program": program.fingerprint(), "weights": fingerprint(model, device)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement

@@ -27,6 +27,9 @@ class PassContext:
     """Block FQN -> bucket index."""
     device: torch.device = CPU
     """Where this rank computes: factory ops traced on meta are moved here."""
+    prefetch_distance: int = 1
+    """Gather each bucket this many use intervals ahead of its use (0: at its use; the schedule
+    pass chooses it under the memory budget)."""
 
 
 def first_uses(tg: TrainGraph) -> dict[str, int]:
@@ -42,9 +45,12 @@ def first_uses(tg: TrainGraph) -> dict[str, int]:
     return first
 
 
-def make_context(tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU) -> PassContext:
+def make_context(
+    tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU, prefetch_distance: int = 1,
+) -> PassContext:
     """Buckets and layouts for ``plan``: needs no process group."""
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
     buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)
     layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size))
-    return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device)
+    return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device,
+                       prefetch_distance=prefetch_distance)

@@ -11,8 +11,9 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   parameter, directly or through parameter-only views) with the same phase
   (forward/backward) and region (block). A tied weight used by two blocks therefore
   gets one interval per block it is used in.
-* Per interval: ``all_gather_issue`` (one interval ahead of its use: the issue sits
-  right after the previous interval's wait), ``collective_wait`` just before the
+* Per interval: ``all_gather_issue`` (``ctx.prefetch_distance`` intervals ahead of its
+  use: the issue sits right after the wait of the interval that many before; 0: right
+  before its own wait), ``collective_wait`` just before the
   first consumer, one ``unpack_param`` (a view of the gathered bucket) per parameter
   used, parameter-only views
   re-derived from them inside the interval, and ``release`` after the last consumer.
@@ -113,24 +114,29 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
 
     # ---- gathers, unpacks, releases ----------------------------------------------------
-    prev_wait: torch.fx.Node | None = None
-    for iv in intervals:
+    distance = ctx.prefetch_distance
+    waits: list[torch.fx.Node] = []
+    for k, iv in enumerate(intervals):
         lay = layouts[iv.bucket]
         if p == 1:
             src = shards[iv.bucket]
             anchor = iv.first
         else:
-            if prev_wait is None:
-                with graph.inserting_before(iv.first):
-                    issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
+            # issued right after the wait of the interval `distance` before (the first
+            # `distance` ones up front, before the first wait); distance 0: right before its wait
+            if distance == 0 or k == 0:
+                where = graph.inserting_before(iv.first)
+            elif k < distance:
+                where = graph.inserting_before(waits[0])
             else:
-                with graph.inserting_after(prev_wait):
-                    issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
+                where = graph.inserting_after(waits[k - distance])
+            with where:
+                issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
             with graph.inserting_before(iv.first):
                 src = graph.call_function(C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)
             _tag(src, iv.first, iv.bucket)
-            prev_wait = src
+            waits.append(src)
             anchor = iv.first
         for slot in lay.slots:
             if slot.name in iv.params:

@@ -40,11 +40,14 @@ class Case:
     """Build it for real, then apply the same init_fn under the same seed (the meta twin)."""
     k: int | None = None
     """gpus_per_node; None = all 4 ranks on one node."""
+    prefetch: int | None = None
+    """Force this prefetch distance (None: the schedule's default)."""
 
     @property
     def id(self) -> str:
         extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
         extra += ("-reinit" if self.reinit else "") + (f"-k{self.k}" if self.k else "")
+        extra += f"-prefetch{self.prefetch}" if self.prefetch is not None else ""
         return f"{self.model}-p{self.p}-s{self.s}-{self.opt}{extra}"
 
 
@@ -73,7 +76,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
-    step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0])
+    step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
+                      prefetch_distances=None if case.prefetch is None else (case.prefetch,))
     losses = [float(step(*b)) for b in local]
 
     shard_rank = rank % case.p
@@ -120,6 +124,10 @@ EXTRA = [
     *(Case("quirky", p, s, opt) for p in (1, 2) for s in (1, 3) for opt in ("sgd", "adamw")),
     Case("convnet", 4, 2, "sgd", k=2),  # the partition group spans both (simulated) nodes
     Case("convnet", 2, 2, "sgd", k=2),  # partition groups inside a node, replication across
+    # the schedule's other prefetch distances: gathered at the use, two and three intervals ahead
+    Case("tied_lm", 2, 3, "adamw", prefetch=0),
+    Case("tied_lm", 4, 2, "sgd", prefetch=3),
+    Case("convnet", 2, 3, "sgd", prefetch=2),
 ]
 # the real-model runs that the meta runs are compared against, value for value
 REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if c.meta]

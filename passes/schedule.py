@@ -1,0 +1,114 @@
+"""schedule: how far ahead each gather is issued, chosen with the simulator under the budget.
+
+A deeper prefetch hides more of a gather behind the compute before its use, and keeps
+more gathered buckets live. For each prefetch distance 0..``max_distance`` (0: gather
+at the use; 1: one use interval ahead, FSDP's default) this lowers the Program,
+prices it with the event simulator on the cluster, and keeps the fastest whose peak of
+gathered-parameter bytes fits ``Plan.memory_budget_bytes`` (ties: the shallower one),
+searching from 1 deeper only while it helps.
+A budget below the smallest peak any distance reaches (distance 0: the largest use
+interval's buckets) is refused with that minimum. Every rank runs the same
+deterministic search on the same trace, so every rank picks the same Program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from micscompile.collectives import fmt_bytes
+from micscompile.cost_model.simulator import simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import CPU, PassContext, make_context
+from micscompile.passes.manager import build_pass_list, run_passes
+from micscompile.plan import PlanError, ResolvedPlan
+from micscompile.program import Program, build_program
+from micscompile.trace import TrainGraph
+
+MAX_DISTANCE = 4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    distance: int
+    peak_gathered_bytes: int
+    step_time_s: float | None
+    """Simulated, when a cluster was given."""
+    exposed_comm_s: float | None
+
+    def __str__(self) -> str:
+        timing = (f"  step {self.step_time_s * 1e3:9.3f} ms, exposed comm {self.exposed_comm_s * 1e3:9.3f} ms"
+                  if self.step_time_s is not None else "")
+        return f"prefetch {self.distance}: gathered peak {fmt_bytes(self.peak_gathered_bytes):>10}{timing}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    ctx: PassContext
+    graph: torch.fx.Graph
+    """The rewritten graph of the chosen distance."""
+    program: Program
+    candidates: tuple[Candidate, ...]
+    records: list
+
+    @property
+    def distance(self) -> int:
+        return self.ctx.prefetch_distance
+
+
+def schedule(
+    trace: TrainGraph,
+    rp: ResolvedPlan,
+    cluster: Cluster | None,
+    groups: dict,
+    rank: int = 0,
+    *,
+    device: torch.device = CPU,
+    distances: tuple[int, ...] | None = None,
+    costs: dict | None = None,
+    disable=(),
+    log=None,
+) -> Schedule:
+    """Lower ``trace`` under ``rp`` at each prefetch distance and keep the best that fits the budget.
+
+    The search starts at 1 (FSDP's one-ahead) and goes deeper while that fits the budget and
+    the simulation says it is faster (without a cluster it stays at 1); 0 only when 1 does
+    not fit. ``distances`` lists the candidates instead (e.g. ``(0,)``: no prefetch).
+    ``costs`` go to ``simulate_program``.
+    """
+    budget = rp.plan.memory_budget_bytes
+    if rp.partition_size == 1:
+        distances = (0,)  # nothing is gathered
+    searching = distances is None
+    todo = [1] if searching else list(distances)
+    best, candidates = None, []
+    while todo:
+        d = todo.pop(0)
+        ctx = make_context(trace, rp, device, prefetch_distance=d)
+        graph, records = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan), disable=disable, log=log)
+        log = None  # log the passes of the first lowering only
+        program = build_program(graph, rp, ctx.layouts, groups, rank)
+        pred = simulate_program(program, cluster, record=False, **(costs or {})) if cluster is not None else None
+        cand = Candidate(d, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
+        candidates.append(cand)
+        fits = budget is None or cand.peak_gathered_bytes <= budget
+        # strictly faster wins (ties keep the shallower); without a cluster the deeper of 0 and 1 that fits
+        better = fits and (best is None or pred is None or pred.step_time_s < best[0].step_time_s)
+        if better:
+            best = (cand, ctx, graph, program, records)
+        if searching:  # 1, then deeper while it fits and (simulated) helps; 0 only if 1 does not fit
+            if d >= 1 and better and pred is not None and pred.exposed_comm_s > 0 and d < MAX_DISTANCE:
+                todo.append(d + 1)
+            elif d == 1 and not fits:
+                todo.append(0)
+    if best is None:
+        minimum = min(c.peak_gathered_bytes for c in candidates)
+        raise PlanError(
+            f"memory_budget_bytes={budget:,} is below {minimum:,} bytes ({fmt_bytes(minimum)}), the fewest "
+            f"gathered-parameter bytes any schedule of this plan keeps live (largest bucket "
+            f"{fmt_bytes(max(lay.full_bytes for lay in ctx.layouts))}); raise the budget to at least "
+            f"{minimum:,}, or lower bucket_bytes / raise partition_size"
+        )
+    cand, ctx, graph, program, records = best
+    return Schedule(ctx, graph, program, tuple(candidates), records)
