@@ -39,7 +39,7 @@ def lower(
     """The Program ``mc.compile`` would run on ``rank`` (scheduled on ``cluster``), built without a
     process group."""
     return schedule(trace, rp, cluster, planned_groups(rp, rank), rank, distances=prefetch_distances,
-                    costs=costs).program
+                    costs=costs, need_graph=False).program
 
 
 def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:

@@ -12,7 +12,7 @@ from micscompile.models import GPT, GPTConfig
 from micscompile.models import lm_loss as gpt_loss
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
-from micscompile.passes.schedule import schedule
+from micscompile.passes.schedule import schedule, with_prefetch
 from micscompile.predict import planned_groups
 from models import TiedLM, lm_loss
 
@@ -47,6 +47,17 @@ def test_prefetch_distance_moves_issues_only(lm_trace):
         waits_between = [sum(pos[w.args[1]] < pos[x] < pos[w] for x in waits) for w in waits]
         assert max(waits_between) == d - 1, (d, waits_between)
         assert any(nodes[pos[w] - 1] is not w.args[1] for w in waits)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_moving_issues_in_the_program_equals_lowering_at_that_distance(lm_trace, p):
+    """The search moves issues in one Program; compile lowers the graph at the chosen distance."""
+    rp = mc.Plan(partition_size=p, micro_batches=2).resolve(4)
+    base = schedule(lm_trace, rp, None, planned_groups(rp), distances=(0,)).program
+    for d in (1, 2, 3):
+        lowered = schedule(lm_trace, rp, None, planned_groups(rp), distances=(d,))
+        assert with_prefetch(base, d).micro_step == lowered.program.micro_step, d
+        assert lowered.distance == d
 
 
 def test_deeper_prefetch_keeps_more_gathered(lm_trace):
