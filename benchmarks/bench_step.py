@@ -54,9 +54,10 @@ def eager_step(model, opt, micro_batches, x, y, *, sync_ctx=None, before_last=No
 def build(system: str, model: GPT, p: int, s: int, example):
     """Returns step(x, y) for one system."""
     world = dist.get_world_size()
-    if system == "micscompile":
+    if system.startswith("micscompile"):
         step = mc.compile(model, mc.Plan(partition_size=p, micro_batches=s), loss_fn=lm_loss,
-                          optimizer=adamw, example_inputs=example)
+                          optimizer=adamw, example_inputs=example,
+                          prefetch_distances=(0,) if system == "micscompile no prefetch" else None)
         return lambda x, y: float(step(x, y))
     model = copy.deepcopy(model)
     if system == "DDP":
@@ -104,9 +105,10 @@ def main() -> None:
     model = GPT(cfg)
     gen = torch.Generator().manual_seed(rank)
     batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
-    systems = ["micscompile", "FSDP2 HSDP", "FSDP2 HSDP 2-hop", "FSDP2 full shard", "DDP"]
+    systems = ["micscompile", "micscompile no prefetch", "FSDP2 HSDP", "FSDP2 HSDP 2-hop", "FSDP2 full shard", "DDP"]
     labels = {
         "micscompile": f"micscompile p={p} (2-hop)",
+        "micscompile no prefetch": f"micscompile p={p}, no prefetch",
         "FSDP2 HSDP": f"FSDP2 HSDP {world // p}x{p}",
         "FSDP2 HSDP 2-hop": f"FSDP2 HSDP {world // p}x{p}, AR last",
         "FSDP2 full shard": f"FSDP2 full shard ({world})",
@@ -117,7 +119,7 @@ def main() -> None:
         for system in systems:
             step = build(system, model, p, s, batches[0])
             t, loss = median_step_s(step, batches, args.warmup)
-            results[(system, s)] = (t, loss if system == "micscompile" else global_mean(loss))
+            results[(system, s)] = (t, loss if system.startswith("micscompile") else global_mean(loss))
             del step
 
     if rank == 0:
