@@ -65,6 +65,9 @@ class Prediction:
     memory: list[tuple[float, int]] = field(default_factory=list, repr=False)
     scaling_efficiency: float | None = None
     """Per-GPU throughput relative to training on one partition group alone."""
+    action_spans: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
+    """(start, end, live bytes after) per action of the first micro-step, then per boundary action;
+    a collective's span runs from its issue to its completion."""
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -196,8 +199,15 @@ def simulate_program(
             t = end
 
     activations = 0
-    for _ in range(program.plan.micro_batches):
+    spans: list[tuple[float, float, int]] = []
+
+    def note_span(start: float, end: float) -> None:
+        if record:
+            spans.append((start, end, static + dynamic + activations))
+
+    for mb in range(program.plan.micro_batches):
         for a in program.micro_step:
+            start, end = t, None
             if a.kind is Kind.COMPUTE:
                 note_memory(a.activation_peak_bytes)
                 run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
@@ -206,6 +216,7 @@ def simulate_program(
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 pending[(a.kind, a.bucket)].append([*issue(a), 0, a.group])
+                end = pending[(a.kind, a.bucket)][-1][0]
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
                 run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")
                 dynamic += a.tensor_bytes
@@ -214,20 +225,25 @@ def simulate_program(
                     dynamic -= a.tensor_bytes  # consumed by accumulation right away
                 else:
                     pending[(a.kind, a.bucket)].append([*issue(a), a.tensor_bytes, a.group])
+                    end = pending[(a.kind, a.bucket)][-1][0]
             elif a.kind is Kind.WAIT:
-                end, _, _, frees, _ = pending[(a.waits_for, a.bucket)].popleft()
-                wait_until(end)
+                done, _, _, frees, _ = pending[(a.waits_for, a.bucket)].popleft()
+                wait_until(done)
                 dynamic -= frees
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)
+            if mb == 0:
+                note_span(start, t if end is None else end)
         # gradient accumulation into the shard accumulators
         run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
 
     ends = []
     for a in program.boundary:
+        start = t
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a)[0])  # nothing computes beside them: no slowdown
+            note_span(start, ends[-1])
         elif a.kind is Kind.OPTIMIZER:
             wait_until(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)
@@ -236,11 +252,12 @@ def simulate_program(
             else:
                 opt_s = _memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params)
             run_compute(opt_s, "optimizer")
+            note_span(start, t)
     step = max([t, *stream_free.values()])
     graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
     return Prediction(
         step_time_s=step, compute_s=busy["compute"], exposed_comm_s=exposed,
         stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
         flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
-        world_size=program.plan.world_size, events=events, memory=memory,
+        world_size=program.plan.world_size, events=events, memory=memory, action_spans=spans,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch.fx
 
@@ -28,6 +28,9 @@ from micscompile.cost_model.profile import META_TIME_S
 from micscompile.plan import ResolvedPlan
 from micscompile.sharding import BucketLayout
 from micscompile.trace import META_FLOPS, META_FQN, META_REGION
+
+if TYPE_CHECKING:
+    from micscompile.cost_model.specs import Cluster
 
 
 class Kind(enum.Enum):
@@ -98,6 +101,8 @@ class Program:
     groups: dict[str, GroupInfo]
     micro_step: list[Action]
     boundary: list[Action]
+    cluster: Cluster | None = None
+    """What it was scheduled for (passes.schedule); prices ``predict`` and ``print``."""
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -128,21 +133,42 @@ class Program:
                 out[key] = out.get(key, 0) + times * ring_wire_bytes(name, a.tensor_bytes, self.groups[a.group].size)
         return out
 
+    def predict(self, cluster: Cluster | None = None, **costs):
+        """Simulate this Program on ``cluster`` (default: the one it was scheduled for)."""
+        from micscompile.cost_model.simulator import simulate_program
+
+        cluster = cluster or self.cluster
+        if cluster is None:
+            raise ValueError("no cluster to price the Program on: pass one (e.g. Cluster.preset('local'))")
+        return simulate_program(self, cluster, **costs)
+
+    def to_chrome_trace(self, path, cluster: Cluster | None = None) -> None:
+        """A Perfetto-loadable timeline of one step: compute and comm tracks, memory counter."""
+        self.predict(cluster).to_chrome_trace(path)
+
     def __str__(self) -> str:
         rp = self.plan
+        pred = self.predict() if self.cluster is not None else None
         head = (
             f"micscompile Program  rank {self.rank}/{rp.world_size}  {rp}  "
             f"{len(self.layouts)} buckets, peak gathered {fmt_bytes(self.peak_gathered_bytes)}"
         )
-        cols = f"{'#':>4}  {'action':<8}{'bucket':<22}{'group':<18}{'bytes':>12}  detail"
+        if pred is not None:
+            head += f"\npredicted on {self.cluster.name}: {pred.step_time_s * 1e3:.3f} ms per step, " \
+                    f"exposed comm {pred.exposed_comm_s * 1e3:.3f} ms"
+        timing = f"{'start ms':>10}{'end ms':>10}{'live':>11}  " if pred is not None else ""
+        cols = f"{'#':>4}  {timing}{'action':<8}{'bucket':<22}{'group':<18}{'bytes':>12}  detail"
         lines = [head, cols, "-" * len(cols)]
+        spans = iter(pred.action_spans if pred is not None else ())
 
         def row(i: str, a: Action) -> str:
             bucket = self.layouts[a.bucket].name if a.bucket is not None else ""
             group = self.groups[a.group].label() if a.group else ""
             size = fmt_bytes(a.tensor_bytes) if a.tensor_bytes else ""
             detail = f"{a.ops} ops, {a.flops / 1e6:.2f} MFLOP  {a.region}" if a.kind is Kind.COMPUTE else ""
-            return f"{i:>4}  {str(a):<8}{bucket[:21]:<22}{group[:17]:<18}{size:>12}  {detail}"
+            span = next(spans, None)
+            when = f"{span[0] * 1e3:>10.3f}{span[1] * 1e3:>10.3f}{fmt_bytes(span[2]):>11}  " if span else ""
+            return f"{i:>4}  {when}{str(a):<8}{bucket[:21]:<22}{group[:17]:<18}{size:>12}  {detail}"
 
         lines += [row(str(i), a) for i, a in enumerate(self.micro_step)]
         lines.append(f"      ... the micro-step above runs {rp.micro_batches}x, then at the boundary:")

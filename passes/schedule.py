@@ -117,6 +117,7 @@ def schedule(
     ctx0 = make_context(trace, rp, device, prefetch_distance=0)
     graph0, records0 = run_passes(trace.graph_copy(), ctx0, build_pass_list(rp.plan), disable=disable, log=log)
     base = build_program(graph0, rp, ctx0.layouts, groups, rank)
+    base.cluster = cluster
     best, candidates = None, []
     while todo:
         d = todo.pop(0)
@@ -147,5 +148,6 @@ def schedule(
         return Schedule(ctx0, graph0, program, tuple(candidates), records0, cand.distance)
     ctx = make_context(trace, rp, device, prefetch_distance=cand.distance)
     graph, records = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan), disable=disable)
-    return Schedule(ctx, graph, build_program(graph, rp, ctx.layouts, groups, rank), tuple(candidates), records,
-                    cand.distance)
+    program = build_program(graph, rp, ctx.layouts, groups, rank)
+    program.cluster = cluster
+    return Schedule(ctx, graph, program, tuple(candidates), records, cand.distance)

@@ -110,3 +110,25 @@ def test_schedule_hides_gathers_on_p4d():
                for d in ((0,), (1,), None)}
     assert exposed[None] <= 0.5 * exposed[(0,)]
     assert exposed[None] < exposed[(1,)]
+
+
+def test_program_prints_predicted_times_and_exports_a_timeline(lm_trace, tmp_path):
+    import json
+
+    rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
+    program = schedule(lm_trace, rp, Cluster.preset("p4d.24xlarge"), planned_groups(rp)).program
+    text = str(program)
+    assert "predicted on p4d.24xlarge" in text and "start ms" in text
+    spans = program.predict().action_spans
+    assert len(spans) == len(program.micro_step) + len(program.boundary)
+    assert all(end >= start >= 0 for start, end, _ in spans)
+    starts = [start for start, _, _ in spans]
+    assert starts == sorted(starts)  # actions start in Program order
+    program.to_chrome_trace(tmp_path / "p.json")
+    events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
+    assert {"compute", "comm:shard"} <= {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert any(e["ph"] == "C" for e in events)
+    bare = schedule(lm_trace, rp, None, planned_groups(rp)).program
+    assert "start ms" not in str(bare)
+    with pytest.raises(ValueError, match="no cluster"):
+        bare.predict()
