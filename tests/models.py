@@ -100,6 +100,16 @@ def lm_loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+def meta_lm_trace(vocab: int, h: int, layers: int, batch: int, seq: int):
+    """``mc.trace`` of a TiedLM built on the meta device (no values: shapes and costs only)."""
+    import micscompile as mc
+
+    with torch.device("meta"):
+        model = TiedLM(vocab=vocab, h=h, layers=layers)
+    x = torch.zeros(batch, seq, dtype=torch.long)
+    return mc.trace(model, (x, x), lm_loss)
+
+
 def cls_loss(out, y):
     return F.cross_entropy(out, y)
 

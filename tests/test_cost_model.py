@@ -10,7 +10,7 @@ from micscompile.cost_model.collective_time import (
     collective_time_s, effective_bandwidth_bps, hierarchical_time_s, inter_node_bytes,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
-from models import TiedLM, lm_loss
+from models import TiedLM, lm_loss, meta_lm_trace
 
 GB = 1 << 30
 
@@ -78,10 +78,7 @@ def test_effective_bandwidth_falls_with_group_size():
 
 @pytest.fixture(scope="module")
 def lm_trace():
-    with torch.device("meta"):
-        model = TiedLM(vocab=512, h=64, layers=4)
-    x = torch.zeros(8, 32, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss)
+    return meta_lm_trace(vocab=512, h=64, layers=4, batch=8, seq=32)
 
 
 def test_simulation_is_deterministic_and_exports_a_trace(lm_trace, tmp_path):

@@ -14,15 +14,12 @@ from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.schedule import schedule, with_prefetch
 from micscompile.predict import planned_groups
-from models import TiedLM, lm_loss
+from models import meta_lm_trace
 
 
 @pytest.fixture(scope="module")
 def lm_trace():
-    with torch.device("meta"):
-        model = TiedLM(vocab=256, h=32, layers=4)
-    x = torch.zeros(4, 16, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss)
+    return meta_lm_trace(vocab=256, h=32, layers=4, batch=4, seq=16)
 
 
 def rewrite(tg, p, distance):
@@ -85,10 +82,7 @@ def test_budget_is_law(lm_trace):
 
 def test_same_trace_and_plan_give_the_same_program():
     def program():
-        with torch.device("meta"):
-            model = TiedLM(vocab=128, h=16, layers=3)
-        x = torch.zeros(2, 8, dtype=torch.long)
-        tg = mc.trace(model, (x, x), lm_loss)
+        tg = meta_lm_trace(vocab=128, h=16, layers=3, batch=2, seq=8)
         rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
         return schedule(tg, rp, Cluster.preset("p3dn.24xlarge"), planned_groups(rp)).program
 
