@@ -36,9 +36,9 @@ def main() -> None:
     print(f"\n{'schedule':<24} {'exposed comm':>13} {'step':>10} {'gathered peak':>14}")
     rows = {}
     for name, distances in (("no prefetch", (0,)), ("one ahead (FSDP)", (1,)), ("scheduled", None)):
-        pred = mc.simulate(trace, plan, cluster, scaling=False, prefetch_distances=distances)
         program = mc.predict.lower(trace, plan.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster,
                                    prefetch_distances=distances)
+        pred = program.predict()
         rows[name] = pred.exposed_comm_s
         print(f"{name:<24} {pred.exposed_comm_s * 1e3:>10.1f} ms {pred.step_time_s:>8.2f} s "
               f"{fmt_bytes(program.peak_gathered_bytes):>14}")
@@ -52,7 +52,7 @@ def main() -> None:
         p = mc.Plan(partition_size=8, micro_batches=4, memory_budget_bytes=budget)
         try:
             program = mc.predict.lower(trace, p.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster)
-            pred = mc.simulate(trace, p, cluster, scaling=False)
+            pred = program.predict()
             print(f"{fmt_bytes(budget):>12} {fmt_bytes(program.peak_gathered_bytes):>12} {pred.step_time_s:>7.2f} s")
         except mc.PlanError as exc:
             print(f"{fmt_bytes(budget):>12} refused: {exc}")

@@ -4,8 +4,9 @@ Every rank measures at the same time (barrier-aligned), because that is how
 training runs: on a shared machine, concurrent ranks split its cores and memory
 bandwidth. Measured: matmul throughput, memory bandwidth, per-op overhead, alpha
 and beta of all-gather / reduce-scatter / all-reduce for every group size that
-divides the world (consecutive-rank groups, all running at once), and the
-what a collective in flight costs compute. Times are medians over repeats of the slowest rank's time.
+divides the world (consecutive-rank groups, all running at once), and what a
+collective in flight costs compute. Times are medians over repeats of the slowest
+rank's time.
 
 Run it as ``python -m micscompile calibrate --nproc 4`` (writes local_cluster.json).
 """
@@ -51,20 +52,20 @@ def _inner_count(fn: Callable[[], object]) -> int:
     return int(inner)
 
 
-def _window(fn: Callable[[], object], inner: int, group=None) -> float:
+def _window(fn: Callable[[], object], inner: int) -> float:
     """Seconds per call over ``inner`` calls, all ranks starting together."""
-    dist.barrier(group)
+    dist.barrier()
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
     return (time.perf_counter() - t0) / inner
 
 
-def _timed(fn: Callable[[], object], repeats: int, group=None) -> float:
+def _timed(fn: Callable[[], object], repeats: int) -> float:
     """Seconds per call of ``fn``: median over ``repeats`` windows of >= MIN_WINDOW_S each of the
     slowest rank's time."""
     inner = _inner_count(fn)
-    return slowest_rank_median([_window(fn, inner, group) for _ in range(repeats)])
+    return slowest_rank_median([_window(fn, inner) for _ in range(repeats)])
 
 
 def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: int) -> float:

@@ -17,7 +17,9 @@ communication library, as gloo on a small CPU machine), plus
 group size, ``Cluster.collective_interference``: the exposed fraction of the collective's
 duration, charged at issue, and a slowdown of the compute that runs while it is in flight
 (until its wait), up to a maximum (measured on 4 gloo ranks over 2 cores: ~all of a
-gather's duration is exposed and compute beside it runs 10-50% slower).
+gather's duration is exposed and compute beside it runs 10-50% slower); a collective
+issued while another of its group is in flight takes ``queued_fraction`` of its duration
+(gloo runs a group's collectives on two threads).
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
 ``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
@@ -36,6 +38,21 @@ from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.collective_time import collective_time_s
 from micscompile.cost_model.specs import Cluster, GpuSpec
 from micscompile.program import COLLECTIVE_OF_KIND, Action, Kind, Program
+
+
+@dataclass
+class _InFlight:
+    """A collective issued and not yet waited for."""
+
+    end_s: float
+    group: str
+    frees_bytes: int
+    """Released at its wait (a packed gradient bucket; gathered buckets are released explicitly)."""
+    slowdown: float = 0.0
+    """Fraction by which compute beside it runs slower..."""
+    slowdown_left_s: float = 0.0
+    """...until it has cost this much."""
+
 
 @dataclass(frozen=True)
 class Event:
@@ -137,7 +154,7 @@ def simulate_program(
     t = 0.0
     busy: dict[str, float] = defaultdict(float)
     stream_free: dict[str, float] = defaultdict(float)
-    pending: dict[tuple[Kind, int | None], deque] = defaultdict(deque)  # [end, slowdown, slowdown left, bytes freed, group]
+    pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
     events: list[Event] = []
     memory: list[tuple[float, int]] = []
     dynamic = 0  # gathered + packed buckets
@@ -157,36 +174,37 @@ def simulate_program(
         t += duration
         busy["compute"] += duration
 
-    def issue(a: Action) -> tuple[float, float, float]:
-        """Enqueue ``a`` on its stream and charge compute its exposed share; returns (its end, the
-        slowdown of compute beside it, the most that slowdown may cost)."""
+    def issue(a: Action, frees_bytes: int = 0) -> _InFlight:
+        """Enqueue ``a`` on its stream and charge compute its exposed share."""
         group = groups[a.group]
         cost = cluster.collective_interference.get(str(group.size))
         duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
         stream = f"comm:{a.group}"
-        if cost is not None and any(item[4] == a.group for queue in pending.values() for item in queue):
+        if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
         start = max(t, stream_free[stream])
         stream_free[stream] = start + duration
         busy[stream] += duration
         if record and duration > 0:
             events.append(Event(stream, str(a), start, start + duration))
+        flight = _InFlight(start + duration, a.group, frees_bytes)
         if duration <= 0:
-            return start + duration, 0.0, 0.0
+            return flight
         if cost is None:
             run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, f"comm cpu {a}")
-            return start + duration, 0.0, 0.0
+            return flight
         run_compute(cost["exposed_fraction"] * duration, f"comm cpu {a}")
-        return start + duration, cost["slowdown"], cost["max_slowdown_s"]
+        flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
+        return flight
 
     def run_compute_beside_collectives(duration: float, name: str) -> None:
         """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
         collective's maximum."""
         extra = 0.0
         for queue in pending.values():
-            for item in queue:
-                take = min(item[1] * duration, item[2])
-                item[2] -= take
+            for c in queue:
+                take = min(c.slowdown * duration, c.slowdown_left_s)
+                c.slowdown_left_s -= take
                 extra += take
         run_compute(duration, name)
         if extra > 0:
@@ -215,8 +233,9 @@ def simulate_program(
             elif a.kind is Kind.ALL_GATHER:
                 dynamic += a.tensor_bytes
                 note_memory(activations)
-                pending[(a.kind, a.bucket)].append([*issue(a), 0, a.group])
-                end = pending[(a.kind, a.bucket)][-1][0]
+                flight = issue(a)
+                pending[(a.kind, a.bucket)].append(flight)
+                end = flight.end_s
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
                 run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")
                 dynamic += a.tensor_bytes
@@ -224,12 +243,13 @@ def simulate_program(
                 if a.kind is Kind.PACK:
                     dynamic -= a.tensor_bytes  # consumed by accumulation right away
                 else:
-                    pending[(a.kind, a.bucket)].append([*issue(a), a.tensor_bytes, a.group])
-                    end = pending[(a.kind, a.bucket)][-1][0]
+                    flight = issue(a, frees_bytes=a.tensor_bytes)
+                    pending[(a.kind, a.bucket)].append(flight)
+                    end = flight.end_s
             elif a.kind is Kind.WAIT:
-                done, _, _, frees, _ = pending[(a.waits_for, a.bucket)].popleft()
-                wait_until(done)
-                dynamic -= frees
+                flight = pending[(a.waits_for, a.bucket)].popleft()
+                wait_until(flight.end_s)
+                dynamic -= flight.frees_bytes
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)
@@ -242,7 +262,7 @@ def simulate_program(
     for a in program.boundary:
         start = t
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
-            ends.append(issue(a)[0])  # nothing computes beside them: no slowdown
+            ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1])
         elif a.kind is Kind.OPTIMIZER:
             wait_until(max(ends, default=t))

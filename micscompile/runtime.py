@@ -249,9 +249,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
 
     The prefetch distance of the gathers is chosen under ``plan.memory_budget_bytes`` by
-    simulating the candidates (``prefetch_distances``, default 0-4) on ``cluster`` (e.g.
-    ``Cluster.preset("local")`` after calibrating); without one, one use interval ahead
-    where the budget allows (passes.schedule).
+    simulating candidates on ``cluster`` (e.g. ``Cluster.preset("local")`` after
+    calibrating): one use interval ahead, deeper while faster, none if one does not fit;
+    without a cluster, one ahead where the budget allows. ``prefetch_distances`` lists the
+    candidates instead (passes.schedule).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "

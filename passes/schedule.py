@@ -1,11 +1,13 @@
 """schedule: how far ahead each gather is issued, chosen with the simulator under the budget.
 
 A deeper prefetch hides more of a gather behind the compute before its use, and keeps
-more gathered buckets live. For each prefetch distance 0..``max_distance`` (0: gather
-at the use; 1: one use interval ahead, FSDP's default) this lowers the Program,
-prices it with the event simulator on the cluster, and keeps the fastest whose peak of
+more gathered buckets live. The pass lowers the graph once with every gather at its
+use (distance 0), derives the Program of each candidate distance (1: one use interval
+ahead, FSDP's default; up to MAX_DISTANCE) by moving issues in it, prices each with
+the event simulator on the cluster, and keeps the fastest whose peak of
 gathered-parameter bytes fits ``Plan.memory_budget_bytes`` (ties: the shallower one),
-searching from 1 deeper only while it helps.
+searching from 1 deeper only while it helps; the graph is then lowered at the chosen
+distance.
 A budget below the smallest peak any distance reaches (distance 0: the largest use
 interval's buckets) is refused with that minimum. Every rank runs the same
 deterministic search on the same trace, so every rank picks the same Program.
@@ -46,13 +48,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Schedule:
-    ctx: PassContext
-    graph: torch.fx.Graph
-    """The rewritten graph of the chosen distance."""
     program: Program
     candidates: tuple[Candidate, ...]
-    records: list
     distance: int
+    ctx: PassContext | None = None
+    graph: torch.fx.Graph | None = None
+    """The rewritten graph of the chosen distance (None when only the Program was asked for)."""
+    records: list | None = None
 
 
 def with_prefetch(program: Program, distance: int) -> Program:
@@ -105,8 +107,8 @@ def schedule(
     The search starts at 1 (FSDP's one-ahead) and goes deeper while that fits the budget and
     the simulation says it is faster (without a cluster it stays at 1); 0 only when 1 does
     not fit. ``distances`` lists the candidates instead (e.g. ``(0,)``: no prefetch).
-    ``costs`` go to ``simulate_program``. ``need_graph=False``: only the Program is wanted (the
-    returned graph is then the distance-0 one).
+    ``costs`` go to ``simulate_program``. ``need_graph=False``: only the Program is wanted (no
+    second lowering; ctx, graph and records are None).
     """
     budget = rp.plan.memory_budget_bytes
     if rp.partition_size == 1:
@@ -144,10 +146,12 @@ def schedule(
             f"{minimum:,}, or lower bucket_bytes / raise partition_size"
         )
     cand, program = best
-    if cand.distance == 0 or not need_graph:
-        return Schedule(ctx0, graph0, program, tuple(candidates), records0, cand.distance)
+    if not need_graph:
+        return Schedule(program, tuple(candidates), cand.distance)
+    if cand.distance == 0:
+        return Schedule(program, tuple(candidates), 0, ctx0, graph0, records0)
     ctx = make_context(trace, rp, device, prefetch_distance=cand.distance)
     graph, records = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan), disable=disable)
     program = build_program(graph, rp, ctx.layouts, groups, rank)
     program.cluster = cluster
-    return Schedule(ctx, graph, program, tuple(candidates), records, cand.distance)
+    return Schedule(program, tuple(candidates), cand.distance, ctx, graph, records)
