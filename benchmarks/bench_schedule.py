@@ -37,23 +37,24 @@ def main() -> None:
     rows = {}
     for name, distances in (("no prefetch", (0,)), ("one ahead (FSDP)", (1,)), ("scheduled", None)):
         program = mc.predict.lower(trace, plan.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster,
-                                   prefetch_distances=distances)
+                                   prefetch=distances)
         pred = program.predict()
         rows[name] = pred.exposed_comm_s
         print(f"{name:<24} {pred.exposed_comm_s * 1e3:>10.1f} ms {pred.step_time_s:>8.2f} s "
-              f"{fmt_bytes(program.peak_gathered_bytes):>14}")
+              f"{fmt_bytes(program.peak_gathered_bytes):>14}  {program.prefetch}")
     print(f"scheduled / no prefetch {rows['scheduled'] / rows['no prefetch']:.2f}, "
           f"scheduled / one ahead {rows['scheduled'] / rows['one ahead (FSDP)']:.2f}")
 
-    print(f"\n{'budget':>12} {'chosen peak':>12} {'step':>9}")
+    print(f"\n{'budget':>12} {'chosen peak':>12} {'step':>9}  choice")
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
-    layer = max(lay.full_bytes for lay in mc.predict.lower(trace, rp, prefetch_distances=(0,)).layouts)
+    layer = max(lay.full_bytes for lay in mc.predict.lower(trace, rp, prefetch=(0,)).layouts)
     for budget in (layer - 1, layer, 2 * layer, 3 * layer, 4 * layer, 6 * layer):
         p = mc.Plan(partition_size=8, micro_batches=4, memory_budget_bytes=budget)
         try:
             program = mc.predict.lower(trace, p.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster)
             pred = program.predict()
-            print(f"{fmt_bytes(budget):>12} {fmt_bytes(program.peak_gathered_bytes):>12} {pred.step_time_s:>7.2f} s")
+            print(f"{fmt_bytes(budget):>12} {fmt_bytes(program.peak_gathered_bytes):>12} {pred.step_time_s:>7.2f} s"
+                  f"  {program.prefetch}")
         except mc.PlanError as exc:
             print(f"{fmt_bytes(budget):>12} refused: {exc}")
 

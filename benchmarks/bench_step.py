@@ -57,7 +57,7 @@ def build(system: str, model: GPT, p: int, s: int, example):
     if system.startswith("micscompile"):
         step = mc.compile(model, mc.Plan(partition_size=p, micro_batches=s), loss_fn=lm_loss,
                           optimizer=adamw, example_inputs=example,
-                          prefetch_distances=(0,) if system == "micscompile no prefetch" else None)
+                          prefetch=(0,) if system == "micscompile no prefetch" else None)
         return lambda x, y: float(step(x, y))
     model = copy.deepcopy(model)
     if system == "DDP":

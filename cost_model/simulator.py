@@ -224,17 +224,17 @@ def simulate_program(
             spans.append((start, end, static + dynamic + activations))
 
     for mb in range(program.plan.micro_batches):
-        for a in program.micro_step:
+        for a in program.issued_in(mb):
             start, end = t, None
             if a.kind is Kind.COMPUTE:
                 note_memory(a.activation_peak_bytes)
                 run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
                 activations = a.activation_bytes
-            elif a.kind is Kind.ALL_GATHER:
+            elif a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 flight = issue(a)
-                pending[(a.kind, a.bucket)].append(flight)
+                pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
                 end = flight.end_s
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
                 run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")

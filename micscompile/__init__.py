@@ -9,6 +9,7 @@
 from micscompile.collectives import CommStats
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+from micscompile.passes.context import Prefetch
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import simulate, transformer_flops
 from micscompile.program import Action, Kind, Program
@@ -16,6 +17,7 @@ from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
-    "Action", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "Plan", "PlanError", "Prediction", "Program",
+    "Action", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "Plan", "PlanError", "Prediction", "Prefetch",
+    "Program",
     "ResolvedPlan", "TraceError", "TrainGraph", "TrainStep", "compile", "simulate", "trace", "transformer_flops",
 ]

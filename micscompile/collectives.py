@@ -15,6 +15,7 @@ counted as inter-node (the ring's slowest hop carries all of it), otherwise intr
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -135,6 +136,11 @@ class Comm:
     replicate: GroupInfo
     world: GroupInfo
     stats: CommStats = field(default_factory=CommStats)
+    micro_step: int = 0
+    micro_steps: int = 1
+    """Set by the runtime before each micro-step (the Program's carried gathers depend on them)."""
+    carried: deque = field(default_factory=deque)
+    """(bucket, Pending) gathers issued for the next micro-step, in issue order."""
 
 
 class Pending(NamedTuple):
@@ -155,6 +161,23 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
     comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
     comm.stats.gathered(layout.full_bytes)
     return Pending(work, out)
+
+
+def all_gather_next(comm: Comm, bucket: int, shard: torch.Tensor) -> None:
+    """Start the next micro-step's gather of a bucket (nothing on the last micro-step)."""
+    if comm.micro_step < comm.micro_steps - 1:
+        comm.carried.append((bucket, all_gather_issue(comm, bucket, shard)))
+
+
+def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
+    """The gather the previous micro-step issued for this one; issued here on the first micro-step."""
+    if comm.micro_step == 0:
+        return all_gather_issue(comm, bucket, shard)
+    carried_bucket, pending = comm.carried.popleft()
+    if carried_bucket != bucket:
+        raise RuntimeError(f"the previous micro-step gathered bucket {carried_bucket} for this one, "
+                           f"which needs bucket {bucket}: the graph's carried gathers are out of order")
+    return pending
 
 
 def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:

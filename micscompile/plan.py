@@ -43,6 +43,8 @@ class Plan:
     """Hierarchical gathers when a partition group spans nodes; "auto" = flat until the cost model decides."""
     memory_budget_bytes: int | None = None
     """Budget for gathered parameters live at once; None = no limit (device capacity)."""
+    max_gathers_in_flight: int | None = None
+    """Most all-gathers issued and not yet waited for at once (caps the prefetch distance); None = no cap."""
     bucket_bytes: int | None = None
     """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per block."""
     checkpoint: bool = False
@@ -70,6 +72,7 @@ class Plan:
         positive("gpus_per_node", self.gpus_per_node, optional=True)
         positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         positive("bucket_bytes", self.bucket_bytes, optional=True)
+        positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
         if self.hierarchical not in ("auto", True, False):
             raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
         if self.grad_sync not in ("2hop", "every_step"):

@@ -8,10 +8,12 @@ symmetric under MiCS, so rank 0's Program stands for all of them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import Prefetch
 from micscompile.passes.schedule import schedule
 from micscompile.plan import Plan, ResolvedPlan
 from micscompile.program import Kind, Program
@@ -34,11 +36,11 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
 
 def lower(
     trace: TrainGraph, rp: ResolvedPlan, rank: int = 0, cluster: Cluster | None = None,
-    prefetch_distances: tuple[int, ...] | None = None, **costs,
+    prefetch: Sequence[Prefetch | int] | None = None, **costs,
 ) -> Program:
     """The Program ``mc.compile`` would run on ``rank`` (scheduled on ``cluster``), built without a
     process group."""
-    return schedule(trace, rp, cluster, planned_groups(rp, rank), rank, distances=prefetch_distances,
+    return schedule(trace, rp, cluster, planned_groups(rp, rank), rank, prefetch=prefetch,
                     costs=costs, need_graph=False).program
 
 
@@ -59,7 +61,7 @@ def simulate(
     *,
     flops_per_step: float | None = None,
     scaling: bool = True,
-    prefetch_distances: tuple[int, ...] | None = None,
+    prefetch: Sequence[Prefetch | int] | None = None,
     **costs,
 ) -> Prediction:
     """Predict one optimizer step of ``plan`` on ``cluster`` (world size = cluster.world_size).
@@ -67,10 +69,10 @@ def simulate(
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
     ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
-    ``mc.compile`` schedules it (``passes.schedule``; ``prefetch_distances`` as there).
+    ``mc.compile`` schedules it (``passes.schedule``; ``prefetch`` as there).
     """
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
-    program = lower(trace, rp, cluster=cluster, prefetch_distances=prefetch_distances, **costs)
+    program = lower(trace, rp, cluster=cluster, prefetch=prefetch, **costs)
     buffer_bytes = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
         for n in list(trace.gm.graph.nodes)[trace.num_params : trace.num_params + len(trace.buffer_names)]

@@ -7,7 +7,9 @@ all-reduce, optimizer step) run once. The graph's node order *is* the order the
 runtime executes, so the Program is an exact description, not an estimate.
 
 Short codes (``str(action)``): ``AG3`` issue all-gather of bucket 3, ``W:AG3`` wait
-for it, ``REL3`` release it, ``RS3``/``AR3`` reduce-scatter / all-reduce bucket 3's
+for it, ``REL3`` release it, ``AGN3`` issue the next micro-step's all-gather of bucket
+3 (not on the last micro-step), ``AGC3`` the all-gather ``AGN3`` issued (issued here
+only on the first micro-step), ``RS3``/``AR3`` reduce-scatter / all-reduce bucket 3's
 gradients, ``PK3`` pack them locally (p = 1), ``C`` compute, ``ARL`` loss
 all-reduce, ``OPT`` optimizer step.
 """
@@ -25,6 +27,7 @@ from micscompile import collectives as C
 from micscompile.collectives import GroupInfo, fmt_bytes, ring_wire_bytes
 from micscompile.cost_model.node_cost import NodeWork, activation_bytes, node_work
 from micscompile.cost_model.profile import META_TIME_S
+from micscompile.passes.context import Prefetch
 from micscompile.plan import ResolvedPlan
 from micscompile.sharding import BucketLayout
 from micscompile.trace import META_FLOPS, META_FQN, META_REGION
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 class Kind(enum.Enum):
     COMPUTE = "C"
     ALL_GATHER = "AG"
+    ALL_GATHER_NEXT = "AGN"
     WAIT = "W"
     RELEASE = "REL"
     REDUCE_SCATTER = "RS"
@@ -47,13 +51,15 @@ class Kind(enum.Enum):
 
 _ISSUE_KIND = {
     C.all_gather_issue: Kind.ALL_GATHER,
+    C.all_gather_carried: Kind.ALL_GATHER,
+    C.all_gather_next: Kind.ALL_GATHER_NEXT,
     C.reduce_scatter_issue: Kind.REDUCE_SCATTER,
     C.all_reduce_issue: Kind.ALL_REDUCE,
     C.pack_local: Kind.PACK,
     C.release: Kind.RELEASE,
 }
 COLLECTIVE_OF_KIND = {
-    Kind.ALL_GATHER: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
+    Kind.ALL_GATHER: C.ALL_GATHER, Kind.ALL_GATHER_NEXT: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE,
 }
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
@@ -82,13 +88,22 @@ class Action(NamedTuple):
     measured_s: float | None = None
     """Profiled time of the action's ops (profile mode), preferred to the roofline estimate."""
     region: str = ""
+    carried: bool = False
+    """For ALL_GATHER: after the first micro-step, the previous micro-step's ALL_GATHER_NEXT of
+    this bucket issued it (the action issues nothing then)."""
 
     def __str__(self) -> str:
         if self.kind is Kind.WAIT:
             return f"W:{self.waits_for.value}{self.bucket}"
+        if self.carried:
+            return f"AGC{self.bucket}"
         if self.kind in (Kind.COMPUTE, Kind.OPTIMIZER, Kind.LOSS_ALL_REDUCE):
             return self.kind.value
         return f"{self.kind.value}{self.bucket}"
+
+
+class ProgramError(RuntimeError):
+    """A Program the runtime could not execute (a bug in a pass, not bad user input)."""
 
 
 @dataclass
@@ -103,18 +118,85 @@ class Program:
     boundary: list[Action]
     cluster: Cluster | None = None
     """What it was scheduled for (passes.schedule); prices ``predict`` and ``print``."""
+    prefetch: Prefetch | None = None
+    """Where the schedule put the gathers."""
+
+    def issued_in(self, mb: int) -> list[Action]:
+        """The actions micro-step ``mb`` runs: carried gathers are skipped after the first micro-step
+        (the previous one's ALL_GATHER_NEXT issued them), next-gathers on the last."""
+        last = mb == self.plan.micro_batches - 1
+        return [a for a in self.micro_step
+                if not (a.carried and mb > 0) and not (a.kind is Kind.ALL_GATHER_NEXT and last)]
+
+    def _distinct_micro_steps(self) -> list[int]:
+        """The first, a middle and the last micro-step: every other one repeats the middle one."""
+        s = self.plan.micro_batches
+        return sorted({0, min(1, s - 1), s - 1})
+
+    def _walk(self):
+        """(action, gathered bytes live after it, gathers in flight after it) over the first, a
+        middle and the last micro-step (any other micro-step repeats a middle one)."""
+        live, flight = 0, 0
+        for mb in self._distinct_micro_steps():
+            for a in self.issued_in(mb):
+                if a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+                    live, flight = live + a.tensor_bytes, flight + 1
+                elif a.kind is Kind.RELEASE:
+                    live -= a.tensor_bytes
+                elif a.kind is Kind.WAIT and a.waits_for is Kind.ALL_GATHER:
+                    flight -= 1
+                yield a, live, flight
 
     @property
     def peak_gathered_bytes(self) -> int:
-        """Most gathered-parameter bytes live at once (issue to release) in a micro-step."""
-        live = peak = 0
-        for a in self.micro_step:
-            if a.kind is Kind.ALL_GATHER:
-                live += a.tensor_bytes
-                peak = max(peak, live)
-            elif a.kind is Kind.RELEASE:
-                live -= a.tensor_bytes
-        return peak
+        """Most gathered-parameter bytes live at once (issue to release), over all micro-steps."""
+        return max((live for _, live, _ in self._walk()), default=0)
+
+    @property
+    def max_gathers_in_flight(self) -> int:
+        """Most all-gathers issued and not yet waited for at once."""
+        return max((flight for _, _, flight in self._walk()), default=0)
+
+    def collective_order(self) -> list[str]:
+        """Every collective one optimizer step issues, in order, as ``kind:group:bytes``. Every rank
+        of a group must issue that group's collectives in the same order; ``mc.compile`` checks
+        that all ranks hold the same list before the first collective of a step."""
+        return [f"{COLLECTIVE_OF_KIND[a.kind]}:{a.group}:{a.tensor_bytes}" for a in self.collectives()]
+
+    def collectives(self) -> list[Action]:
+        """The communicating actions of one optimizer step, every micro-step expanded, in issue order."""
+        steps = [a for mb in range(self.plan.micro_batches) for a in self.issued_in(mb)]
+        return [a for a in steps + self.boundary if a.kind in COLLECTIVE_OF_KIND]
+
+    def validate(self) -> None:
+        """Raise ProgramError unless every micro-step waits for each collective it issued, after
+        issuing it, uses gathered buckets only between wait and release, and ends with nothing
+        gathered but what it carries to the next micro-step."""
+        pending: dict[tuple, int] = {}
+        gathered: dict[int, int] = {}  # bucket -> gathers waited and not released
+        for mb in self._distinct_micro_steps():
+            for i, a in enumerate(self.issued_in(mb)):
+                where = f"micro-step {mb}, action {i} ({a})"
+                if a.kind in COLLECTIVE_OF_KIND:
+                    key = (Kind.ALL_GATHER if a.kind is Kind.ALL_GATHER_NEXT else a.kind, a.bucket)
+                    pending[key] = pending.get(key, 0) + 1
+                elif a.kind is Kind.WAIT:
+                    key = (a.waits_for, a.bucket)
+                    if not pending.get(key):
+                        raise ProgramError(f"{where}: waits for a collective that was not issued")
+                    pending[key] -= 1
+                    if a.waits_for is Kind.ALL_GATHER:
+                        gathered[a.bucket] = gathered.get(a.bucket, 0) + 1
+                elif a.kind is Kind.RELEASE:
+                    if not gathered.get(a.bucket):
+                        raise ProgramError(f"{where}: releases a bucket that is not gathered")
+                    gathered[a.bucket] -= 1
+            carry = sum(1 for a in self.issued_in(mb) if a.kind is Kind.ALL_GATHER_NEXT)
+            left = sum(pending.values())
+            if left != carry or any(gathered.values()):
+                raise ProgramError(f"micro-step {mb} ends with {left} collectives not waited for "
+                                   f"({carry} carried to the next) and gathered buckets "
+                                   f"{sorted(b for b, n in gathered.items() if n)} not released")
 
     def fingerprint(self) -> str:
         text = "|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan)
@@ -123,14 +205,10 @@ class Program:
     def wire_bytes(self) -> dict[tuple[str, str], int]:
         """Predicted per-rank wire bytes per (collective, group) for one step."""
         out: dict[tuple[str, str], int] = {}
-        s = self.plan.micro_batches
-        for actions, times in ((self.micro_step, s), (self.boundary, 1)):
-            for a in actions:
-                name = COLLECTIVE_OF_KIND.get(a.kind)
-                if name is None:
-                    continue
-                key = (name, a.group)
-                out[key] = out.get(key, 0) + times * ring_wire_bytes(name, a.tensor_bytes, self.groups[a.group].size)
+        for a in self.collectives():
+            name = COLLECTIVE_OF_KIND[a.kind]
+            key = (name, a.group)
+            out[key] = out.get(key, 0) + ring_wire_bytes(name, a.tensor_bytes, self.groups[a.group].size)
         return out
 
     def predict(self, cluster: Cluster | None = None, **costs):
@@ -153,6 +231,8 @@ class Program:
             f"micscompile Program  rank {self.rank}/{rp.world_size}  {rp}  "
             f"{len(self.layouts)} buckets, peak gathered {fmt_bytes(self.peak_gathered_bytes)}"
         )
+        if self.prefetch is not None:
+            head += f", {self.prefetch}, at most {self.max_gathers_in_flight} gathers in flight"
         if pred is not None:
             head += f"\npredicted on {self.cluster.name}: {pred.step_time_s * 1e3:.3f} ms per step, " \
                     f"exposed comm {pred.exposed_comm_s * 1e3:.3f} ms"
@@ -211,8 +291,10 @@ def build_program(
         elif kind is not None:
             flush()
             bucket = node.args[1]
-            group = {Kind.ALL_GATHER: "shard", Kind.REDUCE_SCATTER: "shard", Kind.ALL_REDUCE: "world"}.get(kind)
-            actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes))
+            group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
+                     Kind.ALL_REDUCE: "world"}.get(kind)
+            actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes,
+                                  carried=node.target is C.all_gather_carried))
             issued[node] = kind
         else:
             run.append(node)

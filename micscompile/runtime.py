@@ -17,6 +17,7 @@ optimizer on the local fp32 shards.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -30,11 +31,12 @@ from micscompile import collectives as C
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
 from micscompile.passes.schedule import schedule
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
-from micscompile.program import Kind, Program
+from micscompile.program import Kind, Program, ProgramError
 from micscompile.sharding import BucketLayout, local_piece, unpack_param
 from micscompile.trace import TrainGraph, split_batch, trace
 
@@ -110,13 +112,18 @@ class TrainStep:
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
         with torch.no_grad():
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+            comm.carried.clear()
+            comm.micro_steps = len(micro)
             for j, mb in enumerate(micro):
+                comm.micro_step = j
                 outputs = self.gm(comm, *self._shards, *self._buffers, *mb)
                 loss_sum += outputs[0].float()
                 for acc, g in zip(self._grads, outputs[1:]):
                     if g is not None:
                         acc.copy_(g) if j == 0 else acc.add_(g)
                 del outputs  # gradient buffers die here, not a micro-batch later
+            if comm.carried:
+                raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
             works = []
             for b in self._boundary_buckets:
                 acc = self._grads[b]
@@ -167,17 +174,32 @@ def _device() -> torch.device:
 
 
 AGREEMENT_HINTS = {
+    "collectives": "ranks would issue different collectives (model, plan or batch differ), a deadlock",
     "program": "ranks compiled different programs (model, plan or batch differ)",
     "weights": "ranks start from different weights (seed every rank the same, e.g. torch.manual_seed, "
                "or load the same checkpoint)",
 }
 
 
-def _check_agreement(prints: dict[str, str] | None, error: BaseException | None, world: int) -> None:
+def _first_difference(order: list[str], world: int) -> str:
+    """Where the ranks' collective orders part (a second exchange, on the error path only)."""
+    orders: list = [None] * world
+    dist.all_gather_object(orders, order)
+    i = next(i for i in range(max(map(len, orders)) + 1) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
+    by_item: dict[str, list[int]] = {}
+    for r, o in enumerate(orders):
+        by_item.setdefault(o[i] if i < len(o) else "(none: the step has ended)", []).append(r)
+    return f"; first difference at collective #{i}: " + ", ".join(f"ranks {rs} {c}" for c, rs in by_item.items())
+
+
+def _check_agreement(
+    prints: dict[str, str] | None, error: BaseException | None, world: int, order: list[str] | None = None,
+) -> None:
     """The first collective: every rank shares its fingerprints, or the error it hit compiling.
 
     Any rank's error makes every rank raise (nobody is left waiting in a collective); so
-    does any disagreement, naming the ranks on each side.
+    does any disagreement, naming the ranks on each side (and, for collective orders, the
+    first collective where they part).
     """
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (prints, f"{type(error).__name__}: {error}" if error else None))
@@ -192,7 +214,8 @@ def _check_agreement(prints: dict[str, str] | None, error: BaseException | None,
             by_value.setdefault(p[key], []).append(r)
         if len(by_value) > 1:
             sides = " vs ".join(f"ranks {rs}" for rs in by_value.values())
-            raise RuntimeError(f"{hint}: {sides}")
+            where = _first_difference(order, world) if key == "collectives" else ""
+            raise RuntimeError(f"{hint}: {sides}{where}")
 
 
 _MESHES: dict[tuple, object] = {}
@@ -235,7 +258,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     init_fn: Callable[[nn.Module], None] | None = None,
     num_model_inputs: int = 1,
     cluster: Cluster | None = None,
-    prefetch_distances: tuple[int, ...] | None = None,
+    prefetch: Sequence[Prefetch | int] | None = None,
     disable_passes: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
 ) -> TrainStep:
@@ -248,11 +271,12 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     on the meta device is initialised module by module with ``init_fn`` (default:
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
 
-    The prefetch distance of the gathers is chosen under ``plan.memory_budget_bytes`` by
-    simulating candidates on ``cluster`` (e.g. ``Cluster.preset("local")`` after
-    calibrating): one use interval ahead, deeper while faster, none if one does not fit;
-    without a cluster, one ahead where the budget allows. ``prefetch_distances`` lists the
-    candidates instead (passes.schedule).
+    Where the gathers go (``passes.schedule``: prefetch distance, gathers issued across
+    micro-steps, buckets kept live from forward into backward) is chosen under
+    ``plan.memory_budget_bytes`` by simulating candidates on ``cluster`` (e.g.
+    ``Cluster.preset("local")`` after calibrating); without a cluster, one use interval
+    ahead where the budget allows. ``prefetch`` lists the candidates instead (``Prefetch``
+    objects or distances).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -261,7 +285,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _device()
-    prints, error = None, None
+    prints, error, order = None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -272,14 +296,16 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
         check_initializable(model, init_fn)
         sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                         distances=prefetch_distances, disable=disable_passes, log=log)
+                         prefetch=prefetch, disable=disable_passes, log=log)
         ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
         state_keys = list(model.state_dict(keep_vars=True).keys())
-        prints = {"program": program.fingerprint(), "weights": fingerprint(model, device)}
+        order = program.collective_order()
+        prints = {"collectives": hashlib.sha256("|".join(order).encode()).hexdigest()[:16],
+                  "program": program.fingerprint(), "weights": fingerprint(model, device)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
 
-    _check_agreement(prints, error, world)
+    _check_agreement(prints, error, world, order)
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups

@@ -16,6 +16,31 @@ CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
+class Prefetch:
+    """Where the gathers of one Program go (passes.schedule picks one under the budget)."""
+
+    distance: int = 1
+    """Issue each gather this many use intervals ahead of its use (0: right before its wait)."""
+    keep_live: int = 0
+    """This many buckets, those used last in forward first, keep their forward gather live into
+    their first backward use instead of being released and gathered again."""
+    across_micro_steps: bool = False
+    """The first ``distance`` gathers of micro-step i+1 are issued during the tail of micro-step i's
+    backward (the parameters do not change between micro-steps), not at the start of i+1."""
+
+    def __post_init__(self) -> None:
+        for name in ("distance", "keep_live"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Prefetch.{name} must be an int >= 0, got {value!r}")
+
+    def __str__(self) -> str:
+        extra = f", {self.keep_live} kept live into backward" if self.keep_live else ""
+        extra += ", across micro-steps" if self.across_micro_steps else ""
+        return f"prefetch {self.distance}{extra}"
+
+
+@dataclass(frozen=True)
 class PassContext:
     """Read-only inputs shared by the passes of one compilation."""
 
@@ -27,9 +52,8 @@ class PassContext:
     """Block FQN -> bucket index."""
     device: torch.device = CPU
     """Where this rank computes: factory ops traced on meta are moved here."""
-    prefetch_distance: int = 1
-    """Gather each bucket this many use intervals ahead of its use (0: at its use; the schedule
-    pass chooses it under the memory budget)."""
+    prefetch: Prefetch = Prefetch()
+    """Where the gathers go (the schedule pass chooses it under the memory budget)."""
 
 
 def first_uses(tg: TrainGraph) -> dict[str, int]:
@@ -46,11 +70,11 @@ def first_uses(tg: TrainGraph) -> dict[str, int]:
 
 
 def make_context(
-    tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU, prefetch_distance: int = 1,
+    tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU, prefetch: Prefetch = Prefetch(),
 ) -> PassContext:
     """Buckets and layouts for ``plan``: needs no process group."""
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
     buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)
     layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size))
     return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device,
-                       prefetch_distance=prefetch_distance)
+                       prefetch=prefetch)

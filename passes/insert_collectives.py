@@ -11,14 +11,20 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   parameter, directly or through parameter-only views) with the same phase
   (forward/backward) and region (block). A tied weight used by two blocks therefore
   gets one interval per block it is used in.
-* Per interval: ``all_gather_issue`` (``ctx.prefetch_distance`` intervals ahead of its
+* Per interval: ``all_gather_issue`` (``ctx.prefetch.distance`` intervals ahead of its
   use: the issue sits right after the wait of the interval that many before; 0: right
   before its own wait), ``collective_wait`` just before the
   first consumer, one ``unpack_param`` (a view of the gathered bucket) per parameter
   used, parameter-only views
   re-derived from them inside the interval, and ``release`` after the last consumer.
   Forward views that the backward used to share are re-derived from the backward's
-  own gather, so nothing gathered in forward stays alive into backward.
+  own gather, so nothing gathered in forward stays alive into backward, except for
+  ``ctx.prefetch.keep_live`` buckets (those whose forward use ends last): their last
+  forward interval and first backward interval merge into one gather.
+* ``ctx.prefetch.across_micro_steps`` (distance d >= 1): the first d gathers are
+  ``all_gather_carried`` (taken from the previous micro-step when it issued them) and
+  ``all_gather_next`` issues them for the next micro-step right after the waits of the
+  last d intervals, where gathers n, ..., n + d - 1 would go.
 * Gradients: after the bucket's last gradient is produced, ``reduce_scatter_issue``
   over the partition group (2hop) or ``all_reduce_issue`` over all ranks
   (every_step); each is waited just before the next bucket's reduction is issued,
@@ -42,6 +48,7 @@ import torch.fx
 from micscompile import collectives as C
 from micscompile.passes.buckets import block_of, param_derived
 from micscompile.passes.context import PassContext
+from micscompile.plan import PlanError
 from micscompile.sharding import unpack_param
 from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, REGION_BWD
 
@@ -76,6 +83,35 @@ def _tag(node: torch.fx.Node, like: torch.fx.Node, bucket: int | None = None) ->
     return node
 
 
+def _keep_live(
+    intervals: list[Interval], active: dict, order: dict, keep: int,
+) -> list[Interval]:
+    """Merge, for the ``keep`` buckets whose forward use ends last, their last forward interval with
+    their next (backward) one: one gather serves both, released after the backward use."""
+    last_fwd: dict[int, int] = {}
+    for i, iv in enumerate(intervals):
+        if iv.key[0] != REGION_BWD:
+            last_fwd[iv.bucket] = i
+    pairs = []
+    for b, i in last_fwd.items():
+        nxt = next((j for j in range(i + 1, len(intervals)) if intervals[j].bucket == b), None)
+        if nxt is not None:
+            pairs.append((i, nxt))
+    if keep > len(pairs):
+        raise PlanError(f"Prefetch.keep_live={keep}, but only {len(pairs)} buckets are used in both "
+                        f"forward and backward")
+    pairs.sort(key=lambda ij: order[intervals[ij[0]].last], reverse=True)
+    merged = {}
+    for i, j in pairs[:keep]:
+        fwd, bwd = intervals[i], intervals[j]
+        fwd.last = bwd.last
+        fwd.params |= bwd.params
+        merged[id(bwd)] = fwd
+    for key, iv in active.items():
+        active[key] = merged.get(id(iv), iv)
+    return [iv for iv in intervals if id(iv) not in merged]
+
+
 def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
     tg = ctx.graph
     p = ctx.plan.partition_size
@@ -107,6 +143,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             iv.params |= {name for name in used if bucket_of[name] == b}
             active[(c, b)] = iv
     intervals.sort(key=lambda iv: (order[iv.first], iv.bucket))
+    if p > 1 and ctx.prefetch.keep_live:
+        intervals = _keep_live(intervals, active, order, ctx.prefetch.keep_live)
 
     # ---- new signature: comm, one shard per bucket -----------------------------------
     with graph.inserting_before(placeholders[0]):
@@ -114,7 +152,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
 
     # ---- gathers, unpacks, releases ----------------------------------------------------
-    distance = ctx.prefetch_distance
+    distance = ctx.prefetch.distance
+    # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
+    across = ctx.prefetch.across_micro_steps and ctx.plan.micro_batches > 1
+    carried = distance if across and 1 <= distance < len(intervals) else 0
     waits: list[torch.fx.Node] = []
     for k, iv in enumerate(intervals):
         lay = layouts[iv.bucket]
@@ -131,7 +172,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             else:
                 where = graph.inserting_after(waits[k - distance])
             with where:
-                issue = graph.call_function(C.all_gather_issue, (comm, iv.bucket, shards[iv.bucket]))
+                fn = C.all_gather_carried if k < carried else C.all_gather_issue
+                issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]))
             with graph.inserting_before(iv.first):
                 src = graph.call_function(C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)
@@ -147,6 +189,11 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             with graph.inserting_after(iv.last):
                 rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
             _tag(rel, iv.last, iv.bucket)
+    for j in range(carried):  # the next micro-step's gather j, where gather n + j would be issued
+        at = waits[len(intervals) - distance + j]
+        bucket = intervals[j].bucket
+        with graph.inserting_after(at):
+            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket])), at, bucket)
 
     # ---- consumers read parameter views re-derived inside their interval ---------------
     memo: dict[tuple, torch.fx.Node] = {}

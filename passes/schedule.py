@@ -1,21 +1,29 @@
-"""schedule: how far ahead each gather is issued, chosen with the simulator under the budget.
+"""schedule: where each gather goes, chosen with the simulator under the memory budget.
 
-A deeper prefetch hides more of a gather behind the compute before its use, and keeps
-more gathered buckets live. The pass lowers the graph once with every gather at its
-use (distance 0), derives the Program of each candidate distance (1: one use interval
-ahead, FSDP's default; up to MAX_DISTANCE) by moving issues in it, prices each with
-the event simulator on the cluster, and keeps the fastest whose peak of
-gathered-parameter bytes fits ``Plan.memory_budget_bytes`` (ties: the shallower one),
-searching from 1 deeper only while it helps; the graph is then lowered at the chosen
-distance.
-A budget below the smallest peak any distance reaches (distance 0: the largest use
-interval's buckets) is refused with that minimum. Every rank runs the same
-deterministic search on the same trace, so every rank picks the same Program.
+Three knobs (passes.context.Prefetch), the decisions FSDP's and DeepSpeed's runtime
+hooks make on the fly, made once here:
+
+* distance: issue each gather this many use intervals ahead (1: FSDP's default). Deeper
+  hides more of a gather behind compute and keeps more buckets live and in flight.
+* across micro-steps: the first gathers of micro-step i+1 are issued during the tail of
+  micro-step i's backward instead of at its start.
+* keep live: the buckets used last in forward keep their gather into backward (the
+  thesis's liveness knob) instead of being gathered again.
+
+The pass lowers the graph with every gather at its use (distance 0), once per keep-live
+value, derives each candidate's Program by moving issues in it (``with_prefetch``),
+prices it with the event simulator on the cluster and keeps the fastest whose peak of
+gathered-parameter bytes fits ``Plan.memory_budget_bytes`` (ties: the earlier,
+cheaper one); the graph is then lowered with the choice. A budget below the smallest
+peak any candidate reaches (distance 0: the largest use interval's buckets) is refused
+with that minimum. Every rank runs the same deterministic search on the same trace,
+so every rank picks the same Program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,18 +31,20 @@ import torch
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.simulator import simulate_program
 from micscompile.cost_model.specs import Cluster
-from micscompile.passes.context import CPU, PassContext, make_context
+from micscompile.passes.context import CPU, PassContext, Prefetch, make_context
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.plan import PlanError, ResolvedPlan
-from micscompile.program import Action, Kind, Program, build_program
+from micscompile.program import Action, Kind, Program, ProgramError, build_program
 from micscompile.trace import TrainGraph
 
 MAX_DISTANCE = 4
+MAX_KEEP_LIVE = 4
+"""Each kept bucket is one more lowering of the graph in the search (~0.7 s at 175B)."""
 
 
 @dataclass(frozen=True)
 class Candidate:
-    distance: int
+    prefetch: Prefetch
     peak_gathered_bytes: int
     step_time_s: float | None
     """Simulated, when a cluster was given."""
@@ -43,30 +53,34 @@ class Candidate:
     def __str__(self) -> str:
         timing = (f"  step {self.step_time_s * 1e3:9.3f} ms, exposed comm {self.exposed_comm_s * 1e3:9.3f} ms"
                   if self.step_time_s is not None else "")
-        return f"prefetch {self.distance}: gathered peak {fmt_bytes(self.peak_gathered_bytes):>10}{timing}"
+        return f"{self.prefetch!s:<40} gathered peak {fmt_bytes(self.peak_gathered_bytes):>10}{timing}"
 
 
 @dataclass(frozen=True)
 class Schedule:
     program: Program
     candidates: tuple[Candidate, ...]
-    distance: int
+    prefetch: Prefetch
     ctx: PassContext | None = None
     graph: torch.fx.Graph | None = None
     """The rewritten graph of the chosen distance (None when only the Program was asked for)."""
     records: list | None = None
 
 
-def with_prefetch(program: Program, distance: int) -> Program:
+def with_prefetch(program: Program, distance: int, across_micro_steps: bool = False) -> Program:
     """``program`` (lowered at distance 0: every gather issued right before its wait) with each
     gather issued ``distance`` use intervals ahead instead, exactly as insert_collectives places
     it: right after the wait of the gather ``distance`` before, the first ones before the first
-    wait. Lowering once and moving issues is what keeps the search fast (~0.7 s per lowering at 175B)."""
+    wait; ``across_micro_steps``: the first ``distance`` gathers carried from the previous
+    micro-step, issued right after the waits of the last ``distance``. Lowering once and moving
+    issues is what keeps the search fast (~0.7 s per lowering at 175B)."""
     actions = list(program.micro_step)
     issues = [i for i, a in enumerate(actions) if a.kind is Kind.ALL_GATHER]
     if distance == 0 or not issues:
         return program
-    moved = {i: actions[i] for i in issues}
+    n = len(issues)
+    carried = distance if across_micro_steps and program.plan.micro_batches > 1 and distance < n else 0
+    moved = {i: actions[i]._replace(carried=k < carried) for k, i in enumerate(issues)}
     after: dict[int, Action] = {}  # index of a wait -> the issue that follows it
     before_first: list[Action] = []
     for k, i in enumerate(issues):
@@ -76,16 +90,24 @@ def with_prefetch(program: Program, distance: int) -> Program:
             before_first.append(moved[i])
         else:
             after[issues[k - distance] + 1] = moved[i]  # the wait of gather k - distance
+    for j in range(carried):  # where gather n + j would go: the next micro-step's gather j
+        after[issues[n - distance + j] + 1] = moved[issues[j]]._replace(kind=Kind.ALL_GATHER_NEXT, carried=False)
     out: list[Action] = []
     for i, a in enumerate(actions):
-        if i in moved and i != issues[0]:
-            continue
+        if i in moved:
+            if i != issues[0]:
+                continue
+            a = moved[i]
         out.append(a)
         if i == issues[0]:
             out += before_first
         if i in after:
             out.append(after[i])
     return dataclasses.replace(program, micro_step=out)
+
+
+def _as_prefetch(choice: Prefetch | int) -> Prefetch:
+    return choice if isinstance(choice, Prefetch) else Prefetch(distance=choice)
 
 
 def schedule(
@@ -96,62 +118,96 @@ def schedule(
     rank: int = 0,
     *,
     device: torch.device = CPU,
-    distances: tuple[int, ...] | None = None,
+    prefetch: Sequence[Prefetch | int] | None = None,
     costs: dict | None = None,
     need_graph: bool = True,
     disable=(),
     log=None,
 ) -> Schedule:
-    """Lower ``trace`` under ``rp`` at each prefetch distance and keep the best that fits the budget.
+    """Lower ``trace`` under ``rp`` with the best Prefetch that fits the budget.
 
-    The search starts at 1 (FSDP's one-ahead) and goes deeper while that fits the budget and
-    the simulation says it is faster (without a cluster it stays at 1); 0 only when 1 does
-    not fit. ``distances`` lists the candidates instead (e.g. ``(0,)``: no prefetch).
-    ``costs`` go to ``simulate_program``. ``need_graph=False``: only the Program is wanted (no
-    second lowering; ctx, graph and records are None).
+    The search (with a cluster) is greedy, one knob at a time, each kept only when the
+    simulation says strictly faster and it fits ``memory_budget_bytes`` (None: whatever keeps
+    more gathered than the first choice must fit the device's memory in the simulation):
+    distance 1 (FSDP's one-ahead), deeper while it helps (up to ``Plan.max_gathers_in_flight``,
+    at most MAX_DISTANCE), 0 only when 1 does not fit; then issuing the first gathers across
+    micro-steps; then keeping 1, 2, ... MAX_KEEP_LIVE buckets live from forward into backward. Without a
+    cluster: distance 1 (0 if 1 does not fit). ``prefetch`` lists the candidates instead
+    (ints are distances; e.g. ``(0,)``: no prefetch). ``costs`` go to ``simulate_program``.
+    ``need_graph=False``: only the Program is wanted (no second lowering; ctx, graph and
+    records are None).
     """
     budget = rp.plan.memory_budget_bytes
+    limit = min(MAX_DISTANCE, rp.plan.max_gathers_in_flight or MAX_DISTANCE)
+    forced = None if prefetch is None else [_as_prefetch(c) for c in prefetch]
     if rp.partition_size == 1:
-        distances = (0,)  # nothing is gathered
-    searching = distances is None
-    todo = [1] if searching else list(distances)
-    # lower once at distance 0; other distances move the gathers' issues in the Program
-    ctx0 = make_context(trace, rp, device, prefetch_distance=0)
-    graph0, records0 = run_passes(trace.graph_copy(), ctx0, build_pass_list(rp.plan), disable=disable, log=log)
-    base = build_program(graph0, rp, ctx0.layouts, groups, rank)
-    base.cluster = cluster
+        forced = [Prefetch(distance=0)]  # nothing is gathered
+    passes = build_pass_list(rp.plan)
+    lowered: dict[int, tuple] = {}  # keep_live -> (ctx, graph, records, Program) at distance 0
+
+    def lower(pf: Prefetch, log=None) -> tuple:
+        ctx = make_context(trace, rp, device, prefetch=pf)
+        graph, records = run_passes(trace.graph_copy(), ctx, passes, disable=disable, log=log)
+        program = build_program(graph, rp, ctx.layouts, groups, rank)
+        program.cluster = cluster
+        return ctx, graph, records, program
+
     best, candidates = None, []
-    while todo:
-        d = todo.pop(0)
-        program = with_prefetch(base, d)
+
+    def consider(pf: Prefetch) -> bool:
+        """Price ``pf``; True when it fits and is strictly faster than the best so far."""
+        nonlocal best
+        if pf.keep_live not in lowered:
+            lowered[pf.keep_live] = lower(Prefetch(distance=0, keep_live=pf.keep_live))
+        program = dataclasses.replace(with_prefetch(lowered[pf.keep_live][3], pf.distance, pf.across_micro_steps),
+                                      prefetch=pf)
         pred = simulate_program(program, cluster, record=False, **(costs or {})) if cluster is not None else None
-        cand = Candidate(d, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
+        cand = Candidate(pf, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
         candidates.append(cand)
-        fits = budget is None or cand.peak_gathered_bytes <= budget
-        # strictly faster wins (ties keep the shallower); without a cluster the deeper of 0 and 1 that fits
+        if budget is not None:
+            fits = cand.peak_gathered_bytes <= budget
+        else:  # the device's capacity: what keeps more gathered than the first choice must fit in it
+            fits = (best is None or pred is None or cand.peak_gathered_bytes <= best[0].peak_gathered_bytes
+                    or pred.peak_memory_bytes <= cluster.gpu.memory_bytes)
         better = fits and (best is None or pred is None or pred.step_time_s < best[0].step_time_s)
         if better:
             best = (cand, program)
-        if searching:  # 1, then deeper while it fits and (simulated) helps; 0 only if 1 does not fit
-            if d >= 1 and better and pred is not None and pred.exposed_comm_s > 0 and d < MAX_DISTANCE:
-                todo.append(d + 1)
-            elif d == 1 and not fits:
-                todo.append(0)
+        return better
+
+    if forced is not None:
+        for pf in forced:
+            consider(pf)
+    elif not consider(Prefetch(distance=1)):
+        consider(Prefetch(distance=0))
+    elif cluster is not None:
+        d = 1
+        while d < limit and best[0].exposed_comm_s > 0 and consider(Prefetch(distance=d + 1)):
+            d += 1
+        if rp.micro_batches > 1:
+            consider(dataclasses.replace(best[0].prefetch, across_micro_steps=True))
+        for k in range(1, MAX_KEEP_LIVE + 1):
+            try:
+                if not consider(dataclasses.replace(best[0].prefetch, keep_live=k)):
+                    break
+            except PlanError:  # fewer buckets are used in both forward and backward
+                break
     if best is None:
         minimum = min(c.peak_gathered_bytes for c in candidates)
+        layouts = next(iter(lowered.values()))[0].layouts
         raise PlanError(
             f"memory_budget_bytes={budget:,} is below {minimum:,} bytes ({fmt_bytes(minimum)}), the fewest "
             f"gathered-parameter bytes any schedule of this plan keeps live (largest bucket "
-            f"{fmt_bytes(max(lay.full_bytes for lay in ctx0.layouts))}); raise the budget to at least "
+            f"{fmt_bytes(max(lay.full_bytes for lay in layouts))}); raise the budget to at least "
             f"{minimum:,}, or lower bucket_bytes / raise partition_size"
         )
     cand, program = best
+    program.validate()
     if not need_graph:
-        return Schedule(program, tuple(candidates), cand.distance)
-    if cand.distance == 0:
-        return Schedule(program, tuple(candidates), 0, ctx0, graph0, records0)
-    ctx = make_context(trace, rp, device, prefetch_distance=cand.distance)
-    graph, records = run_passes(trace.graph_copy(), ctx, build_pass_list(rp.plan), disable=disable)
-    program = build_program(graph, rp, ctx.layouts, groups, rank)
-    program.cluster = cluster
-    return Schedule(program, tuple(candidates), cand.distance, ctx, graph, records)
+        return Schedule(program, tuple(candidates), cand.prefetch)
+    pf = cand.prefetch
+    reuse = pf.distance == 0 and log is None  # the search lowered exactly this one already
+    ctx, graph, records, lowered_program = lowered[pf.keep_live] if reuse else lower(pf, log)
+    if lowered_program.micro_step != program.micro_step:
+        raise ProgramError("the lowered graph's Program differs from the one the search chose")
+    lowered_program.prefetch = pf
+    return Schedule(lowered_program, tuple(candidates), pf, ctx, graph, records)

@@ -40,14 +40,17 @@ class Case:
     """Build it for real, then apply the same init_fn under the same seed (the meta twin)."""
     k: int | None = None
     """gpus_per_node; None = all 4 ranks on one node."""
-    prefetch: int | None = None
-    """Force this prefetch distance (None: the schedule's default)."""
+    prefetch: mc.Prefetch | None = None
+    """Force this Prefetch (None: the schedule's default)."""
 
     @property
     def id(self) -> str:
         extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
         extra += ("-reinit" if self.reinit else "") + (f"-k{self.k}" if self.k else "")
-        extra += f"-prefetch{self.prefetch}" if self.prefetch is not None else ""
+        if self.prefetch is not None:
+            pf = self.prefetch
+            extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
+            extra += "-across" if pf.across_micro_steps else ""
         return f"{self.model}-p{self.p}-s{self.s}-{self.opt}{extra}"
 
 
@@ -77,7 +80,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
-                      prefetch_distances=None if case.prefetch is None else (case.prefetch,))
+                      prefetch=None if case.prefetch is None else (case.prefetch,))
     losses = [float(step(*b)) for b in local]
 
     shard_rank = rank % case.p
@@ -100,6 +103,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "inter_node": {k: r.inter_node_bytes for k, r in stats.rows.items()},
         "intra_node": {k: r.intra_node_bytes for k, r in stats.rows.items()},
         "peak_gathered": (stats.peak_gathered_bytes, step.program.peak_gathered_bytes),
+        "calls_per_step": (sum(r.calls for r in stats.rows.values()), STEPS * len(step.program.collective_order())),
         "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
         "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
         "program": str(step.program) if rank == 0 else "",
@@ -124,10 +128,14 @@ EXTRA = [
     *(Case("quirky", p, s, opt) for p in (1, 2) for s in (1, 3) for opt in ("sgd", "adamw")),
     Case("convnet", 4, 2, "sgd", k=2),  # the partition group spans both (simulated) nodes
     Case("convnet", 2, 2, "sgd", k=2),  # partition groups inside a node, replication across
-    # the schedule's other prefetch distances: gathered at the use, two and three intervals ahead
-    Case("tied_lm", 2, 3, "adamw", prefetch=0),
-    Case("tied_lm", 4, 2, "sgd", prefetch=3),
-    Case("convnet", 2, 3, "sgd", prefetch=2),
+    # the schedule's other choices: gathered at the use, two and three intervals ahead, the first
+    # gathers issued by the previous micro-step, buckets kept live from forward into backward
+    Case("tied_lm", 2, 3, "adamw", prefetch=mc.Prefetch(distance=0)),
+    Case("tied_lm", 4, 2, "sgd", prefetch=mc.Prefetch(distance=3)),
+    Case("convnet", 2, 3, "sgd", prefetch=mc.Prefetch(distance=2)),
+    Case("tied_lm", 2, 3, "adamw", prefetch=mc.Prefetch(distance=2, across_micro_steps=True)),
+    Case("convnet", 4, 4, "sgd", prefetch=mc.Prefetch(distance=1, keep_live=2, across_micro_steps=True)),
+    Case("tied_lm", 4, 3, "adamw", prefetch=mc.Prefetch(distance=2, keep_live=1)),
 ]
 # the real-model runs that the meta runs are compared against, value for value
 REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if c.meta]

@@ -1,5 +1,6 @@
 """The schedule pass: prefetch distance under a memory budget, chosen with the simulator."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from micscompile.models import lm_loss as gpt_loss
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.schedule import schedule, with_prefetch
+from micscompile.program import Kind, ProgramError
 from micscompile.predict import planned_groups
 from models import meta_lm_trace
 
@@ -23,7 +25,7 @@ def lm_trace():
 
 
 def rewrite(tg, p, distance):
-    ctx = make_context(tg, mc.Plan(partition_size=p).resolve(4), prefetch_distance=distance)
+    ctx = make_context(tg, mc.Plan(partition_size=p).resolve(4), prefetch=mc.Prefetch(distance=distance))
     graph = insert_collectives_pass(tg.graph_copy(), ctx)
     graph.lint()
     return graph
@@ -50,16 +52,20 @@ def test_prefetch_distance_moves_issues_only(lm_trace):
 def test_moving_issues_in_the_program_equals_lowering_at_that_distance(lm_trace, p):
     """The search moves issues in one Program; compile lowers the graph at the chosen distance."""
     rp = mc.Plan(partition_size=p, micro_batches=2).resolve(4)
-    base = schedule(lm_trace, rp, None, planned_groups(rp), distances=(0,)).program
-    for d in (1, 2, 3):
-        lowered = schedule(lm_trace, rp, None, planned_groups(rp), distances=(d,))
-        assert with_prefetch(base, d).micro_step == lowered.program.micro_step, d
-        assert lowered.distance == d
+    for keep in (0, 1, 2):
+        base = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(0, keep),)).program
+        for d in (1, 2, 3):
+            for across in (False, True):
+                pf = mc.Prefetch(d, keep, across)
+                lowered = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(pf,))
+                assert with_prefetch(base, d, across).micro_step == lowered.program.micro_step, pf
+                assert lowered.prefetch == pf
+                lowered.program.validate()
 
 
 def test_deeper_prefetch_keeps_more_gathered(lm_trace):
     rp = mc.Plan(partition_size=4).resolve(4)
-    peaks = [schedule(lm_trace, rp, None, planned_groups(rp), distances=(d,)).program.peak_gathered_bytes
+    peaks = [schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(d,)).program.peak_gathered_bytes
              for d in range(4)]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
 
@@ -68,7 +74,7 @@ def test_budget_is_law(lm_trace):
     """Every budget from the minimum up gets a Program within it; below the minimum, a clear error."""
     cluster = Cluster.preset("p4d.24xlarge")
     rp_free = mc.Plan(partition_size=8).resolve(8)
-    peaks = sorted({schedule(lm_trace, rp_free, cluster, planned_groups(rp_free), distances=(d,)).program.peak_gathered_bytes
+    peaks = sorted({schedule(lm_trace, rp_free, cluster, planned_groups(rp_free), prefetch=(d,)).program.peak_gathered_bytes
                     for d in range(5)})
     for budget in [*peaks, *(a + (b - a) // 2 for a, b in zip(peaks, peaks[1:]))]:
         rp = mc.Plan(partition_size=8, memory_budget_bytes=budget).resolve(8)
@@ -100,7 +106,7 @@ def test_schedule_hides_gathers_on_p4d():
     tg = mc.trace(model, (x, x), gpt_loss)
     cluster = Cluster.preset("p4d.24xlarge", nodes=16)
     plan = mc.Plan(partition_size=8, micro_batches=4)
-    exposed = {d: mc.simulate(tg, plan, cluster, scaling=False, prefetch_distances=d).exposed_comm_s
+    exposed = {d: mc.simulate(tg, plan, cluster, scaling=False, prefetch=d).exposed_comm_s
                for d in ((0,), (1,), None)}
     assert exposed[None] <= 0.5 * exposed[(0,)]
     assert exposed[None] < exposed[(1,)]
@@ -126,3 +132,73 @@ def test_program_prints_predicted_times_and_exports_a_timeline(lm_trace, tmp_pat
     assert "start ms" not in str(bare)
     with pytest.raises(ValueError, match="no cluster"):
         bare.predict()
+
+
+def test_keep_live_trades_gathers_for_gathered_bytes(lm_trace):
+    """Buckets kept live from forward into backward are gathered once per micro-step, not twice, and
+    stay gathered across the forward/backward turn."""
+    rp = mc.Plan(partition_size=4).resolve(4)
+    programs = [schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, k),)).program
+                for k in range(4)]
+    gathers = [sum(a.kind is Kind.ALL_GATHER for a in prog.micro_step) for prog in programs]
+    assert gathers == [gathers[0] - k for k in range(4)]
+    peaks = [prog.peak_gathered_bytes for prog in programs]
+    # one ahead, the head's backward gather of the tied embedding was issued while its forward gather
+    # was still live: keeping that one bucket live lowers the peak; keeping blocks live raises it
+    assert peaks[1] < peaks[0] < peaks[3]
+    with pytest.raises(mc.PlanError, match="keep_live=99"):
+        schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, 99),))
+
+
+def test_across_micro_steps_carries_the_first_gathers(lm_trace):
+    rp = mc.Plan(partition_size=4, micro_batches=3).resolve(4)
+    for d in (1, 2, 3):
+        prog = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(d, 0, True),)).program
+        nxt = [a.bucket for a in prog.micro_step if a.kind is Kind.ALL_GATHER_NEXT]
+        carried = [a.bucket for a in prog.micro_step if a.carried]
+        assert nxt == carried and len(nxt) == d
+        assert prog.max_gathers_in_flight == d
+        # the first micro-step issues every gather itself, the others skip the carried ones, the last
+        # issues no next-gathers
+        n = sum(a.kind is Kind.ALL_GATHER for a in prog.micro_step)
+        assert [sum(a.kind is Kind.ALL_GATHER for a in prog.issued_in(mb)) for mb in range(3)] == [n, n - d, n - d]
+        assert [sum(a.kind is Kind.ALL_GATHER_NEXT for a in prog.issued_in(mb)) for mb in range(3)] == [d, d, 0]
+        assert len(prog.collective_order()) == 3 * sum(a.kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
+                                                       for a in prog.micro_step) + len(prog.boundary) - 1
+    single = mc.Plan(partition_size=4, micro_batches=1).resolve(4)
+    prog = schedule(lm_trace, single, None, planned_groups(single), prefetch=(mc.Prefetch(2, 0, True),)).program
+    assert not any(a.kind is Kind.ALL_GATHER_NEXT or a.carried for a in prog.micro_step)
+
+
+def test_search_takes_each_knob_only_when_faster_and_caps_gathers_in_flight(lm_trace):
+    cluster = Cluster.preset("p4d.24xlarge")
+    rp = mc.Plan(partition_size=8, micro_batches=2).resolve(8)
+    sched = schedule(lm_trace, rp, cluster, planned_groups(rp))
+    times = [c.step_time_s for c in sched.candidates]
+    chosen = next(c for c in sched.candidates if c.prefetch == sched.prefetch)
+    assert chosen.step_time_s == min(times)
+    assert {c.prefetch.across_micro_steps for c in sched.candidates} == {False, True}
+    assert any(c.prefetch.keep_live for c in sched.candidates)
+    for limit in (1, 2):
+        capped = mc.Plan(partition_size=8, micro_batches=2, max_gathers_in_flight=limit).resolve(8)
+        sched = schedule(lm_trace, capped, cluster, planned_groups(capped))
+        assert sched.program.max_gathers_in_flight <= limit
+        assert max(c.prefetch.distance for c in sched.candidates) <= limit
+
+
+def test_validate_refuses_a_broken_program(lm_trace):
+    rp = mc.Plan(partition_size=2, micro_batches=2).resolve(4)
+    prog = schedule(lm_trace, rp, None, planned_groups(rp)).program
+    prog.validate()
+    steps = prog.micro_step
+    first_wait = next(i for i, a in enumerate(steps) if a.kind is Kind.WAIT)
+    first_release = next(i for i, a in enumerate(steps) if a.kind is Kind.RELEASE)
+    broken = {
+        "not issued": [a for a in steps if a.kind is not Kind.ALL_GATHER],
+        "not gathered": steps[:first_wait] + steps[first_wait + 1:],
+        "not waited": [a for i, a in enumerate(steps) if not (a.kind is Kind.WAIT and a.waits_for is Kind.REDUCE_SCATTER)],
+        "not released": steps[:first_release] + steps[first_release + 1:],
+    }
+    for match, actions in broken.items():
+        with pytest.raises(ProgramError, match=match):
+            dataclasses.replace(prog, micro_step=actions).validate()
