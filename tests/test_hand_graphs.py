@@ -57,8 +57,9 @@ def chain_trace(layers: int) -> TrainGraph:
     )
 
 
-def rewrite(tg: TrainGraph, p: int, prefetch=mc.Prefetch()) -> torch.fx.Graph:
-    graph = insert_collectives_pass(tg.graph_copy(), make_context(tg, mc.Plan(partition_size=p).resolve(4), prefetch=prefetch))
+def rewrite(tg: TrainGraph, p: int, prefetch: mc.Prefetch | None = None) -> torch.fx.Graph:
+    ctx = make_context(tg, mc.Plan(partition_size=p).resolve(4), prefetch=prefetch or mc.Prefetch())
+    graph = insert_collectives_pass(tg.graph_copy(), ctx)
     graph.lint()
     return graph
 
