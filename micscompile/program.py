@@ -88,6 +88,7 @@ class Action(NamedTuple):
     measured_s: float | None = None
     """Profiled time of the action's ops (profile mode), preferred to the roofline estimate."""
     region: str = ""
+    """COMPUTE: phase:block of its first (.. last) node; a collective: the phase it serves."""
     carried: bool = False
     """For ALL_GATHER: after the first micro-step, the previous micro-step's ALL_GATHER_NEXT of
     this bucket issued it (the action issues nothing then)."""
@@ -294,7 +295,7 @@ def build_program(
             group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
                      Kind.ALL_REDUCE: "world"}.get(kind)
             actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes,
-                                  carried=node.target is C.all_gather_carried))
+                                  carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, "")))
             issued[node] = kind
         else:
             run.append(node)

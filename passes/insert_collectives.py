@@ -83,6 +83,12 @@ def _tag(node: torch.fx.Node, like: torch.fx.Node, bucket: int | None = None) ->
     return node
 
 
+def check_keep_live(keep: int, available: int) -> None:
+    if keep > available:
+        raise PlanError(f"Prefetch.keep_live={keep}, but only {available} buckets are used in both "
+                        f"forward and backward")
+
+
 def _keep_live(
     intervals: list[Interval], active: dict, order: dict, keep: int,
 ) -> list[Interval]:
@@ -97,9 +103,7 @@ def _keep_live(
         nxt = next((j for j in range(i + 1, len(intervals)) if intervals[j].bucket == b), None)
         if nxt is not None:
             pairs.append((i, nxt))
-    if keep > len(pairs):
-        raise PlanError(f"Prefetch.keep_live={keep}, but only {len(pairs)} buckets are used in both "
-                        f"forward and backward")
+    check_keep_live(keep, len(pairs))
     pairs.sort(key=lambda ij: order[intervals[ij[0]].last], reverse=True)
     merged = {}
     for i, j in pairs[:keep]:
@@ -193,7 +197,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         at = waits[len(intervals) - distance + j]
         bucket = intervals[j].bucket
         with graph.inserting_after(at):
-            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket])), at, bucket)
+            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket])), intervals[j].first, bucket)
 
     # ---- consumers read parameter views re-derived inside their interval ---------------
     memo: dict[tuple, torch.fx.Node] = {}

@@ -10,8 +10,8 @@ hooks make on the fly, made once here:
 * keep live: the buckets used last in forward keep their gather into backward (the
   thesis's liveness knob) instead of being gathered again.
 
-The pass lowers the graph with every gather at its use (distance 0), once per keep-live
-value, derives each candidate's Program by moving issues in it (``with_prefetch``),
+The pass lowers the graph once with every gather at its use (distance 0), derives each
+candidate's Program from it (``with_keep_live`` drops gathers, ``with_prefetch`` moves issues),
 prices it with the event simulator on the cluster and keeps the fastest whose peak of
 gathered-parameter bytes fits ``Plan.memory_budget_bytes`` (ties: the earlier,
 cheaper one); the graph is then lowered with the choice. A budget below the smallest
@@ -32,14 +32,15 @@ from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.simulator import simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import CPU, PassContext, Prefetch, make_context
+from micscompile.passes.insert_collectives import check_keep_live
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Action, Kind, Program, ProgramError, build_program
-from micscompile.trace import TrainGraph
+from micscompile.trace import REGION_BWD, TrainGraph
 
 MAX_DISTANCE = 4
 MAX_KEEP_LIVE = 4
-"""Each kept bucket is one more lowering of the graph in the search (~0.7 s at 175B)."""
+"""Each kept bucket holds its gather from forward to backward: the first few are what pays."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,33 @@ def with_prefetch(program: Program, distance: int, across_micro_steps: bool = Fa
     return dataclasses.replace(program, micro_step=out)
 
 
+def with_keep_live(program: Program, keep: int) -> Program:
+    """``program`` (lowered at distance 0) with the ``keep`` buckets whose forward use ends last
+    kept gathered into their next (backward) use: their last forward release and the next gather
+    and wait go, as insert_collectives' keep_live merges those intervals. The collectives are
+    exactly the lowering's; its compute differs only by the views no longer re-derived."""
+    if keep == 0:
+        return program
+    actions = program.micro_step
+    last_release = {a.bucket: i for i, a in enumerate(actions) if a.kind is Kind.RELEASE and a.region != REGION_BWD}
+    pairs = []
+    for b, i in last_release.items():
+        j = next((j for j in range(i + 1, len(actions)) if actions[j].kind is Kind.ALL_GATHER and actions[j].bucket == b), None)
+        if j is not None:
+            pairs.append((i, j))
+    check_keep_live(keep, len(pairs))
+    drop = set()
+    for i, j in sorted(pairs, reverse=True)[:keep]:
+        wait = next(w for w in range(j + 1, len(actions))
+                    if actions[w].kind is Kind.WAIT and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == actions[j].bucket)
+        drop |= {i, j, wait}
+    return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
+
+
+def _collectives_of(program: Program) -> list[Action]:
+    return [a for a in program.micro_step if a.kind is not Kind.COMPUTE]
+
+
 def _as_prefetch(choice: Prefetch | int) -> Prefetch:
     return choice if isinstance(choice, Prefetch) else Prefetch(distance=choice)
 
@@ -131,7 +159,8 @@ def schedule(
     more gathered than the first choice must fit the device's memory in the simulation):
     distance 1 (FSDP's one-ahead), deeper while it helps (up to ``Plan.max_gathers_in_flight``,
     at most MAX_DISTANCE), 0 only when 1 does not fit; then issuing the first gathers across
-    micro-steps; then keeping 1, 2, ... MAX_KEEP_LIVE buckets live from forward into backward. Without a
+    micro-steps; then keeping 1, 2, ... MAX_KEEP_LIVE buckets live from forward into backward (each
+    tried). Without a
     cluster: distance 1 (0 if 1 does not fit). ``prefetch`` lists the candidates instead
     (ints are distances; e.g. ``(0,)``: no prefetch). ``costs`` go to ``simulate_program``.
     ``need_graph=False``: only the Program is wanted (no second lowering; ctx, graph and
@@ -143,7 +172,6 @@ def schedule(
     if rp.partition_size == 1:
         forced = [Prefetch(distance=0)]  # nothing is gathered
     passes = build_pass_list(rp.plan)
-    lowered: dict[int, tuple] = {}  # keep_live -> (ctx, graph, records, Program) at distance 0
 
     def lower(pf: Prefetch, log=None) -> tuple:
         ctx = make_context(trace, rp, device, prefetch=pf)
@@ -152,15 +180,14 @@ def schedule(
         program.cluster = cluster
         return ctx, graph, records, program
 
+    base = lower(Prefetch(distance=0))  # (ctx, graph, records, Program): every gather at its use
     best, candidates = None, []
 
     def consider(pf: Prefetch) -> bool:
         """Price ``pf``; True when it fits and is strictly faster than the best so far."""
         nonlocal best
-        if pf.keep_live not in lowered:
-            lowered[pf.keep_live] = lower(Prefetch(distance=0, keep_live=pf.keep_live))
-        program = dataclasses.replace(with_prefetch(lowered[pf.keep_live][3], pf.distance, pf.across_micro_steps),
-                                      prefetch=pf)
+        program = with_prefetch(with_keep_live(base[3], pf.keep_live), pf.distance, pf.across_micro_steps)
+        program = dataclasses.replace(program, prefetch=pf)
         pred = simulate_program(program, cluster, record=False, **(costs or {})) if cluster is not None else None
         cand = Candidate(pf, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
         candidates.append(cand)
@@ -185,15 +212,15 @@ def schedule(
             d += 1
         if rp.micro_batches > 1:
             consider(dataclasses.replace(best[0].prefetch, across_micro_steps=True))
-        for k in range(1, MAX_KEEP_LIVE + 1):
+        base_choice = best[0].prefetch
+        for k in range(1, MAX_KEEP_LIVE + 1):  # all of them: a kept bucket whose gather was hidden gains nothing
             try:
-                if not consider(dataclasses.replace(best[0].prefetch, keep_live=k)):
-                    break
+                consider(dataclasses.replace(base_choice, keep_live=k))
             except PlanError:  # fewer buckets are used in both forward and backward
                 break
     if best is None:
         minimum = min(c.peak_gathered_bytes for c in candidates)
-        layouts = next(iter(lowered.values()))[0].layouts
+        layouts = base[0].layouts
         raise PlanError(
             f"memory_budget_bytes={budget:,} is below {minimum:,} bytes ({fmt_bytes(minimum)}), the fewest "
             f"gathered-parameter bytes any schedule of this plan keeps live (largest bucket "
@@ -205,9 +232,9 @@ def schedule(
     if not need_graph:
         return Schedule(program, tuple(candidates), cand.prefetch)
     pf = cand.prefetch
-    reuse = pf.distance == 0 and log is None  # the search lowered exactly this one already
-    ctx, graph, records, lowered_program = lowered[pf.keep_live] if reuse else lower(pf, log)
-    if lowered_program.micro_step != program.micro_step:
-        raise ProgramError("the lowered graph's Program differs from the one the search chose")
+    reuse = pf == Prefetch(distance=0) and log is None  # the search lowered exactly this one already
+    ctx, graph, records, lowered_program = base if reuse else lower(pf, log)
+    if _collectives_of(lowered_program) != _collectives_of(program):
+        raise ProgramError("the lowered graph's collectives differ from those the search chose")
     lowered_program.prefetch = pf
     return Schedule(lowered_program, tuple(candidates), pf, ctx, graph, records)

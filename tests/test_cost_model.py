@@ -124,7 +124,8 @@ def test_collective_interference_charges_exposure_and_slowdown(lm_trace):
 
     def run(exposed, slowdown, cap):
         cost = {"2": {"exposed_fraction": exposed, "slowdown": slowdown, "max_slowdown_s": cap}}
-        return mc.simulate(lm_trace, plan, dataclasses.replace(base, collective_interference=cost), scaling=False)
+        return mc.simulate(lm_trace, plan, dataclasses.replace(base, collective_interference=cost), scaling=False,
+                           prefetch=(1,))  # one Program for all: the search would pick per cost
 
     free, exposed = run(0.0, 0.0, 0.0), run(1.0, 0.0, 0.0)
     comm = free.stream_busy_s["comm:shard"] + free.stream_busy_s["comm:replicate"]

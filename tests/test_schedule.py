@@ -13,7 +13,7 @@ from micscompile.models import GPT, GPTConfig
 from micscompile.models import lm_loss as gpt_loss
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
-from micscompile.passes.schedule import schedule, with_prefetch
+from micscompile.passes.schedule import schedule, with_keep_live, with_prefetch
 from micscompile.program import Kind, ProgramError
 from micscompile.predict import planned_groups
 from models import meta_lm_trace
@@ -52,15 +52,23 @@ def test_prefetch_distance_moves_issues_only(lm_trace):
 def test_moving_issues_in_the_program_equals_lowering_at_that_distance(lm_trace, p):
     """The search moves issues in one Program; compile lowers the graph at the chosen distance."""
     rp = mc.Plan(partition_size=p, micro_batches=2).resolve(4)
+    base = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(0,)).program
     for keep in (0, 1, 2):
-        base = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(0, keep),)).program
-        for d in (1, 2, 3):
+        for d in (0, 1, 2, 3):
             for across in (False, True):
                 pf = mc.Prefetch(d, keep, across)
                 lowered = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(pf,))
-                assert with_prefetch(base, d, across).micro_step == lowered.program.micro_step, pf
-                assert lowered.prefetch == pf
+                derived = with_prefetch(with_keep_live(base, keep), d, across).micro_step
                 lowered.program.validate()
+                assert lowered.prefetch == pf
+                if keep == 0:
+                    assert derived == lowered.program.micro_step, pf
+                    continue
+                # kept buckets: the same collectives; the compute lacks only the views not re-derived
+                assert [a for a in derived if a.kind is not Kind.COMPUTE] == \
+                       [a for a in lowered.program.micro_step if a.kind is not Kind.COMPUTE], pf
+                flops = [sum(a.flops for a in steps) for steps in (derived, lowered.program.micro_step)]
+                assert flops[0] == flops[1]
 
 
 def test_deeper_prefetch_keeps_more_gathered(lm_trace):
