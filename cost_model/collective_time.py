@@ -76,13 +76,18 @@ def collective_time_s(
 
 def hierarchical_time_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
     """Three-stage (inter-node, reorder, intra-node) all-gather or reduce-scatter time."""
+    return sum(hierarchical_stages_s(kind, nbytes, ranks, cluster))
+
+
+def hierarchical_stages_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> tuple[float, float, float]:
+    """(inter-node, reorder, intra-node) seconds of a hierarchical all-gather or reduce-scatter."""
     if kind not in (ALL_GATHER, REDUCE_SCATTER):
         raise ValueError(f"no hierarchical variant of {kind!r}")
     k = cluster.gpus_per_node
     m = nodes_spanned(ranks, k)
     g = len(ranks)
     if m <= 1:
-        return collective_time_s(kind, nbytes, ranks, cluster)
+        return 0.0, 0.0, collective_time_s(kind, nbytes, ranks, cluster)
     q = g // m
     # stage 1: q parallel rings of m ranks across nodes, each over m/g of the buffer, sharing NICs
     inter = (m - 1) * cluster.inter.latency_s + q * (m - 1) / g * nbytes / cluster.node_bandwidth_bps
@@ -90,7 +95,7 @@ def hierarchical_time_s(kind: str, nbytes: float, ranks: Sequence[int], cluster:
     reorder = 2 * nbytes / (cluster.gpu.memory_bandwidth_bps * cluster.gpu.memory_efficiency)
     # stage 3: intra-node collective of q ranks over the whole buffer
     intra = (q - 1) * cluster.intra.latency_s + (q - 1) / q * nbytes / cluster.intra.bandwidth_bps
-    return inter + reorder + intra
+    return inter, reorder, intra
 
 
 def inter_node_bytes(kind: str, nbytes: float, group_size: int, gpus_per_node: int, hierarchical: bool) -> float:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from micscompile.collectives import fmt_bytes
-from micscompile.cost_model.collective_time import collective_time_s
+from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s
 from micscompile.cost_model.specs import Cluster, GpuSpec
 from micscompile.program import COLLECTIVE_OF_KIND, Action, Kind, Program
 
@@ -48,6 +48,8 @@ class _InFlight:
     group: str
     frees_bytes: int
     """Released at its wait (a packed gradient bucket; gathered buckets are released explicitly)."""
+    finish_s: float = 0.0
+    """Compute-stream time its wait adds (a hierarchical gather's reorder and intra-node stage)."""
     slowdown: float = 0.0
     """Fraction by which compute beside it runs slower..."""
     slowdown_left_s: float = 0.0
@@ -175,10 +177,21 @@ def simulate_program(
         busy["compute"] += duration
 
     def issue(a: Action, frees_bytes: int = 0) -> _InFlight:
-        """Enqueue ``a`` on its stream and charge compute its exposed share."""
+        """Enqueue ``a`` on its stream and charge compute its exposed share. A hierarchical
+        collective's inter-node stage is what runs on the stream; its reorder and intra-node
+        stage run on the compute stream (at the wait for a gather, before the issue for a
+        reduce-scatter), as collectives.py runs them."""
         group = groups[a.group]
         cost = cluster.collective_interference.get(str(group.size))
-        duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
+        finish_s = 0.0
+        if a.hierarchical:
+            duration, reorder, intra = hierarchical_stages_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
+            if a.kind is Kind.REDUCE_SCATTER:
+                run_compute(reorder + intra, f"intra-node {a}")
+            else:
+                finish_s = reorder + intra
+        else:
+            duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
         stream = f"comm:{a.group}"
         if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
@@ -187,7 +200,7 @@ def simulate_program(
         busy[stream] += duration
         if record and duration > 0:
             events.append(Event(stream, str(a), start, start + duration))
-        flight = _InFlight(start + duration, a.group, frees_bytes)
+        flight = _InFlight(start + duration, a.group, frees_bytes, finish_s=finish_s)
         if duration <= 0:
             return flight
         if cost is None:
@@ -250,6 +263,8 @@ def simulate_program(
                 flight = pending[(a.waits_for, a.bucket)].popleft()
                 wait_until(flight.end_s)
                 dynamic -= flight.frees_bytes
+                if flight.finish_s > 0:
+                    run_compute(flight.finish_s, f"intra-node {a}")
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)

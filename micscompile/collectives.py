@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -63,6 +64,8 @@ class CommRow:
     bytes: int = 0
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
+    """What the node's inter-node link carries for these collectives: a ring spanning nodes sends
+    all its bytes through its slowest hop; the k rings of a hierarchical gather share the link."""
     tensor_bytes: int = 0
     """Sum of the full buffers' sizes (not what crossed the wire)."""
 
@@ -82,7 +85,9 @@ class CommStats:
         self.live_gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.live_gathered_bytes)
 
-    def record(self, kind: str, group: GroupInfo, nbytes: int) -> None:
+    def record(self, kind: str, group: GroupInfo, nbytes: int, parallel_rings: int = 1) -> None:
+        """``parallel_rings``: this many rings like this rank's run at once through the node's
+        inter-node link (the k rings of a hierarchical gather's first stage)."""
         row = self.rows.setdefault((kind, group.name), CommRow())
         self.groups[group.name] = group
         wire = ring_wire_bytes(kind, nbytes, group.size)
@@ -90,7 +95,7 @@ class CommStats:
         row.bytes += wire
         row.tensor_bytes += nbytes
         if group.spans_nodes:
-            row.inter_node_bytes += wire
+            row.inter_node_bytes += wire * parallel_rings
         else:
             row.intra_node_bytes += wire
 
@@ -135,6 +140,11 @@ class Comm:
     shard: GroupInfo
     replicate: GroupInfo
     world: GroupInfo
+    inter: GroupInfo | None = None
+    """Hierarchical stage groups (when the partition group spans nodes): the group's ranks with
+    this rank's local index, one per node ..."""
+    intra: GroupInfo | None = None
+    """... and the group's ranks on this rank's node."""
     stats: CommStats = field(default_factory=CommStats)
     micro_step: int = 0
     micro_steps: int = 1
@@ -146,16 +156,21 @@ class Comm:
 class Pending(NamedTuple):
     work: Any
     """The async Work handle (None when nothing was sent)."""
-    result: torch.Tensor
+    result: torch.Tensor | None
     """Valid after the wait."""
+    finish: Callable[[], torch.Tensor] | None = None
+    """Run at the wait, after ``work``: the rest of a chained collective; returns the result."""
 
 
 # ---- operations inserted into the graph (call_function targets) ----------------------
 
 
-def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
+def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> Pending:
     """Start gathering a bucket over the partition group into a [p * row_numel] buffer."""
     layout = comm.layouts[bucket]
+    if hierarchical:
+        comm.stats.gathered(layout.full_bytes)
+        return _hierarchical_all_gather(comm, layout, shard)
     out = shard.new_empty(layout.padded_numel)
     work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
     comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
@@ -163,16 +178,16 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
     return Pending(work, out)
 
 
-def all_gather_next(comm: Comm, bucket: int, shard: torch.Tensor) -> None:
+def all_gather_next(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> None:
     """Start the next micro-step's gather of a bucket (nothing on the last micro-step)."""
     if comm.micro_step < comm.micro_steps - 1:
-        comm.carried.append((bucket, all_gather_issue(comm, bucket, shard)))
+        comm.carried.append((bucket, all_gather_issue(comm, bucket, shard, hierarchical)))
 
 
-def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor) -> Pending:
+def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> Pending:
     """The gather the previous micro-step issued for this one; issued here on the first micro-step."""
     if comm.micro_step == 0:
-        return all_gather_issue(comm, bucket, shard)
+        return all_gather_issue(comm, bucket, shard, hierarchical)
     carried_bucket, pending = comm.carried.popleft()
     if carried_bucket != bucket:
         raise RuntimeError(f"the previous micro-step gathered bucket {carried_bucket} for this one, "
@@ -184,7 +199,7 @@ def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
     """Block (the current stream) until the collective is done; return its result."""
     if pending.work is not None:
         pending.work.wait()
-    return pending.result
+    return pending.finish() if pending.finish is not None else pending.result
 
 
 def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
@@ -192,10 +207,14 @@ def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
     comm.stats.gathered(-comm.layouts[bucket].full_bytes)
 
 
-def reduce_scatter_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
+def reduce_scatter_issue(
+    comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None, hierarchical: bool = False,
+) -> Pending:
     """Start summing a bucket's gradients over the partition group; result = own shard."""
     layout = comm.layouts[bucket]
     flat = pack_grads(layout, grads, like)
+    if hierarchical:
+        return _hierarchical_reduce_scatter(comm, layout, flat)
     out = flat.new_empty(layout.row_numel)
     work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, comm.shard, layout.full_bytes)
@@ -215,3 +234,46 @@ def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor
     """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
     return pack_grads(comm.layouts[bucket], grads, like)
 
+
+
+# ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------
+#
+# Group index i = node * k + local. Stage groups: ``inter`` (the m ranks with this rank's local
+# index, by node) and ``intra`` (the k ranks of this node, by local index). Flat buffers only
+# (gloo has no coalescing); the same calls run on NCCL.
+
+
+def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tensor) -> Pending:
+    """(1) all-gather across nodes among the ranks with this local index (the k of them run at once,
+    sharing the node's link): [C_local, C_{k+local}, ...]; at the wait, (3) all-gather those inside
+    the node and (2) reorder [local][node] -> [node][local]: exactly the flat [C0, ..., C_{p-1}]."""
+    inter, intra = comm.inter, comm.intra
+    m, k, row = inter.size, intra.size, layout.row_numel
+    across = shard.new_empty(m * row)
+    work = dist.all_gather_single(across, shard, group=inter.group, async_op=True)
+    comm.stats.record(ALL_GATHER, inter, across.numel() * across.element_size(), parallel_rings=k)
+
+    def finish() -> torch.Tensor:
+        inside = shard.new_empty(k * m * row)
+        dist.all_gather_single(inside, across, group=intra.group)
+        comm.stats.record(ALL_GATHER, intra, inside.numel() * inside.element_size())
+        return inside.view(k, m, row).transpose(0, 1).reshape(-1)
+
+    return Pending(work, None, finish)
+
+
+def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.Tensor) -> Pending:
+    """Inside the node first: reorder [node][local] -> [local][node] and reduce-scatter over the k
+    ranks (each gets the node's sum of the m chunks with its local index); then across nodes,
+    asynchronously: reduce-scatter those m chunks over the inter group. Result: own chunk, summed
+    over all p ranks."""
+    inter, intra = comm.inter, comm.intra
+    m, k, row = inter.size, intra.size, layout.row_numel
+    by_local = flat.view(m, k, row).transpose(0, 1).reshape(-1)
+    partial = flat.new_empty(m * row)
+    dist.reduce_scatter_single(partial, by_local, op=dist.ReduceOp.SUM, group=intra.group)
+    comm.stats.record(REDUCE_SCATTER, intra, by_local.numel() * by_local.element_size())
+    out = flat.new_empty(row)
+    work = dist.reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=inter.group, async_op=True)
+    comm.stats.record(REDUCE_SCATTER, inter, partial.numel() * partial.element_size(), parallel_rings=k)
+    return Pending(work, out)

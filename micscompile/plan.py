@@ -40,7 +40,9 @@ class Plan:
     gpus_per_node: int | None = None
     """k: ranks per node, used for intra/inter-node accounting; None = LOCAL_WORLD_SIZE."""
     hierarchical: Literal["auto", True, False] = "auto"
-    """Hierarchical gathers when a partition group spans nodes; "auto" = flat until the cost model decides."""
+    """Hierarchical (inter-node, then intra-node) all-gathers and reduce-scatters when a partition
+    group spans whole nodes: True / False force it for every bucket; "auto" lets the cost model
+    pick per bucket on the cluster the Program is scheduled for (flat without one)."""
     memory_budget_bytes: int | None = None
     """Budget for gathered parameters live at once; None = no limit (device capacity)."""
     max_gathers_in_flight: int | None = None
@@ -79,7 +81,6 @@ class Plan:
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
         not_yet = {
             "pipeline_stages > 1 (MiCS-Pipe)": self.pipeline_stages != 1,
-            "hierarchical=True": self.hierarchical is True,
             "checkpoint=True": bool(self.checkpoint),
             "offload_activations=True": bool(self.offload_activations),
             "param_dtype other than float32": self.param_dtype != torch.float32,
@@ -110,6 +111,12 @@ class Plan:
                 f"partition_size={p} does not divide world size {n}; "
                 f"valid partition sizes: {', '.join(map(str, divisors(n)))}"
             )
+        if self.hierarchical is True and not (p > k and p % k == 0):
+            raise PlanError(
+                f"hierarchical=True needs a partition group spanning whole nodes (partition_size a multiple of "
+                f"gpus_per_node={k}, larger than it), got partition_size={p}; valid: "
+                f"{', '.join(str(q) for q in divisors(n) if q > k and q % k == 0) or 'none on this world'}"
+            )
         return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // p)
 
 
@@ -134,6 +141,21 @@ class ResolvedPlan:
     def __str__(self) -> str:
         return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas} "
                 f"s={self.micro_batches} grad_sync={self.plan.grad_sync}")
+
+    @property
+    def spans_nodes(self) -> bool:
+        """The partition group spans whole nodes: hierarchical collectives apply."""
+        return self.partition_size > self.gpus_per_node and self.partition_size % self.gpus_per_node == 0
+
+    def inter_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s partition group with its local index, one per node (stage 1)."""
+        first, k = rank - rank % self.partition_size, self.gpus_per_node
+        return tuple(range(first + rank % k, first + self.partition_size, k))
+
+    def intra_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s partition group on its node (stage 3)."""
+        first = rank - rank % self.gpus_per_node
+        return tuple(range(first, first + self.gpus_per_node))
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

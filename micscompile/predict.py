@@ -27,11 +27,15 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
     def info(name: str, ranks: tuple[int, ...], index: int) -> GroupInfo:
         return GroupInfo(name, None, ranks, index, len({r // k for r in ranks}) > 1)
 
-    return {
+    groups = {
         "shard": info("shard", rp.partition_ranks(rank), rank % rp.partition_size),
         "replicate": info("replicate", rp.replication_ranks(rank), rank // rp.partition_size),
         "world": info("world", tuple(range(rp.world_size)), rank),
     }
+    if rp.spans_nodes:  # the two stages of hierarchical collectives
+        groups["inter"] = info("inter", rp.inter_ranks(rank), (rank % rp.partition_size) // k)
+        groups["intra"] = info("intra", rp.intra_ranks(rank), rank % k)
+    return groups
 
 
 def lower(

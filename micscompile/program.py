@@ -89,6 +89,8 @@ class Action(NamedTuple):
     """Profiled time of the action's ops (profile mode), preferred to the roofline estimate."""
     region: str = ""
     """COMPUTE: phase:block of its first (.. last) node; a collective: the phase it serves."""
+    hierarchical: bool = False
+    """ALL_GATHER / ALL_GATHER_NEXT / REDUCE_SCATTER in two stages, over the "inter" and "intra" groups."""
     carried: bool = False
     """For ALL_GATHER: after the first micro-step, the previous micro-step's ALL_GATHER_NEXT of
     this bucket issued it (the action issues nothing then)."""
@@ -97,10 +99,21 @@ class Action(NamedTuple):
         if self.kind is Kind.WAIT:
             return f"W:{self.waits_for.value}{self.bucket}"
         if self.carried:
-            return f"AGC{self.bucket}"
+            return f"AGC{self.bucket}" + ("h" if self.hierarchical else "")
+        if self.hierarchical:
+            return f"{self.kind.value}{self.bucket}h"
         if self.kind in (Kind.COMPUTE, Kind.OPTIMIZER, Kind.LOSS_ALL_REDUCE):
             return self.kind.value
         return f"{self.kind.value}{self.bucket}"
+
+
+def hierarchical_stages(a: Action, groups: dict[str, GroupInfo]) -> list[Action]:
+    """A hierarchical gather: across nodes (1/k of the buffer), then inside the node (all of it);
+    a hierarchical reduce-scatter: inside the node, then across nodes (collectives.py)."""
+    k = groups["intra"].size
+    inter = a._replace(group="inter", tensor_bytes=a.tensor_bytes // k, hierarchical=False)
+    intra = a._replace(group="intra", hierarchical=False)
+    return [intra, inter] if a.kind is Kind.REDUCE_SCATTER else [inter, intra]
 
 
 class ProgramError(RuntimeError):
@@ -165,9 +178,14 @@ class Program:
         return [f"{COLLECTIVE_OF_KIND[a.kind]}:{a.group}:{a.tensor_bytes}" for a in self.collectives()]
 
     def collectives(self) -> list[Action]:
-        """The communicating actions of one optimizer step, every micro-step expanded, in issue order."""
+        """The collectives of one optimizer step, every micro-step expanded, in issue order; a
+        hierarchical one as its two stages (group "inter" or "intra", that stage's buffer)."""
         steps = [a for mb in range(self.plan.micro_batches) for a in self.issued_in(mb)]
-        return [a for a in steps + self.boundary if a.kind in COLLECTIVE_OF_KIND]
+        out = []
+        for a in steps + self.boundary:
+            if a.kind in COLLECTIVE_OF_KIND:
+                out += hierarchical_stages(a, self.groups) if a.hierarchical else [a]
+        return out
 
     def validate(self) -> None:
         """Raise ProgramError unless every micro-step waits for each collective it issued, after
@@ -295,7 +313,8 @@ def build_program(
             group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
                      Kind.ALL_REDUCE: "world"}.get(kind)
             actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes,
-                                  carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, "")))
+                                  carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, ""),
+                                  hierarchical=node.kwargs.get("hierarchical", False)))
             issued[node] = kind
         else:
             run.append(node)

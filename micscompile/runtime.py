@@ -218,29 +218,39 @@ def _check_agreement(
             raise RuntimeError(f"{hint}: {sides}{where}")
 
 
-_MESHES: dict[tuple, object] = {}
-"""DeviceMeshes already built in this process, by (device type, d, p), for the default group in
-``_MESHES_WORLD``: compiling several plans (tests, benchmarks, measured autotuning) reuses their
-process groups instead of creating new ones (and their communication threads) every time."""
+_MESHES: dict[tuple, dict] = {}
+"""Process groups already built in this process from DeviceMeshes, by (device type, d, p, k when
+the partition group spans nodes), for the default group in ``_MESHES_WORLD``: compiling several
+plans (tests, benchmarks, measured autotuning) reuses them instead of creating new ones (and their
+communication threads) every time."""
 _MESHES_WORLD: list = [None]
 
 
-def _mesh(device_type: str, replicas: int, partition_size: int):
+def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
+    """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
+    group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
+    flattened, are "shard"."""
     if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
         _MESHES.clear()
         _MESHES_WORLD[0] = dist.group.WORLD
-    key = (device_type, replicas, partition_size)
+    d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
+    key = (device_type, d, p, k if rp.spans_nodes else None)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (replicas, partition_size), mesh_dim_names=("replicate", "shard"))
+        if rp.spans_nodes:
+            mesh = init_device_mesh(device_type, (d, p // k, k), mesh_dim_names=("replicate", "inter", "intra"))
+            shard = mesh["inter", "intra"]._flatten("shard")
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra")}
+            _MESHES[key]["shard"] = shard.get_group()
+        else:
+            mesh = init_device_mesh(device_type, (d, p), mesh_dim_names=("replicate", "shard"))
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard")}
     return _MESHES[key]
 
 
 def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
-    """The planned groups, with their ProcessGroups from a ("replicate", "shard") DeviceMesh."""
-    mesh = _mesh(device.type, rp.replicas, rp.partition_size)
+    """The planned groups, with their ProcessGroups from DeviceMeshes (checked against the plan)."""
     groups = planned_groups(rp, rank)
-    for name in ("shard", "replicate"):
-        pg = mesh.get_group(name)
+    for name, pg in _process_groups(device.type, rp).items():
         actual = tuple(dist.get_process_group_ranks(pg))
         if actual != groups[name].ranks:
             raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
@@ -309,7 +319,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups
-    comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"])
+    comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"), groups.get("intra"))
     shards, buffers = local_state(model, layouts, groups["shard"].rank, device, init_fn)
     return TrainStep(
         gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=buffers,

@@ -54,6 +54,8 @@ class PassContext:
     """Where this rank computes: factory ops traced on meta are moved here."""
     prefetch: Prefetch = Prefetch()
     """Where the gathers go (the schedule pass chooses it under the memory budget)."""
+    hierarchical: frozenset[int] = frozenset()
+    """Buckets gathered and reduce-scattered hierarchically (inter-node, then intra-node)."""
 
 
 def first_uses(tg: TrainGraph) -> dict[str, int]:

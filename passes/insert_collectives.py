@@ -30,6 +30,8 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   (every_step); each is waited just before the next bucket's reduction is issued,
   the last one before the output. The boundary all-reduce of 2hop runs outside
   the graph, once per optimizer step (runtime).
+* Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
+  reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
 * p = 1: no gathers (parameters are views of the local shard) and ``pack_local``
   instead of a reduce-scatter.
 
@@ -157,6 +159,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
 
     # ---- gathers, unpacks, releases ----------------------------------------------------
     distance = ctx.prefetch.distance
+
+    def hier(bucket: int) -> dict:
+        return {"hierarchical": True} if bucket in ctx.hierarchical else {}
+
     # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
     across = ctx.prefetch.across_micro_steps and ctx.plan.micro_batches > 1
     carried = distance if across and 1 <= distance < len(intervals) else 0
@@ -177,7 +183,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 where = graph.inserting_after(waits[k - distance])
             with where:
                 fn = C.all_gather_carried if k < carried else C.all_gather_issue
-                issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]))
+                issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
             with graph.inserting_before(iv.first):
                 src = graph.call_function(C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)
@@ -197,7 +203,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         at = waits[len(intervals) - distance + j]
         bucket = intervals[j].bucket
         with graph.inserting_after(at):
-            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket])), intervals[j].first, bucket)
+            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket]), hier(bucket)),
+                 intervals[j].first, bucket)
 
     # ---- consumers read parameter views re-derived inside their interval ---------------
     memo: dict[tuple, torch.fx.Node] = {}
@@ -240,7 +247,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         if anchor is not None and order.get(anchor, -1) >= order[at]:
             at = anchor
         with graph.inserting_after(at):
-            issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs)), at, b)
+            kwargs = hier(b) if reduce_fn is C.reduce_scatter_issue else {}
+            issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
         anchor = issue
         order[issue] = order[at]
         if reduce_fn is C.pack_local:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from micscompile.collectives import fmt_bytes
+from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
 from micscompile.cost_model.simulator import simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import CPU, PassContext, Prefetch, make_context
@@ -130,6 +131,24 @@ def with_keep_live(program: Program, keep: int) -> Program:
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 
 
+def hierarchical_buckets(rp: ResolvedPlan, layouts, cluster: Cluster | None, groups: dict) -> frozenset[int]:
+    """Plan.hierarchical: True / False for every bucket; "auto": the buckets whose all-gather the
+    cost model prices faster in stages on ``cluster`` (none without a cluster). Only when the
+    partition group spans whole nodes (ResolvedPlan.spans_nodes); the bucket's reduce-scatter follows
+    its gather."""
+    mode = rp.plan.hierarchical
+    if not rp.spans_nodes or mode is False or (mode == "auto" and cluster is None):
+        return frozenset()
+    if mode is True:
+        return frozenset(lay.index for lay in layouts)
+    ranks = groups["shard"].ranks
+    return frozenset(
+        lay.index for lay in layouts
+        if hierarchical_time_s(ALL_GATHER, lay.full_bytes, ranks, cluster)
+        < collective_time_s(ALL_GATHER, lay.full_bytes, ranks, cluster)
+    )
+
+
 def _collectives_of(program: Program) -> list[Action]:
     return [a for a in program.micro_step if a.kind is not Kind.COMPUTE]
 
@@ -173,8 +192,13 @@ def schedule(
         forced = [Prefetch(distance=0)]  # nothing is gathered
     passes = build_pass_list(rp.plan)
 
+    hier: list = []  # the hierarchical buckets, decided once from the first context's layouts
+
     def lower(pf: Prefetch, log=None) -> tuple:
         ctx = make_context(trace, rp, device, prefetch=pf)
+        if not hier:
+            hier.append(hierarchical_buckets(rp, ctx.layouts, cluster, groups))
+        ctx = dataclasses.replace(ctx, hierarchical=hier[0])
         graph, records = run_passes(trace.graph_copy(), ctx, passes, disable=disable, log=log)
         program = build_program(graph, rp, ctx.layouts, groups, rank)
         program.cluster = cluster

@@ -42,11 +42,13 @@ class Case:
     """gpus_per_node; None = all 4 ranks on one node."""
     prefetch: mc.Prefetch | None = None
     """Force this Prefetch (None: the schedule's default)."""
+    hierarchical: bool | str = "auto"
 
     @property
     def id(self) -> str:
         extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
         extra += ("-reinit" if self.reinit else "") + (f"-k{self.k}" if self.k else "")
+        extra += {True: "-hier", False: "-flat"}.get(self.hierarchical, "")
         if self.prefetch is not None:
             pf = self.prefetch
             extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
@@ -77,7 +79,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             model = cls()
         torch.manual_seed(1)
     loss_fn = make_loss(model)
-    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k)
+    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
+                   hierarchical=case.hierarchical)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
                       prefetch=None if case.prefetch is None else (case.prefetch,))
@@ -136,10 +139,15 @@ EXTRA = [
     Case("tied_lm", 2, 3, "adamw", prefetch=mc.Prefetch(distance=2, across_micro_steps=True)),
     Case("convnet", 4, 4, "sgd", prefetch=mc.Prefetch(distance=1, keep_live=2, across_micro_steps=True)),
     Case("tied_lm", 4, 3, "adamw", prefetch=mc.Prefetch(distance=2, keep_live=1)),
+    # hierarchical gathers and reduce-scatters: the partition group spans both (simulated) nodes
+    Case("tied_lm", 4, 3, "adamw", k=2, hierarchical=True),
+    Case("convnet", 4, 2, "sgd", k=2, hierarchical=True, prefetch=mc.Prefetch(distance=2, keep_live=1, across_micro_steps=True)),
 ]
 # the real-model runs that the meta runs are compared against, value for value
 REAL_TWINS = [dataclasses.replace(c, meta=False, reinit=True) for c in EXTRA if c.meta]
-CASES = PARITY + EXTRA + REAL_TWINS
+# the hierarchical runs, gathered flat
+FLAT_TWINS = [dataclasses.replace(c, hierarchical=False) for c in EXTRA if c.hierarchical is True]
+CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS
 
 
 def _expect_error(kind, fn) -> str:

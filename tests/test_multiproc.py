@@ -50,7 +50,7 @@ def _padded_model_bytes(layouts, p: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c.model == "convnet" and not c.meta], ids=lambda c: c.id
+    "case", [c for c in CASES if c.model == "convnet" and not c.meta and c.hierarchical is not True], ids=lambda c: c.id
 )
 def test_comm_volume_matches_design_formulas(results, case: Case):
     """ConvNet re-reads every weight in backward, so the formulas hold exactly (less one gather per
@@ -131,8 +131,9 @@ def test_intra_and_inter_node_bytes_follow_gpus_per_node(results, case: Case):
         r = res[case]
         for key, total in r["measured"].items():
             kind, group = key
-            spans = {"shard": case.p > case.k, "replicate": case.p < 4, "world": True}[group]
-            assert r["inter_node"][key] == (total if spans else 0), (rank, key)
+            spans = {"shard": case.p > case.k, "replicate": case.p < 4, "world": True, "inter": True, "intra": False}[group]
+            rings = case.k if group == "inter" else 1  # the k rings of a hierarchical stage share the link
+            assert r["inter_node"][key] == (total * rings if spans else 0), (rank, key)
             assert r["intra_node"][key] == (0 if spans else total), (rank, key)
 
 
@@ -141,3 +142,16 @@ def test_runtime_peak_of_gathered_bytes_is_the_programs(results, case: Case):
     for res in results:
         measured, planned = res[case]["peak_gathered"]
         assert measured == planned
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.hierarchical is True], ids=lambda c: c.id)
+def test_hierarchical_plan_moves_less_across_nodes(results, case: Case):
+    """Same model and plan, gathered flat: the hierarchical run's inter-node bytes per gather are
+    (p-k)/(p-1) of the flat run's."""
+    flat = dataclasses.replace(case, hierarchical=False)
+    for res in results:
+        hier, ref = res[case], res[flat]
+        assert ("all_gather", "shard") not in hier["calls"]
+        per_gather = hier["inter_node"][("all_gather", "inter")] / hier["calls"][("all_gather", "inter")]
+        flat_per_gather = ref["inter_node"][("all_gather", "shard")] / ref["calls"][("all_gather", "shard")]
+        assert per_gather * (case.p - 1) == pytest.approx(flat_per_gather * (case.p - case.k), rel=1e-12)
