@@ -40,9 +40,9 @@ def main() -> None:
         n = cluster.world_size
         t0 = time.perf_counter()
         mics, zero3 = (
-            mc.simulate(trace, mc.Plan(partition_size=p, micro_batches=args.micro_steps), cluster,
+            mc.simulate(trace, mc.Plan(partition_size=p, micro_batches=args.micro_steps, hierarchical=hier), cluster,
                         flops_per_step=flops, compute_dtype="float16")
-            for p in (8, n)
+            for p, hier in ((8, "auto"), (n, False))  # DeepSpeed's ZeRO-3 gathers flat over all ranks
         )
         print(f"{n:>5} {mics.tflops_per_gpu:>17.1f} {zero3.tflops_per_gpu:>15.1f} "
               f"{mics.tflops_per_gpu / zero3.tflops_per_gpu:>11.2f}x {mics.scaling_efficiency:>16.1%} "
