@@ -45,3 +45,12 @@ def test_plan_is_frozen_and_replaceable():
 def test_gpus_per_node_must_divide_world():
     with pytest.raises(mc.PlanError, match="gpus_per_node=3"):
         mc.Plan(gpus_per_node=3).resolve(8)
+
+
+def test_hierarchical_needs_a_group_spanning_whole_nodes():
+    rp = mc.Plan(partition_size=8, gpus_per_node=2, hierarchical=True).resolve(16)
+    assert rp.spans_nodes
+    assert rp.inter_ranks(11) == (9, 11, 13, 15) and rp.intra_ranks(11) == (10, 11)
+    with pytest.raises(mc.PlanError, match="valid: 4, 8, 16"):
+        mc.Plan(partition_size=2, gpus_per_node=2, hierarchical=True).resolve(16)
+    assert not mc.Plan(partition_size=2, gpus_per_node=2).resolve(16).spans_nodes
