@@ -16,8 +16,8 @@ counted as inter-node (the ring's slowest hop carries all of it), otherwise intr
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -169,13 +169,14 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical:
     """Start gathering a bucket over the partition group into a [p * row_numel] buffer."""
     layout = comm.layouts[bucket]
     if hierarchical:
-        comm.stats.gathered(layout.full_bytes)
-        return _hierarchical_all_gather(comm, layout, shard)
-    out = shard.new_empty(layout.padded_numel)
-    work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
-    comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
+        pending = _hierarchical_all_gather(comm, layout, shard)
+    else:
+        out = shard.new_empty(layout.padded_numel)
+        work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
+        comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
+        pending = Pending(work, out)
     comm.stats.gathered(layout.full_bytes)
-    return Pending(work, out)
+    return pending
 
 
 def all_gather_next(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> None:

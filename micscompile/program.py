@@ -116,6 +116,10 @@ def hierarchical_stages(a: Action, groups: dict[str, GroupInfo]) -> list[Action]
     return [intra, inter] if a.kind is Kind.REDUCE_SCATTER else [inter, intra]
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class ProgramError(RuntimeError):
     """A Program the runtime could not execute (a bug in a pass, not bad user input)."""
 
@@ -194,7 +198,8 @@ class Program:
         pending: dict[tuple, int] = {}
         gathered: dict[int, int] = {}  # bucket -> gathers waited and not released
         for mb in self._distinct_micro_steps():
-            for i, a in enumerate(self.issued_in(mb)):
+            actions = self.issued_in(mb)
+            for i, a in enumerate(actions):
                 where = f"micro-step {mb}, action {i} ({a})"
                 if a.kind in COLLECTIVE_OF_KIND:
                     key = (Kind.ALL_GATHER if a.kind is Kind.ALL_GATHER_NEXT else a.kind, a.bucket)
@@ -210,7 +215,7 @@ class Program:
                     if not gathered.get(a.bucket):
                         raise ProgramError(f"{where}: releases a bucket that is not gathered")
                     gathered[a.bucket] -= 1
-            carry = sum(1 for a in self.issued_in(mb) if a.kind is Kind.ALL_GATHER_NEXT)
+            carry = sum(1 for a in actions if a.kind is Kind.ALL_GATHER_NEXT)
             left = sum(pending.values())
             if left != carry or any(gathered.values()):
                 raise ProgramError(f"micro-step {mb} ends with {left} collectives not waited for "
@@ -218,8 +223,10 @@ class Program:
                                    f"{sorted(b for b, n in gathered.items() if n)} not released")
 
     def fingerprint(self) -> str:
-        text = "|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return _digest("|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan))
+
+    def collective_fingerprint(self) -> str:
+        return _digest("|".join(self.collective_order()))
 
     def wire_bytes(self) -> dict[tuple[str, str], int]:
         """Predicted per-rank wire bytes per (collective, group) for one step."""

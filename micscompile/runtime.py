@@ -17,7 +17,6 @@ optimizer on the local fp32 shards.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -310,8 +309,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
         state_keys = list(model.state_dict(keep_vars=True).keys())
         order = program.collective_order()
-        prints = {"collectives": hashlib.sha256("|".join(order).encode()).hexdigest()[:16],
-                  "program": program.fingerprint(), "weights": fingerprint(model, device)}
+        prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
+                  "weights": fingerprint(model, device)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
 

@@ -192,13 +192,12 @@ def schedule(
         forced = [Prefetch(distance=0)]  # nothing is gathered
     passes = build_pass_list(rp.plan)
 
-    hier: list = []  # the hierarchical buckets, decided once from the first context's layouts
+    # buckets, layouts and the hierarchical choice once; each lowering only changes the Prefetch
+    ctx0 = make_context(trace, rp, device)
+    ctx0 = dataclasses.replace(ctx0, hierarchical=hierarchical_buckets(rp, ctx0.layouts, cluster, groups))
 
     def lower(pf: Prefetch, log=None) -> tuple:
-        ctx = make_context(trace, rp, device, prefetch=pf)
-        if not hier:
-            hier.append(hierarchical_buckets(rp, ctx.layouts, cluster, groups))
-        ctx = dataclasses.replace(ctx, hierarchical=hier[0])
+        ctx = dataclasses.replace(ctx0, prefetch=pf)
         graph, records = run_passes(trace.graph_copy(), ctx, passes, disable=disable, log=log)
         program = build_program(graph, rp, ctx.layouts, groups, rank)
         program.cluster = cluster
@@ -244,7 +243,7 @@ def schedule(
                 break
     if best is None:
         minimum = min(c.peak_gathered_bytes for c in candidates)
-        layouts = base[0].layouts
+        layouts = ctx0.layouts
         raise PlanError(
             f"memory_budget_bytes={budget:,} is below {minimum:,} bytes ({fmt_bytes(minimum)}), the fewest "
             f"gathered-parameter bytes any schedule of this plan keeps live (largest bucket "
