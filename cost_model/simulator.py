@@ -84,6 +84,8 @@ class Prediction:
     memory: list[tuple[float, int]] = field(default_factory=list, repr=False)
     scaling_efficiency: float | None = None
     """Per-GPU throughput relative to training on one partition group alone."""
+    bubble_fraction: float | None = None
+    """Pipelines: idle time of the busiest pipeline rank over its busy time."""
     action_spans: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
     """(start, end, live bytes after) per action of the first micro-step, then per boundary action;
     a collective's span runs from its issue to its completion."""
@@ -95,6 +97,7 @@ class Prediction:
     def __str__(self) -> str:
         busy = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self.stream_busy_s.items()))
         eff = f", scaling efficiency {self.scaling_efficiency:.1%}" if self.scaling_efficiency is not None else ""
+        eff += f", pipeline bubble {self.bubble_fraction:.1%}" if self.bubble_fraction is not None else ""
         return (
             f"step {self.step_time_s * 1e3:.2f} ms on {self.world_size} ranks: compute {self.compute_s * 1e3:.2f} ms, "
             f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms, {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "

@@ -75,6 +75,8 @@ def local_state(
     slots = {slot.name: (lay, slot) for lay in layouts for slot in lay.slots}
 
     def place(name: str, full: torch.Tensor) -> None:
+        if name not in slots:
+            return  # a pipeline chunk holds only its own parameters
         lay, slot = slots[name]
         lo, hi = lay.local_range(slot, shard_rank)
         local_piece(lay, slot, shards[lay.index], shard_rank).copy_(full.detach().reshape(-1)[lo:hi])

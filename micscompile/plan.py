@@ -36,7 +36,12 @@ class Plan:
     micro_batches: int = 1
     """s: micro-batches (gradient-accumulation steps) per optimizer step."""
     pipeline_stages: int = 1
-    """S: pipeline stages (MiCS-Pipe); only 1 is implemented so far."""
+    """S: pipeline stages (MiCS-Pipe). With S > 1, ``partition_size`` is the intra-stage partition
+    size t, every S*t consecutive ranks form one pipeline, and n = S * t * d."""
+    pipeline_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
+    """The pipeline schedule (S > 1): synchronous 1F1B, interleaved 1F1B or GPipe."""
+    pipeline_chunks: int = 1
+    """v: model chunks per pipeline rank ("interleaved" needs v > 1; the others v = 1)."""
     gpus_per_node: int | None = None
     """k: ranks per node, used for intra/inter-node accounting; None = LOCAL_WORLD_SIZE."""
     hierarchical: Literal["auto", True, False] = "auto"
@@ -71,6 +76,16 @@ class Plan:
         positive("partition_size", self.partition_size, optional=True)
         positive("micro_batches", self.micro_batches)
         positive("pipeline_stages", self.pipeline_stages)
+        positive("pipeline_chunks", self.pipeline_chunks)
+        if self.pipeline_schedule not in ("1f1b", "interleaved", "gpipe"):
+            raise PlanError(f"Plan.pipeline_schedule must be '1f1b', 'interleaved' or 'gpipe', "
+                            f"got {self.pipeline_schedule!r}")
+        if (self.pipeline_schedule == "interleaved") != (self.pipeline_chunks > 1):
+            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} with pipeline_chunks="
+                            f"{self.pipeline_chunks}: 'interleaved' runs v > 1 chunks per rank, the others one")
+        if self.pipeline_stages > 1 and self.grad_sync != "2hop":
+            raise PlanError("pipeline_stages > 1 syncs gradients in two hops (grad_sync='2hop'): "
+                            "reduce-scatter inside the stage, all-reduce across replicas at the boundary")
         positive("gpus_per_node", self.gpus_per_node, optional=True)
         positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         positive("bucket_bytes", self.bucket_bytes, optional=True)
@@ -80,7 +95,6 @@ class Plan:
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
         not_yet = {
-            "pipeline_stages > 1 (MiCS-Pipe)": self.pipeline_stages != 1,
             "checkpoint=True": bool(self.checkpoint),
             "offload_activations=True": bool(self.offload_activations),
             "param_dtype other than float32": self.param_dtype != torch.float32,
@@ -105,19 +119,22 @@ class Plan:
             raise PlanError(
                 f"gpus_per_node={k} does not divide world size {n}; valid: {', '.join(map(str, divisors(n)))}"
             )
-        p = self.partition_size if self.partition_size is not None else k
-        if p > n or n % p:
+        S = self.pipeline_stages
+        if n % S:
+            raise PlanError(f"pipeline_stages={S} does not divide world size {n}; "
+                            f"valid: {', '.join(map(str, divisors(n)))}")
+        per_stage = n // S  # t * d ranks hold each stage
+        p = self.partition_size if self.partition_size is not None else min(k, per_stage)
+        if p > per_stage or per_stage % p:
+            what = "partition_size" if S == 1 else f"partition_size (t) with pipeline_stages={S}: S * t * d = n"
             raise PlanError(
-                f"partition_size={p} does not divide world size {n}; "
-                f"valid partition sizes: {', '.join(map(str, divisors(n)))}"
+                f"{what}: {p} does not divide {per_stage} (world size {n}); "
+                f"valid partition sizes: {', '.join(map(str, divisors(per_stage)))}"
             )
-        if self.hierarchical is True and not (p > k and p % k == 0):
-            raise PlanError(
-                f"hierarchical=True needs a partition group spanning whole nodes (partition_size a multiple of "
-                f"gpus_per_node={k}, larger than it), got partition_size={p}; valid: "
-                f"{', '.join(str(q) for q in divisors(n) if q > k and q % k == 0) or 'none on this world'}"
-            )
-        return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // p)
+        if S > 1 and (self.hierarchical is True or p > k):
+            raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
+                            f"(partition_size <= gpus_per_node={k}, hierarchical not True), got {p}")
+        return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
 
 
 @dataclass(frozen=True)
@@ -132,14 +149,17 @@ class ResolvedPlan:
     partition_size: int
     """p: ranks per partition group."""
     replicas: int
-    """d = n / p: ranks per replication group."""
+    """d = n / (S * p): ranks per replication group."""
+    stages: int = 1
+    """S: pipeline stages; each rank holds one stage (v chunks of the model with interleaving)."""
 
     @property
     def micro_batches(self) -> int:
         return self.plan.micro_batches
 
     def __str__(self) -> str:
-        return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas} "
+        pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.pipeline_chunks}" if self.stages > 1 else ""
+        return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas}{pipe} "
                 f"s={self.micro_batches} grad_sync={self.plan.grad_sync}")
 
     @property
@@ -166,5 +186,16 @@ class ResolvedPlan:
         return tuple(range(first, first + self.partition_size))
 
     def replication_ranks(self, rank: int) -> tuple[int, ...]:
-        """The ranks with the same local index in every partition group."""
-        return tuple(range(rank % self.partition_size, self.world_size, self.partition_size))
+        """The ranks with the same local index in every partition group (of the same stage)."""
+        span = self.stages * self.partition_size
+        return tuple(range(rank % span, self.world_size, span))
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage ``rank`` runs (0 without pipelining)."""
+        return rank % (self.stages * self.partition_size) // self.partition_size
+
+    def pipe_ranks(self, rank: int) -> tuple[int, ...]:
+        """The S ranks, one per stage, that carry ``rank``'s micro-batches through the pipeline."""
+        span = self.stages * self.partition_size
+        first = rank - rank % span + rank % self.partition_size
+        return tuple(range(first, first + span, self.partition_size))

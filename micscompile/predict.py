@@ -15,6 +15,7 @@ from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
 from micscompile.passes.schedule import schedule
+from micscompile.pipeline_program import lower_pipeline
 from micscompile.plan import Plan, ResolvedPlan
 from micscompile.program import Kind, Program
 from micscompile.trace import TrainGraph
@@ -29,9 +30,11 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
 
     groups = {
         "shard": info("shard", rp.partition_ranks(rank), rank % rp.partition_size),
-        "replicate": info("replicate", rp.replication_ranks(rank), rank // rp.partition_size),
+        "replicate": info("replicate", rp.replication_ranks(rank), rank // (rp.stages * rp.partition_size)),
         "world": info("world", tuple(range(rp.world_size)), rank),
     }
+    if rp.stages > 1:  # the ranks that carry this rank's micro-batches through the pipeline
+        groups["pipe"] = info("pipe", rp.pipe_ranks(rank), rp.stage_of(rank))
     if rp.spans_nodes:  # the two stages of hierarchical collectives
         groups["inter"] = info("inter", rp.inter_ranks(rank), (rank % rp.partition_size) // k)
         groups["intra"] = info("intra", rp.intra_ranks(rank), rank % k)
@@ -76,6 +79,12 @@ def simulate(
     ``mc.compile`` schedules it (``passes.schedule``; ``prefetch`` as there).
     """
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
+    if rp.stages > 1:  # MiCS-Pipe: every chunk lowered, the schedule simulated with its bubbles
+        pp = lower_pipeline(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs)
+        pred = pp.predict(cluster, **costs)
+        if flops_per_step is not None:
+            pred.flops_per_step = flops_per_step
+        return pred
     program = lower(trace, rp, cluster=cluster, prefetch=prefetch, **costs)
     buffer_bytes = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()

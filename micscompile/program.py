@@ -324,6 +324,8 @@ def build_program(
                                   hierarchical=node.kwargs.get("hierarchical", False)))
             issued[node] = kind
         else:
+            if run and run[-1].meta.get(META_REGION) != node.meta.get(META_REGION):
+                flush()  # forward and backward never share a compute action (a pipeline runs them apart)
             run.append(node)
     flush()
 

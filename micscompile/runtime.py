@@ -33,6 +33,8 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
 from micscompile.passes.schedule import schedule
+from micscompile.pipeline_program import lower_pipeline
+from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
 from micscompile.program import Kind, Program, ProgramError
@@ -225,13 +227,18 @@ communication threads) every time."""
 _MESHES_WORLD: list = [None]
 
 
+def _mesh_cache() -> dict:
+    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
+        _MESHES.clear()
+        _MESHES_WORLD[0] = dist.group.WORLD
+    return _MESHES
+
+
 def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
     """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
     group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
     flattened, are "shard"."""
-    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
-        _MESHES.clear()
-        _MESHES_WORLD[0] = dist.group.WORLD
+    _mesh_cache()
     d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
     key = (device_type, d, p, k if rp.spans_nodes else None)
     if key not in _MESHES:
@@ -304,17 +311,25 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
         check_initializable(model, init_fn)
-        sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                         prefetch=prefetch, disable=disable_passes, log=log)
-        ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
         state_keys = list(model.state_dict(keep_vars=True).keys())
+        if rp.stages > 1:
+            program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
+                                     prefetch=prefetch, disable=disable_passes, log=log)
+        else:
+            sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
+                             prefetch=prefetch, disable=disable_passes, log=log)
+            ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
         order = program.collective_order()
         prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
                   "weights": fingerprint(model, device)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
-
     _check_agreement(prints, error, world, order)
+    if rp.stages > 1:
+        groups = planned_groups(rp, rank)
+        pipeline_groups(rp, device.type, groups, _mesh_cache())
+        return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
+                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache())
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups

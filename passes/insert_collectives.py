@@ -30,6 +30,9 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   (every_step); each is waited just before the next bucket's reduction is issued,
   the last one before the output. The boundary all-reduce of 2hop runs outside
   the graph, once per optimizer step (runtime).
+* A pipeline chunk (``plan.stages > 1``) runs its forward and backward as two graphs:
+  a backward gather is issued no earlier than the first backward node, and outputs
+  after the gradients (the chunk's sends) pass through.
 * Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
   reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
 * p = 1: no gathers (parameters are views of the local shard) and ``pack_local``
@@ -166,6 +169,9 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
     across = ctx.prefetch.across_micro_steps and ctx.plan.micro_batches > 1
     carried = distance if across and 1 <= distance < len(intervals) else 0
+    # a pipeline chunk runs forward and backward as two graphs (passes.phase_split): no gather in flight across
+    cut = next((n for n in graph.nodes if n.op == "call_function" and n.meta.get(META_REGION) == REGION_BWD), None) \
+        if ctx.plan.stages > 1 else None
     waits: list[torch.fx.Node] = []
     for k, iv in enumerate(intervals):
         lay = layouts[iv.bucket]
@@ -177,6 +183,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             # `distance` ones up front, before the first wait); distance 0: right before its wait
             if distance == 0 or k == 0:
                 where = graph.inserting_before(iv.first)
+            elif cut is not None and iv.key[0] == REGION_BWD and (k < distance or intervals[k - distance].key[0] != REGION_BWD):
+                where = graph.inserting_before(cut)  # a pipeline chunk: backward gathers start in backward
             elif k < distance:
                 where = graph.inserting_before(waits[0])
             else:
@@ -226,7 +234,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
 
     # ---- gradient reduction --------------------------------------------------------------
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    loss, *grads = output.args[0]
+    loss, *rest = output.args[0]
+    grads, extra = rest[: len(tg.trainable)], rest[len(tg.trainable):]  # extra: a pipeline chunk's sends
     grad_of = dict(zip(tg.trainable, grads))
     order = {n: i for i, n in enumerate(graph.nodes)}
     reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
@@ -261,7 +270,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     if pending is not None:
         with graph.inserting_before(output):
             results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0])
-    output.args = ((loss, *(results.get(lay.index) for lay in layouts)),)
+    output.args = ((loss, *(results.get(lay.index) for lay in layouts), *extra),)
 
     # ---- drop the full-parameter placeholders and what only they fed -------------------
     for node in reversed(list(graph.nodes)):

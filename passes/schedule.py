@@ -82,13 +82,20 @@ def with_prefetch(program: Program, distance: int, across_micro_steps: bool = Fa
         return program
     n = len(issues)
     carried = distance if across_micro_steps and program.plan.micro_batches > 1 and distance < n else 0
+    # a pipeline chunk: backward gathers are issued no earlier than backward starts (insert_collectives)
+    cut = next((i for i, a in enumerate(actions) if a.region.startswith(REGION_BWD)), None) \
+        if program.plan.stages > 1 else None
+    at_cut: list[Action] = []
     moved = {i: actions[i]._replace(carried=k < carried) for k, i in enumerate(issues)}
     after: dict[int, Action] = {}  # index of a wait -> the issue that follows it
     before_first: list[Action] = []
     for k, i in enumerate(issues):
         if k == 0:
             continue  # already right before the first wait
-        if k < distance:
+        if cut is not None and actions[i].region == REGION_BWD and (
+                k < distance or actions[issues[k - distance]].region != REGION_BWD):
+            at_cut.append(moved[i])
+        elif k < distance:
             before_first.append(moved[i])
         else:
             after[issues[k - distance] + 1] = moved[i]  # the wait of gather k - distance
@@ -96,6 +103,8 @@ def with_prefetch(program: Program, distance: int, across_micro_steps: bool = Fa
         after[issues[n - distance + j] + 1] = moved[issues[j]]._replace(kind=Kind.ALL_GATHER_NEXT, carried=False)
     out: list[Action] = []
     for i, a in enumerate(actions):
+        if i == cut:
+            out += at_cut
         if i in moved:
             if i != issues[0]:
                 continue

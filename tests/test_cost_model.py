@@ -180,32 +180,3 @@ def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
     cluster = Cluster.preset("p4d.24xlarge", nodes=1)
     profiled = mc.simulate(trace, mc.Plan(partition_size=2), cluster.with_nodes(1), scaling=False)
     assert profiled.compute_s >= sum(a.measured_s for a in compute)
-
-
-@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 16), (8, 32), (3, 3)])
-def test_one_f_one_b_bubble_is_s_minus_1_over_m(stages, micro_batches):
-    from micscompile.cost_model.pipeline_time import bubble_fraction, gpipe_orders, one_f_one_b_orders
-
-    expected = (stages - 1) / micro_batches
-    assert bubble_fraction(one_f_one_b_orders(stages, micro_batches)) == pytest.approx(expected, rel=0.02)
-    assert bubble_fraction(gpipe_orders(stages, micro_batches)) == pytest.approx(expected, rel=0.02)
-
-
-def test_one_f_one_b_keeps_at_most_s_micro_batches_in_flight():
-    from micscompile.cost_model.pipeline_time import one_f_one_b_orders
-
-    for s, order in enumerate(one_f_one_b_orders(4, 8)):
-        live = peak = 0
-        for kind, _ in order:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        assert peak == 4 - s
-
-
-def test_a_broken_schedule_is_reported_as_a_deadlock():
-    from micscompile.cost_model.pipeline_time import makespan_s, one_f_one_b_orders
-
-    orders = one_f_one_b_orders(2, 2)
-    orders[1] = [("B", 0), ("F", 0), ("F", 1), ("B", 1)]  # a backward before its forward
-    with pytest.raises(ValueError, match="deadlocks"):
-        makespan_s(orders, [1, 1], [2, 2])

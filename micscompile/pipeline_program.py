@@ -1,0 +1,173 @@
+"""A pipeline plan (MiCS-Pipe) lowered: the split, the schedule, one Program per chunk.
+
+``lower_pipeline`` cuts the trace into S * v chunks (passes.pipeline_split), then
+lowers every chunk like a model of its own (passes.schedule over the chunk's t-rank
+partition group: gathers, releases, reduce-scatters) and picks the pipeline
+schedule (pipeline_schedule). Every rank lowers every chunk, so all ranks can check
+that they agree on the whole pipeline before the first collective, and the
+simulator can price the pipeline from any rank.
+
+``PipelineProgram.predict`` prices it: each chunk's forward and backward are its
+Program's two halves simulated on the cluster (gathers and reduce-scatters inside
+them), the schedule's event simulation adds the bubbles and the P2P hops, and the
+boundary (replication and tied-weight all-reduces, optimizer) follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from micscompile.collectives import fmt_bytes
+from micscompile.cost_model.collective_time import P2P, collective_time_s
+from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import CPU, Prefetch
+from micscompile.passes.pipeline_split import PipelineSplit, split
+from micscompile.passes.schedule import Schedule, schedule
+from micscompile.pipeline_schedule import PipeSchedule, make_schedule
+from micscompile.plan import PlanError, ResolvedPlan
+from micscompile.program import Kind, Program
+from micscompile.trace import REGION_BWD, TrainGraph
+
+DEFAULT_DISTANCES = (1, 2, 3)
+"""Prefetch candidates inside a chunk (keep-live and across-micro-step gathers do not apply:
+a chunk's forward and backward, and its micro-batches, are interleaved with others')."""
+
+
+@dataclass
+class PipelineProgram:
+    """What every rank of a pipeline plan runs: the split, the schedule and each chunk's Program."""
+
+    plan: ResolvedPlan
+    split: PipelineSplit
+    schedule: PipeSchedule
+    chunks: list[Schedule]
+    """Per chunk: its Schedule (the Program; the rewritten graph for this rank's chunks)."""
+    rank: int
+    cluster: Cluster | None = None
+
+    def program(self, chunk: int) -> Program:
+        return self.chunks[chunk].program
+
+    def my_chunks(self, rank: int | None = None) -> list[int]:
+        return self.schedule.chunks_of(self.plan.stage_of(self.rank if rank is None else rank))
+
+    def collective_order(self) -> list[str]:
+        """Every chunk's collectives (chunk by chunk), then the schedule: what all ranks must agree on."""
+        order = [f"chunk{c}:{x}" for c in range(len(self.chunks)) for x in self.program(c).collective_order()]
+        return order + [str(self.schedule)]
+
+    def fingerprint(self) -> str:
+        text = "|".join(self.program(c).fingerprint() for c in range(len(self.chunks)))
+        return hashlib.sha256((text + str(self.schedule) + str(self.split.starts)).encode()).hexdigest()[:16]
+
+    def collective_fingerprint(self) -> str:
+        return hashlib.sha256("|".join(self.collective_order()).encode()).hexdigest()[:16]
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return max(self.program(c).peak_gathered_bytes for c in self.my_chunks())
+
+    def wire_bytes(self) -> dict[tuple[str, str], int]:
+        """Predicted wire bytes of this rank's chunks' collectives for one step."""
+        out: dict[tuple[str, str], int] = {}
+        for c in self.my_chunks():
+            for key, v in self.program(c).wire_bytes().items():
+                out[key] = out.get(key, 0) + v
+        return out
+
+    def predict(self, cluster: Cluster | None = None, **costs) -> Prediction:
+        cluster = cluster or self.cluster
+        if cluster is None:
+            raise ValueError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
+        return simulate_pipeline(self, cluster, **costs)
+
+    def __str__(self) -> str:
+        rp, sp = self.plan, self.split
+        ends = (*sp.starts[1:], len(sp.units))
+        lines = [f"micscompile pipeline  rank {self.rank}/{rp.world_size}  {rp}",
+                 f"{len(self.chunks)} chunks (chunk c runs on pipeline rank c % {rp.stages}):"]
+        for c, st in enumerate(sp.stages):
+            blocks = ", ".join(b or "<root>" for b in sp.units[sp.starts[c]:ends[c]])
+            sent = sum(t.nbytes for t in st.send_act)
+            lines.append(f"  chunk {c}: {blocks}  ({sp.chunk_time_s()[c] * 1e3:.3f} ms predicted, "
+                         f"sends {fmt_bytes(sent)} of activations per micro-batch)")
+        if sp.tied:
+            lines.append("tied parameters (gradients all-reduced between chunks at the boundary): "
+                         + ", ".join(f"{n} {list(cs)}" for n, cs in sp.tied.items()))
+        lines += [str(self.schedule), self.schedule.grid()]
+        for c in self.my_chunks():
+            lines += [f"--- chunk {c} ---", str(self.program(c))]
+        return "\n".join(lines)
+
+
+def lower_pipeline(
+    trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster | None, groups: dict, rank: int = 0, *,
+    device: torch.device = CPU, prefetch: Sequence[Prefetch | int] | None = None, costs: dict | None = None,
+    disable=(), log=None, starts: tuple[int, ...] | None = None,
+) -> PipelineProgram:
+    """Split, schedule every chunk and pick the pipeline schedule (no process group needed)."""
+    plan = rp.plan
+    for pf in prefetch or ():
+        if isinstance(pf, Prefetch) and (pf.keep_live or pf.across_micro_steps):
+            raise PlanError(f"{pf}: with pipeline stages, gathers are neither kept live from forward into backward "
+                            "nor issued across micro-steps (other micro-batches run in between)")
+    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+    sp = split(trace, rp, cluster.gpu if cluster is not None else None, starts=starts)
+    mine = set(sched.chunks_of(rp.stage_of(rank)))
+    chunks = [
+        schedule(st.graph, rp, cluster, groups, rank, device=device, prefetch=prefetch or DEFAULT_DISTANCES,
+                 costs=costs, need_graph=c in mine, disable=disable, log=log if c in mine else None)
+        for c, st in enumerate(sp.stages)
+    ]
+    return PipelineProgram(rp, sp, sched, chunks, rank, cluster)
+
+
+def _halves(program: Program) -> tuple[Program, Program, Program]:
+    """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone."""
+    one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(micro_batches=1))
+    acts = program.micro_step
+    cut = next((i for i, a in enumerate(acts) if a.region.startswith(REGION_BWD)), len(acts))
+    part = lambda micro, boundary: dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
+    return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
+
+
+def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Prediction:
+    """One optimizer step of the pipeline on ``cluster`` (see the module docstring)."""
+    rp, sp, sched = pp.plan, pp.split, pp.schedule
+    fwd, bwd, boundary, static, act_peak = [], [], [], [], []
+    for c in range(len(pp.chunks)):
+        f, b, edge = (simulate_program(h, cluster, record=False, **costs) for h in _halves(pp.program(c)))
+        fwd.append(f.step_time_s)
+        bwd.append(b.step_time_s)
+        boundary.append(edge.step_time_s)
+        static.append(f.static_memory_bytes)
+        act_peak.append(max(f.peak_memory_bytes, b.peak_memory_bytes) - f.static_memory_bytes)
+    # the activations of one micro-batch crossing a cut, t chains sharing the node link when it crosses nodes
+    first, k = rp.pipe_ranks(0), rp.gpus_per_node
+    hops = [collective_time_s(P2P, sum(t.nbytes for t in st.send_act) * (rp.partition_size if (
+        first[c % rp.stages] // k != first[(c + 1) % rp.stages] // k) else 1),
+        [first[c % rp.stages], first[(c + 1) % rp.stages]], cluster) for c, st in enumerate(sp.stages[:-1])]
+    timeline = sched.simulate(fwd, bwd, max(hops, default=0.0))
+    in_flight = sched.max_in_flight()
+    per_rank_boundary = [sum(boundary[c] for c in sched.chunks_of(r)) for r in range(rp.stages)]
+    step = timeline.makespan_s + max(per_rank_boundary)
+    saved = [sum(t.nbytes for t in st.send_act) for st in sp.stages]  # a proxy floor per in-flight micro-batch
+    peaks = [sum(static[c] + act_peak[c] + (in_flight[r] - 1) * max(saved[c], act_peak[c])
+                 for c in sched.chunks_of(r)) for r in range(rp.stages)]
+    compute = [sum(m * (fwd[c] + bwd[c]) for c in sched.chunks_of(r)) for r, m in
+               ((r, rp.micro_batches) for r in range(rp.stages))]
+    flops = sum(a.flops for c in range(len(pp.chunks)) for a in pp.program(c).micro_step)
+    pred = Prediction(
+        step_time_s=step, compute_s=max(compute), exposed_comm_s=step - max(compute),
+        stream_busy_s={"compute": max(compute)}, peak_memory_bytes=int(max(peaks)),
+        static_memory_bytes=int(max(sum(static[c] for c in sched.chunks_of(r)) for r in range(rp.stages))),
+        flops_per_step=rp.micro_batches * flops / rp.stages, world_size=rp.world_size,
+    )
+    pred.bubble_fraction = timeline.bubble_fraction
+    return pred

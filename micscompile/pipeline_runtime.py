@@ -1,0 +1,341 @@
+"""Emit for pipeline plans (MiCS-Pipe): ``PipelineStep`` runs this rank's schedule.
+
+Topology (design.md): n = S * t * d. A ("replicate", "pipe", "shard") DeviceMesh of
+shape (d, S, t): every S*t consecutive ranks are one pipeline, every t consecutive
+ranks inside it a stage's partition group ("shard"); "pipe" links the S ranks that
+carry the same micro-batches from stage to stage, "replicate" the d ranks holding
+the same shard of a stage. The ranks of one pipeline chain get the same local batch.
+
+Each of this rank's chunks is a rewritten graph split into a forward and a backward
+GraphModule (passes.phase_split) with the MiCS collectives of its own partition group
+inside. The schedule's actions run in order: F and B call those modules; runs of
+adjacent P2P actions go out as one ``batch_isend_irecv`` over the "pipe" group (sends
+are not waited for until the step ends; receives are waited for right away); what a
+forward sends is dropped once posted, and a backward gets only the values it reads.
+AR is the boundary: all-reduce each chunk's gradient shards over "replicate" (2-hop),
+sum a tied parameter's partial gradients between the chunks that hold it, all-reduce
+the loss, scale by 1 / (t * d * m) and step the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from micscompile import collectives as C
+from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.materialize import local_state
+from micscompile.passes.phase_split import Phases, split_phases
+from micscompile.pipeline_program import PipelineProgram
+from micscompile.pipeline_schedule import Op
+from micscompile.plan import PlanError, ResolvedPlan
+from micscompile.program import Kind
+from micscompile.sharding import local_piece, unpack_param
+from micscompile.trace import TrainGraph, split_batch
+
+_P2P = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
+
+
+@dataclass
+class _Chunk:
+    index: int
+    phases: Phases
+    comm: Comm
+    shards: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    batch_inputs: tuple[int, ...]
+    n_send_act: int
+    fwd_used: list[bool]
+    """Which forward placeholders the forward reads (the others get None)."""
+    bwd_used: list[bool]
+    boundary_buckets: list[int]
+
+
+def _used(gm: torch.fx.GraphModule) -> list[bool]:
+    return [bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _pick(args: Sequence, used: list[bool]) -> list:
+    return [a if u else None for a, u in zip(args, used)]
+
+
+def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
+    """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
+    key = (device_type, rp.replicas, rp.stages, rp.partition_size)
+    if key not in cache:
+        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
+                                mesh_dim_names=("replicate", "pipe", "shard"))
+        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard")}
+    for name, pg in cache[key].items():
+        actual = tuple(dist.get_process_group_ranks(pg))
+        if actual != groups[name].ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+        groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)
+
+
+def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, object]:
+    """Tied parameter -> the group of this chain's ranks whose chunks hold it (every rank creates
+    every chain's group, in the same order, as ``new_group`` requires)."""
+    rp, sched = pp.plan, pp.schedule
+    out = {}
+    for name, chunks in sorted(pp.split.tied.items()):
+        positions = tuple(sorted({sched.rank_of(c) for c in chunks}))
+        if len(positions) < 2:
+            continue  # all on this rank: summed locally
+        key = ("tied", rp.world_size, rp.stages, rp.partition_size, positions)
+        if key not in cache:
+            chains = [r for r in range(rp.world_size) if rp.stage_of(r) == 0]
+            cache[key] = {}
+            for first in chains:
+                ranks = [rp.pipe_ranks(first)[s] for s in positions]
+                pg = dist.new_group(ranks)
+                for r in ranks:
+                    cache[key][r] = pg
+        if rank in cache[key]:
+            out[name] = cache[key][rank]
+    return out
+
+
+class PipelineStep:
+    """One optimizer step of a pipeline plan; call it with this rank's local batch (the same on
+    every rank of one pipeline chain)."""
+
+    def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
+                 optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict) -> None:
+        self.program = pp
+        self.graph = graph
+        self.device = device
+        rp = pp.plan
+        self._rp = rp
+        self._groups = groups
+        self._state_keys = state_keys
+        self._stats = CommStats()
+        self._scale = 1.0 / (rp.partition_size * rp.replicas * rp.micro_batches)
+        self._stage = rp.stage_of(pp.rank)
+        self._pipe = groups["pipe"]
+        self._chunks: dict[int, _Chunk] = {}
+        self.params: dict[str, nn.Parameter] = {}
+        params: list[nn.Parameter] = []
+        unused = graph.unused_params
+        shard_rank = groups["shard"].rank
+        for c in pp.my_chunks():
+            st, sched = pp.split.stages[c], pp.chunks[c]
+            layouts = sched.ctx.layouts
+            gm = torch.fx.GraphModule(st.graph.gm, sched.graph)
+            n_buckets = len(layouts)
+            forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
+            phases = split_phases(gm, forward_outputs)
+            comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats)
+            shards, buffers = local_state(model, layouts, shard_rank, device, init_fn)
+            grads = [torch.zeros_like(s) for s in shards]
+            boundary = [a.bucket for a in sched.program.boundary if a.kind is Kind.ALL_REDUCE]
+            self._chunks[c] = _Chunk(c, phases, comm, shards, grads, [buffers[n] for n in st.graph.buffer_names],
+                                     st.batch_inputs, len(st.send_act), _used(phases.forward),
+                                     _used(phases.backward), boundary)
+            for lay, shard, grad in zip(layouts, shards, grads):
+                for slot in lay.slots:
+                    if slot.name in st.graph.trainable:
+                        p = nn.Parameter(local_piece(lay, slot, shard, shard_rank))
+                        p.grad = None if slot.name in unused else local_piece(lay, slot, grad, shard_rank)
+                        self.params.setdefault(slot.name, p)
+                        params.append(p)
+        self._check_tied_layouts()
+        self._tied = _tied_groups(pp, pp.rank, cache)
+        self.optimizer = optimizer_factory(params)
+        self.steps = 0
+
+    # ---- tied parameters -----------------------------------------------------------------
+    def _tied_pieces(self, name: str, of: str = "grads") -> list[torch.Tensor]:
+        """This rank's piece of a tied parameter's gradient (or shard) in each of its chunks holding it."""
+        rank = self._groups["shard"].rank
+        out = []
+        for ch in self._chunks.values():
+            for lay in ch.comm.layouts:
+                for slot in lay.slots:
+                    if slot.name == name:
+                        out.append(local_piece(lay, slot, getattr(ch, of)[lay.index], rank))
+        return out
+
+    def _check_tied_layouts(self) -> None:
+        for name in self.program.split.tied:
+            spans = set()
+            for c in self.program.split.tied[name]:
+                lay = self.program.chunks[c].program.layouts
+                slot = next(s for ly in lay for s in ly.slots if s.name == name)
+                layout = next(ly for ly in lay if slot in ly.slots)
+                spans.add(tuple(layout.local_range(slot, r) for r in range(layout.partition_size)))
+            if len(spans) > 1:
+                raise PlanError(f"tied parameter {name} is sharded differently in chunks "
+                                f"{list(self.program.split.tied[name])} (it shares a bucket with other parameters); "
+                                "leave bucket_bytes unset so that it has a bucket of its own")
+
+    # ---- the step ------------------------------------------------------------------------
+    def _check_batch(self, batch: Sequence[torch.Tensor]) -> None:
+        specs, m = self.graph.input_specs, self._rp.micro_batches
+        if len(batch) != len(specs):
+            raise ValueError(f"step() takes {len(specs)} batch inputs (as example_inputs), got {len(batch)}")
+        for i, (x, (shape, dtype)) in enumerate(zip(batch, specs)):
+            want = (shape[0] * m, *shape[1:])
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"batch input {i}: expected shape {want} {dtype} (this pipeline chain's local "
+                                 f"batch, {m} micro-batches of {shape[0]}), got {got}")
+
+    def _peer(self, chunk: int) -> int:
+        return self._pipe.ranks[self.program.schedule.rank_of(chunk)]
+
+    def _tag(self, mb: int, chunk: int, backward: bool, i: int) -> int:
+        return ((mb * len(self.program.chunks) + chunk) * 2 + backward) * 256 + i
+
+    def _p2p(self, actions, outbox: dict, inbox: dict, sends: list) -> None:
+        """One batch of adjacent P2P actions: post all, wait for the receives."""
+        stages = self.program.split.stages
+        ops, recvs = [], []
+        for a in actions:
+            backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
+            if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                peer = self._peer(a.chunk + (-1 if backward else 1))
+                for i, t in enumerate(outbox.pop((a.op, a.mb, a.chunk))):
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pipe.group,
+                                          self._tag(a.mb, a.chunk, backward, i)))
+            else:
+                src = a.chunk + (1 if backward else -1)
+                specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
+                bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in specs]
+                inbox[(a.op, a.mb, a.chunk)] = bufs
+                for i, t in enumerate(bufs):
+                    ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
+                                          self._tag(a.mb, src, backward, i)))
+                    recvs.append(len(ops) - 1)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for i, w in enumerate(works):
+            (w.wait() if i in recvs else sends.append(w))
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        self._check_batch(batch)
+        rp, pp = self._rp, self.program
+        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
+        outbox: dict = {}
+        inbox: dict = {}
+        saved: dict = {}
+        sends: list = []
+        actions = pp.schedule.ranks[self._stage]
+        with torch.no_grad():
+            for ch in self._chunks.values():
+                for g in ch.grads:
+                    g.zero_()
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+            i = 0
+            while i < len(actions):
+                a = actions[i]
+                if a.op in _P2P:
+                    j = i
+                    while j < len(actions) and actions[j].op in _P2P:
+                        j += 1
+                    self._p2p(actions[i:j], outbox, inbox, sends)
+                    i = j
+                    continue
+                if a.op is Op.FORWARD:
+                    ch = self._chunks[a.chunk]
+                    acts = inbox.pop((Op.RECV_ACT, a.mb, a.chunk), [])
+                    inputs = [micro[a.mb][k] for k in ch.batch_inputs]
+                    n_grad = len(pp.split.stages[a.chunk].recv_grad)
+                    args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *([None] * n_grad)]
+                    out = ch.phases.forward(*_pick(args, ch.fwd_used))
+                    if out[0] is not None:
+                        loss_sum += out[0].float()
+                    if ch.n_send_act:
+                        outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
+                    saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
+                elif a.op is Op.BACKWARD:
+                    ch = self._chunks[a.chunk]
+                    inputs, acts, kept = saved.pop((a.mb, a.chunk))
+                    grads_in = inbox.pop((Op.RECV_GRAD, a.mb, a.chunk), [])
+                    args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept]
+                    del acts, kept, grads_in
+                    out = ch.phases.backward(*_pick(args, ch.bwd_used))
+                    del args
+                    n = len(ch.grads)
+                    for acc, g in zip(ch.grads, out[:n]):
+                        if g is not None:
+                            acc.add_(g)
+                    if len(out) > n:
+                        outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
+                    del out
+                elif a.op is Op.ALL_REDUCE:
+                    loss_buf = self._boundary(loss_sum)
+                i += 1
+            for w in sends:
+                w.wait()
+        self.optimizer.step()
+        self.steps += 1
+        return (loss_buf[0] * self._scale).detach()
+
+    def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        works = []
+        replicate, world = self._groups["replicate"], self._groups["world"]
+        for ch in self._chunks.values():
+            for b in ch.boundary_buckets:
+                works.append(dist.all_reduce(ch.grads[b], group=replicate.group, async_op=True))
+                self._stats.record(C.ALL_REDUCE, replicate, ch.grads[b].numel() * ch.grads[b].element_size())
+        loss_buf = loss_sum.reshape(1)
+        works.append(dist.all_reduce(loss_buf, group=world.group, async_op=True))
+        self._stats.record(C.ALL_REDUCE, world, 4)
+        for w in works:
+            w.wait()
+        for name in sorted(self.program.split.tied):
+            pieces = self._tied_pieces(name)
+            if not pieces:
+                continue
+            total = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
+            if name in self._tied:
+                dist.all_reduce(total, group=self._tied[name])
+                tied = GroupInfo("tied", self._tied[name], tuple(dist.get_process_group_ranks(self._tied[name])),
+                                 0, False)
+                self._stats.record(C.ALL_REDUCE, tied, total.numel() * total.element_size())
+            for piece in pieces:
+                piece.copy_(total)
+        for ch in self._chunks.values():
+            for g in ch.grads:
+                g.mul_(self._scale)
+        return loss_buf
+
+    # ---- inspection and export -------------------------------------------------------------
+    def comm_stats(self) -> CommStats:
+        return self._stats
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter its chunks hold (1-D, possibly empty)."""
+        rank = self._groups["shard"].rank
+        return {slot.name: local_piece(lay, slot, ch.shards[lay.index], rank)
+                for ch in self._chunks.values() for lay in ch.comm.layouts for slot in lay.slots}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank
+        must call it (gathers over the stage's partition group, then over all ranks)."""
+        mine: dict[str, torch.Tensor] = {}
+        shard = self._groups["shard"]
+        for ch in self._chunks.values():
+            for lay, s in zip(ch.comm.layouts, ch.shards):
+                gathered = s
+                if lay.partition_size > 1:
+                    gathered = s.new_empty(lay.padded_numel)
+                    dist.all_gather_single(gathered, s, group=shard.group)
+                for slot in lay.slots:
+                    t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
+                    for alias in self.graph.param_aliases[slot.name]:
+                        mine[alias] = t
+            names = self.program.split.stages[ch.index].graph.buffer_names
+            mine.update({n: b.detach().cpu().clone() for n, b in zip(names, ch.buffers)})
+        everyone: list = [None] * self._rp.world_size
+        dist.all_gather_object(everyone, mine if shard.rank == 0 and self._groups["replicate"].rank == 0 else {})
+        full = {k: v for part in everyone for k, v in part.items()}
+        return {k: full[k] for k in self._state_keys}
+

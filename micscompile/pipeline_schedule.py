@@ -1,0 +1,346 @@
+"""A pipeline schedule IR: one ordered list of compute and point-to-point actions per rank.
+
+Terms. S pipeline ranks (positions 0..S-1 of one pipeline), v model chunks per rank (v > 1
+interleaves), m micro-batches. The model is cut into S*v chunks; chunk c lives on rank c % S,
+so rank r holds chunks r, r+S, r+2S, ... Activations flow c -> c+1, gradients c+1 -> c.
+
+Actions. F(mb, c) / B(mb, c) run micro-batch mb through chunk c. A P2P action names a chunk
+of the rank that runs it: SA(mb, c) sends chunk c's output and matches RA(mb, c+1), which
+receives chunk c+1's input; SG(mb, c) sends the gradient of chunk c's input and matches
+RG(mb, c-1), which receives the gradient of chunk c-1's output. AR, the boundary gradient
+all-reduce, is every rank's last action. A one-rank pipeline (S = 1) has no P2P actions.
+
+String form, which PipeSchedule.parse reads back (this is one_f_one_b(2, 2)):
+
+    pipeline 1f1b stages=2 chunks=1 micro_batches=2
+    r0: F0.0 SA0.0 F1.0 SA1.0 RG0.0 B0.0 RG1.0 B1.0 AR
+    r1: RA0.1 F0.1 B0.1 SG0.1 RA1.1 F1.1 B1.1 SG1.1 AR
+
+Execution model (validate, simulate, grid): every rank runs its list in order, one action at
+a time; a send completes when posted, a receive blocks until its matching send is posted and
+ends p2p_s after it. validate() requires each compute's inputs (F(mb, c-1); B(mb, c+1) and
+F(mb, c)) to come earlier on its rank or through a receive placed before it, so the receives
+carry every cross-rank dependency. Generators put each receive right before its compute and
+each send right after, which makes F(mb, c) start p2p_s after F(mb, c-1) ends (when nothing
+else holds its rank), and leaves runs of adjacent P2P actions (SA RG, SG RA) that the runtime
+can batch into one batch_isend_irecv.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate, product
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed, inconsistent, or would deadlock."""
+
+
+class Op(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SA"
+    RECV_ACT = "RA"
+    SEND_GRAD = "SG"
+    RECV_GRAD = "RG"
+    ALL_REDUCE = "AR"
+
+
+_RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
+_SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
+# the matching action of each P2P op: (its op, chunk offset)
+_PEER = {Op.SEND_ACT: (Op.RECV_ACT, 1), Op.RECV_ACT: (Op.SEND_ACT, -1),
+         Op.SEND_GRAD: (Op.RECV_GRAD, -1), Op.RECV_GRAD: (Op.SEND_GRAD, 1)}
+_TOKEN = re.compile(r"(SA|RA|SG|RG|F|B)(\d+)\.(\d+)")
+_HEADER = re.compile(r"pipeline (\S+) stages=(\d+) chunks=(\d+) micro_batches=(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class PipeAction:
+    """One step of one rank; mb and chunk are None only for ALL_REDUCE."""
+
+    op: Op
+    mb: int | None = None
+    chunk: int | None = None
+
+    def __str__(self) -> str:
+        return "AR" if self.op is Op.ALL_REDUCE else f"{self.op.value}{self.mb}.{self.chunk}"
+
+    @classmethod
+    def parse(cls, token: str) -> PipeAction:
+        if token == "AR":
+            return cls(Op.ALL_REDUCE)
+        if not (match := _TOKEN.fullmatch(token)):
+            raise ScheduleError(f"bad action {token!r}: expected AR or <op><mb>.<chunk> with op in F B SA RA SG RG")
+        return cls(Op(match[1]), int(match[2]), int(match[3]))
+
+
+def _peer(a: PipeAction) -> PipeAction:
+    op, offset = _PEER[a.op]
+    return PipeAction(op, a.mb, a.chunk + offset)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each rank ran its compute actions, from PipeSchedule.simulate."""
+
+    makespan_s: float
+    busy_s: list[float]  # compute time per rank
+    spans: list[list[tuple[PipeAction, float, float]]]  # per rank: (F/B action, start_s, end_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time of the busiest rank over its busy time."""
+        busiest = max(self.busy_s)
+        return (self.makespan_s - busiest) / busiest
+
+
+@dataclass(frozen=True)
+class PipeSchedule:
+    """A whole pipeline's schedule; build with a generator or parse(), check with validate()."""
+
+    name: str  # generator kind, e.g. "1f1b"; one token so the string form parses back
+    stages: int  # S, pipeline ranks
+    chunks: int  # v, model chunks per rank
+    micro_batches: int  # m
+    ranks: tuple[tuple[PipeAction, ...], ...]  # one ordered action list per pipeline rank
+
+    def __post_init__(self) -> None:
+        if min(self.stages, self.chunks, self.micro_batches) < 1:
+            raise ScheduleError(f"stages, chunks and micro_batches must be >= 1, got "
+                                f"{self.stages}, {self.chunks}, {self.micro_batches}")
+        if len(self.ranks) != self.stages:
+            raise ScheduleError(f"{self.stages} stages need {self.stages} action lists, got {len(self.ranks)}")
+        if not self.name or any(ch.isspace() for ch in self.name):
+            raise ScheduleError(f"schedule name {self.name!r} must be one non-empty token")
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [rank + j * self.stages for j in range(self.chunks)]
+
+    def __str__(self) -> str:
+        head = f"pipeline {self.name} stages={self.stages} chunks={self.chunks} micro_batches={self.micro_batches}"
+        return "\n".join([head] + [f"r{r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks)])
+
+    @classmethod
+    def parse(cls, text: str) -> PipeSchedule:
+        lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if not lines or not (head := _HEADER.fullmatch(lines[0][1])):
+            raise ScheduleError("line 1: expected 'pipeline <name> stages=S chunks=v micro_batches=m'")
+        ranks = []
+        for r, (n, line) in enumerate(lines[1:]):
+            label, _, body = line.partition(":")
+            if label != f"r{r}":
+                raise ScheduleError(f"line {n}: expected 'r{r}: <actions>', got {line[:20]!r}")
+            try:
+                ranks.append(tuple(PipeAction.parse(tok) for tok in body.split()))
+            except ScheduleError as e:
+                raise ScheduleError(f"line {n}: {e}") from None
+        return cls(head[1], int(head[2]), int(head[3]), int(head[4]), tuple(ranks))
+
+    def _must_precede(self, a: PipeAction) -> list[PipeAction]:
+        """What must come earlier on a's rank: for a send, the compute whose result it ships; for a
+        compute, each input (F(mb, c-1); F(mb, c) and B(mb, c+1)), or the receive that brings it
+        from another rank. These orders are what make receives carry every data dependency."""
+        mb, c, local, last = a.mb, a.chunk, self.stages == 1, self.stages * self.chunks - 1
+        if a.op in _SENDS:
+            return [PipeAction(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, mb, c)]
+        if a.op is Op.FORWARD and c > 0:
+            return [PipeAction(Op.FORWARD, mb, c - 1) if local else PipeAction(Op.RECV_ACT, mb, c)]
+        if a.op is Op.BACKWARD:
+            grad = PipeAction(Op.BACKWARD, mb, c + 1) if local else PipeAction(Op.RECV_GRAD, mb, c)
+            return [PipeAction(Op.FORWARD, mb, c)] + ([grad] if c < last else [])
+        return []
+
+    def _check_structure(self) -> None:
+        """Everything validate() checks except deadlock; simulate() relies on it."""
+        n = self.stages * self.chunks
+        seen: dict[PipeAction, tuple[int, int]] = {}  # action -> (rank, step)
+        for r, actions in enumerate(self.ranks):
+            if not actions or actions[-1].op is not Op.ALL_REDUCE:
+                raise ScheduleError(f"rank {r}: the last action must be AR")
+            for i, a in enumerate(actions):
+                where = f"rank {r} step {i} ({a})"
+                if a.op is Op.ALL_REDUCE:
+                    if i != len(actions) - 1:
+                        raise ScheduleError(f"{where}: AR must be the last action, once")
+                    continue
+                if a.mb is None or a.chunk is None or not (0 <= a.mb < self.micro_batches and 0 <= a.chunk < n):
+                    raise ScheduleError(f"{where}: needs mb in 0..{self.micro_batches - 1} and chunk in 0..{n - 1}")
+                if self.rank_of(a.chunk) != r:
+                    raise ScheduleError(f"{where}: chunk {a.chunk} lives on rank {self.rank_of(a.chunk)}")
+                if a in seen:
+                    raise ScheduleError(f"{where}: repeats step {seen[a][1]} of that rank")
+                if a.op in _PEER and (self.stages == 1 or not 0 <= _peer(a).chunk < n):
+                    raise ScheduleError(f"{where}: has no peer chunk to exchange with")
+                for need in self._must_precede(a):
+                    if need not in seen:
+                        raise ScheduleError(f"{where}: must come after {need}")
+                seen[a] = (r, i)
+        for c, mb, op in product(range(n), range(self.micro_batches), (Op.FORWARD, Op.BACKWARD)):
+            if PipeAction(op, mb, c) not in seen:
+                raise ScheduleError(f"rank {self.rank_of(c)}: {PipeAction(op, mb, c)} is missing")
+        for a, (r, i) in seen.items():
+            if a.op in _PEER and (peer := _peer(a)) not in seen:
+                raise ScheduleError(f"rank {r} step {i} ({a}): no matching {peer} on rank {self.rank_of(peer.chunk)}")
+
+    def _execute(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float) -> Timeline:
+        """Run the lists in the execution model, O(actions): a rank blocked on a receive sleeps
+        until the matching send is posted. Assumes _check_structure passed, so a compute's inputs
+        are done when its rank reaches it and only receives can block."""
+        S = self.stages
+        pos, clock, busy = [0] * S, [0.0] * S, [0.0] * S
+        spans: list[list[tuple[PipeAction, float, float]]] = [[] for _ in range(S)]
+        posted: dict[PipeAction, float] = {}  # send -> posted_s
+        waiting: dict[PipeAction, int] = {}  # unposted send -> the rank blocked on it
+        runnable = deque(range(S))
+        while runnable:
+            r = runnable.popleft()
+            actions = self.ranks[r]
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                if a.op in _RECVS:
+                    if (send := _peer(a)) not in posted:
+                        waiting[send] = r
+                        break
+                    clock[r] = max(clock[r], posted[send] + p2p_s)
+                elif a.op in _SENDS:
+                    posted[a] = clock[r]
+                    if a in waiting:
+                        runnable.append(waiting.pop(a))
+                elif a.op is not Op.ALL_REDUCE:
+                    start = clock[r]
+                    clock[r] = start + (forward_s if a.op is Op.FORWARD else backward_s)[a.chunk]
+                    busy[r] += clock[r] - start
+                    spans[r].append((a, start, clock[r]))
+                pos[r] += 1
+        if any(pos[r] < len(self.ranks[r]) for r in range(S)):
+            raise ScheduleError("deadlock: " + self._describe_waits(pos))
+        return Timeline(max(clock), busy, spans)
+
+    def _describe_waits(self, pos: list[int]) -> str:
+        """Each blocked rank's wait-for chain: 'rank 1 at step 4 (RA2.1) waits for rank 0, which is at ...'.
+        Only receives block, and the sender of each is blocked too (else it would have posted)."""
+        at = {r: acts[i] for r, (acts, i) in enumerate(zip(self.ranks, pos)) if i < len(acts)}
+        chains, named = [], set()
+        for r in at:
+            if r in named:
+                continue
+            peer = self.rank_of(_peer(at[r]).chunk)
+            text, q = f"rank {r} at step {pos[r]} ({at[r]}) waits for rank {peer}", peer
+            named.add(r)
+            while q not in named:
+                named.add(q)
+                peer = self.rank_of(_peer(at[q]).chunk)
+                text, q = text + f", which is at step {pos[q]} ({at[q]}) waiting for rank {peer}", peer
+            chains.append(text)
+        return "; ".join(chains)
+
+    def validate(self) -> None:
+        """Raise ScheduleError naming the rank, step and action of the first problem found."""
+        self._check_structure()
+        n = self.stages * self.chunks
+        self._execute([1.0] * n, [1.0] * n, 0.0)
+
+    def simulate(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float = 0.0) -> Timeline:
+        """Timeline for per-chunk compute times (len S*v each) and a fixed time per P2P hop."""
+        n = self.stages * self.chunks
+        if len(forward_s) != n or len(backward_s) != n:
+            raise ValueError(f"need {n} forward and backward times (one per chunk), "
+                             f"got {len(forward_s)} and {len(backward_s)}")
+        self._check_structure()
+        return self._execute(forward_s, backward_s, p2p_s)
+
+    def bubble_fraction(self, forward_s: float = 1.0, backward_s: float = 2.0) -> float:
+        """Bubble with a uniform model: each of a rank's v chunks takes 1/v of its forward/backward."""
+        n = self.stages * self.chunks
+        return self.simulate([forward_s / self.chunks] * n, [backward_s / self.chunks] * n).bubble_fraction
+
+    def max_in_flight(self) -> list[int]:
+        """Per rank, the most micro-batch-chunks forwarded but not yet backwarded (activation memory)."""
+        return [max(accumulate(((a.op is Op.FORWARD) - (a.op is Op.BACKWARD) for a in acts), initial=0))
+                for acts in self.ranks]
+
+    def grid(self) -> str:
+        """Step x rank picture with unit-time F and B and free P2P; '.' marks idle steps."""
+        n = self.stages * self.chunks
+        timeline = self.simulate([1.0] * n, [1.0] * n)
+        steps = round(timeline.makespan_s)
+        cells = [["."] * steps for _ in self.ranks]
+        for r, spans in enumerate(timeline.spans):
+            for a, start, _ in spans:
+                cells[r][round(start)] = f"{a.op.value}{a.mb}" if self.chunks == 1 else str(a)
+        width = max(len(str(steps - 1)), *(len(cell) for row in cells for cell in row))
+        label = max(len("step"), len(f"r{self.stages - 1}"))
+        rows = [["step"] + [str(t) for t in range(steps)]] + [[f"r{r}"] + row for r, row in enumerate(cells)]
+        return "\n".join(" ".join([row[0].ljust(label)] + [cell.ljust(width) for cell in row[1:]]).rstrip()
+                         for row in rows)
+
+
+def _build(name: str, stages: int, micro_batches: int, chunks: int,
+           order: Callable[[int], list[tuple[Op, int, int]]]) -> PipeSchedule:
+    """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last."""
+    last, ranks = stages * chunks - 1, []
+    for r in range(stages):
+        acts: list[PipeAction] = []
+        for op, mb, c in order(r):
+            fwd = op is Op.FORWARD
+            recv, send = stages > 1 and c != (0 if fwd else last), stages > 1 and c != (last if fwd else 0)
+            acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
+            acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
+        ranks.append((*acts, PipeAction(Op.ALL_REDUCE)))
+    return PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))
+
+
+def gpipe(stages: int, micro_batches: int) -> PipeSchedule:
+    """All forwards, then all backwards in reverse: every rank holds m micro-batches of activations."""
+    return _build("gpipe", stages, micro_batches, 1, lambda r: [(Op.FORWARD, mb, r) for mb in range(micro_batches)]
+                  + [(Op.BACKWARD, mb, r) for mb in reversed(range(micro_batches))])
+
+
+def one_f_one_b(stages: int, micro_batches: int) -> PipeSchedule:
+    """Synchronous 1F1B: rank r warms up with S-1-r forwards, alternates F and B, then drains."""
+    return replace(interleaved_1f1b(stages, micro_batches, 1), name="1f1b")
+
+
+def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedule:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021) with v = chunks model chunks per rank.
+
+    Forwards go depth first in groups of S micro-batches: a rank's k-th forward runs local chunk
+    (k // S) % v of micro-batch (k // (S*v)) * S + k % S; its k-th backward runs local chunk
+    v-1 - (k // S) % v of the same micro-batch. Rank r warms up with 2(S-1-r) + (v-1)S forwards
+    (at most m*v), then alternates F and B, then drains. At v = 1 this is plain 1F1B with S-1-r
+    warm-up forwards: Megatron defines its count only for v > 1, and 2(S-1-r) would keep more
+    activations alive for the same bubble.
+    """
+    S, v, total = stages, chunks, micro_batches * chunks
+    if v > 1 and micro_batches % S:
+        ok = [k * S for k in range(max(1, micro_batches // S), micro_batches // S + 2)]
+        raise ScheduleError(f"interleaved 1F1B with chunks={v} needs micro_batches to be a multiple of "
+                            f"stages={S}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
+
+    def order(r: int) -> list[tuple[Op, int, int]]:
+        warmup = min(total, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)
+        steady = [x for i in range(total - warmup) for x in ((Op.FORWARD, warmup + i), (Op.BACKWARD, i))]
+        drain = [(Op.BACKWARD, k) for k in range(total - warmup, total)]
+        seq = [(Op.FORWARD, k) for k in range(warmup)] + steady + drain
+        return [(op, (k // (S * v)) * S + k % S,
+                 r + S * (v - 1 - (k // S) % v if op is Op.BACKWARD else (k // S) % v)) for op, k in seq]
+    return _build("interleaved", stages, micro_batches, chunks, order)
+
+
+def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
+    """The named schedule; only "interleaved" takes chunks > 1."""
+    if kind == "interleaved":
+        return interleaved_1f1b(stages, micro_batches, chunks)
+    if kind not in ("gpipe", "1f1b"):
+        raise ValueError(f"unknown pipeline schedule {kind!r}: valid kinds are gpipe, 1f1b, interleaved")
+    if chunks != 1:
+        raise ValueError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind 'interleaved'")
+    return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)

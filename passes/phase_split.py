@@ -1,0 +1,91 @@
+"""Split one chunk's (rewritten) training graph into a forward and a backward graph.
+
+A pipeline runs a chunk's forward and backward of one micro-batch at different
+times, with other micro-batches in between (1F1B), so they must be two callables.
+The cut is the first backward node: the graph lists all forward work first (the
+trace's order; the MiCS rewrite keeps it, and with ``PassContext.phase_split`` it
+issues no backward gather before the cut). Values the backward reads from the
+forward (saved activations) become extra forward outputs and backward inputs.
+
+    forward:  (*placeholders)          -> (*forward outputs, *saved)
+    backward: (*placeholders, *saved)  -> (*the other outputs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from micscompile import collectives as C
+from micscompile.program import ProgramError
+from micscompile.trace import META_REGION, REGION_BWD
+
+
+@dataclass(frozen=True)
+class Phases:
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    saved: int
+    """How many saved values the forward returns after its own outputs."""
+
+
+def _copy_placeholders(graph: torch.fx.Graph, source: list[torch.fx.Node], env: dict) -> None:
+    for p in source:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+
+
+def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases:
+    """``forward_outputs``: indices (into the output tuple) the forward returns; the rest are the
+    backward's, in their order."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1]
+    body = [n for n in nodes if n.op in ("call_function", "get_attr")]
+    cut = next((i for i, n in enumerate(body) if n.op == "call_function"
+                and n.meta.get(META_REGION, REGION_BWD) == REGION_BWD), len(body))
+    fwd, bwd = body[:cut], body[cut:]
+    in_fwd = set(fwd)
+    outs = list(output.args[0])
+    bwd_outputs = [i for i in range(len(outs)) if i not in set(forward_outputs)]
+    for i in forward_outputs:
+        if isinstance(outs[i], torch.fx.Node) and outs[i] not in in_fwd and outs[i].op != "placeholder":
+            raise ProgramError(f"forward output {i} ({outs[i].name}) is computed in backward")
+    for n in bwd:
+        if n.target is C.collective_wait and n.args[1] in in_fwd:
+            raise ProgramError(f"{n.args[1].name} is issued in forward and waited in backward: a collective "
+                               f"may not stay in flight between a chunk's forward and backward")
+    saved = []
+    seen: set = set()
+    for user in [*bwd, *(outs[i] for i in bwd_outputs if isinstance(outs[i], torch.fx.Node))]:
+        reads = user.all_input_nodes if user in bwd else [user]
+        for v in reads:
+            if v in in_fwd and v not in seen:
+                seen.add(v)
+                saved.append(v)
+
+    fg, env_f = torch.fx.Graph(), {}
+    _copy_placeholders(fg, placeholders, env_f)
+    for n in fwd:
+        env_f[n] = fg.node_copy(n, env_f.__getitem__)
+    fg.output(tuple(env_f.get(outs[i], outs[i]) if isinstance(outs[i], torch.fx.Node) else outs[i]
+                    for i in forward_outputs) + tuple(env_f[v] for v in saved))
+
+    bg, env_b = torch.fx.Graph(), {}
+    _copy_placeholders(bg, placeholders, env_b)
+    for v in saved:
+        env_b[v] = bg.placeholder(f"saved_{v.name}")
+        env_b[v].meta = dict(v.meta)
+    for n in bwd:
+        env_b[n] = bg.node_copy(n, env_b.__getitem__)
+    bg.output(tuple(env_b[outs[i]] if isinstance(outs[i], torch.fx.Node) else outs[i] for i in bwd_outputs))
+
+    parts = []
+    for g in (fg, bg):
+        part = torch.fx.GraphModule(gm, g)
+        part.graph._codegen = torch.fx.graph.CodeGen()  # flat signature, like the trace's
+        part.recompile()
+        parts.append(part)
+    return Phases(parts[0], parts[1], len(saved))

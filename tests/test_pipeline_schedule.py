@@ -1,0 +1,222 @@
+"""The pipeline schedule IR: generators, string form, validation, simulation and golden grids."""
+
+import re
+
+import pytest
+
+import micscompile.pipeline_schedule as ps
+from micscompile.pipeline_schedule import (
+    Op, PipeAction, PipeSchedule, ScheduleError, gpipe, interleaved_1f1b, make_schedule, one_f_one_b,
+)
+
+GRID_1F1B_4x8 = """\
+step 0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21
+r0   F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+r1   .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+r2   .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+r3   .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  ."""
+
+# Megatron interleaving, S=2 v=2 m=4: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3.
+# Rank 0 warms up with 2*(2-0-1) + (2-1)*2 = 4 forwards (F0.0 F1.0 F0.2 F1.2), rank 1 with 2.
+GRID_INTERLEAVED_2x4x2 = """\
+step 0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17
+r0   F0.0 F1.0 F0.2 F1.2 F2.0 B0.2 F3.0 B1.2 F2.2 B0.0 F3.2 B1.0 .    B2.2 .    B3.2 B2.0 B3.0
+r1   .    F0.1 F1.1 F0.3 B0.3 F1.3 B1.3 F2.1 B0.1 F3.1 B1.1 F2.3 B2.3 F3.3 B3.3 B2.1 B3.1 ."""
+
+GRID_GPIPE_4x4 = """\
+step 0  1  2  3  4  5  6  7  8  9  10 11 12 13
+r0   F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
+r1   .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
+r2   .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .
+r3   .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  ."""
+
+
+def edited(schedule: PipeSchedule, old: str, new: str) -> PipeSchedule:
+    """The schedule with one exact piece of its string form replaced (hand-breaking it)."""
+    text = str(schedule)
+    assert text.count(old) == 1, f"{old!r} must occur once in\n{text}"
+    return PipeSchedule.parse(text.replace(old, new))
+
+
+def test_module_docstring_shows_the_real_string_form():
+    assert str(one_f_one_b(2, 2)) in "\n".join(line.strip() for line in ps.__doc__.splitlines())
+
+
+@pytest.mark.parametrize("kind, stages, micro_batches, chunks",
+                         [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 3, 1), ("interleaved", 2, 4, 2),
+                          ("interleaved", 4, 8, 3), ("interleaved", 1, 2, 3)])
+def test_string_form_round_trips(kind, stages, micro_batches, chunks):
+    s = make_schedule(kind, stages, micro_batches, chunks)
+    text = str(s)
+    assert text.splitlines()[0] == f"pipeline {kind} stages={stages} chunks={chunks} micro_batches={micro_batches}"
+    assert PipeSchedule.parse(text) == s
+    assert PipeSchedule.parse(f"\n{text}\n\n") == s
+
+
+def test_actions_print_as_op_mb_dot_chunk():
+    actions = [PipeAction(Op.FORWARD, 3, 1), PipeAction(Op.SEND_ACT, 3, 1), PipeAction(Op.RECV_GRAD, 0, 2),
+               PipeAction(Op.ALL_REDUCE)]
+    assert [str(a) for a in actions] == ["F3.1", "SA3.1", "RG0.2", "AR"]
+    assert [PipeAction.parse(str(a)) for a in actions] == actions
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_every_generated_schedule_validates(stages):
+    for m in range(1, 9):
+        schedules = [gpipe(stages, m), one_f_one_b(stages, m)]
+        schedules += [interleaved_1f1b(stages, m, v) for v in (1, 2, 3) if v == 1 or m % stages == 0]
+        for s in schedules:
+            s.validate()
+            for r, actions in enumerate(s.ranks):
+                assert {a.chunk for a in actions if a.chunk is not None} == set(s.chunks_of(r))
+                assert [a.op for a in actions].count(Op.ALL_REDUCE) == 1 and actions[-1].op is Op.ALL_REDUCE
+                p2p = [a for a in actions if a.op not in (Op.FORWARD, Op.BACKWARD, Op.ALL_REDUCE)]
+                assert (len(p2p) > 0) == (stages > 1), "a one-rank pipeline has no P2P, a longer one does"
+
+
+def test_steady_state_p2p_actions_sit_next_to_each_other():
+    """The runtime batches adjacent P2P actions, so 1F1B's steady state must read F SA RG B SG RA F."""
+    r1 = " ".join(map(str, one_f_one_b(4, 8).ranks[1]))
+    assert "RA3.1 F3.1 SA3.1 RG1.1 B1.1 SG1.1 RA4.1 F4.1" in r1
+
+
+def test_interleaved_with_one_chunk_is_one_f_one_b():
+    for stages, m in [(1, 3), (2, 5), (4, 8), (3, 2)]:
+        assert interleaved_1f1b(stages, m, 1).ranks == one_f_one_b(stages, m).ranks
+
+
+def test_interleaved_follows_megatrons_order():
+    """k-th forward: local chunk (k // S) % v of micro-batch (k // (S*v)) * S + k % S; backward mirrors chunks."""
+    S, m, v = 4, 8, 3
+    s = interleaved_1f1b(S, m, v)
+    for r in range(S):
+        for op, local in [(Op.FORWARD, lambda k: (k // S) % v), (Op.BACKWARD, lambda k: v - 1 - (k // S) % v)]:
+            expected = [PipeAction(op, (k // (S * v)) * S + k % S, r + S * local(k)) for k in range(m * v)]
+            assert [a for a in s.ranks[r] if a.op is op] == expected
+        compute = [a.op for a in s.ranks[r] if a.op in (Op.FORWARD, Op.BACKWARD)]
+        # Megatron's warm-up forwards, then the steady state opens with one more forward
+        assert compute.index(Op.BACKWARD) == 2 * (S - r - 1) + (v - 1) * S + 1
+
+
+@pytest.mark.parametrize("schedule, golden", [(one_f_one_b(4, 8), GRID_1F1B_4x8),
+                                              (interleaved_1f1b(2, 4, 2), GRID_INTERLEAVED_2x4x2),
+                                              (gpipe(4, 4), GRID_GPIPE_4x4)])
+def test_golden_grids(schedule, golden):
+    assert schedule.grid() == golden
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 16), (8, 32), (3, 3)])
+def test_one_f_one_b_bubble_is_s_minus_1_over_m(stages, micro_batches):
+    expected = (stages - 1) / micro_batches
+    assert one_f_one_b(stages, micro_batches).bubble_fraction() == pytest.approx(expected, rel=0.02)
+    assert gpipe(stages, micro_batches).bubble_fraction() == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("stages, micro_batches, chunks", [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (8, 32, 2),
+                                                           (4, 8, 3), (4, 4, 2)])
+def test_interleaved_bubble_is_s_minus_1_over_v_m(stages, micro_batches, chunks):
+    """Measured, not assumed: with F:B = 1:2 split evenly over the chunks the simulated bubble of
+    Megatron's order is exactly (S-1)/(v*m), v times smaller than 1F1B's."""
+    s = interleaved_1f1b(stages, micro_batches, chunks)
+    assert s.bubble_fraction() == pytest.approx((stages - 1) / (chunks * micro_batches), rel=0.02)
+
+
+def test_in_flight_micro_batches():
+    """1F1B keeps S - r micro-batches of activations on rank r, GPipe all m; interleaving keeps its warm-up + 1."""
+    assert one_f_one_b(4, 8).max_in_flight() == [4, 3, 2, 1]
+    assert one_f_one_b(4, 2).max_in_flight() == [2, 2, 2, 1]
+    assert gpipe(4, 8).max_in_flight() == [8] * 4
+    assert interleaved_1f1b(4, 8, 2).max_in_flight() == [11, 9, 7, 5]
+
+
+def test_simulate_adds_one_hop_per_rank_crossing():
+    s = one_f_one_b(2, 1)
+    t = s.simulate([1.0, 1.0], [2.0, 2.0], p2p_s=0.5)
+    assert t.spans == [[(PipeAction(Op.FORWARD, 0, 0), 0.0, 1.0), (PipeAction(Op.BACKWARD, 0, 0), 5.0, 7.0)],
+                       [(PipeAction(Op.FORWARD, 0, 1), 1.5, 2.5), (PipeAction(Op.BACKWARD, 0, 1), 2.5, 4.5)]]
+    assert t.makespan_s == 7.0 and t.busy_s == [3.0, 3.0]
+    assert t.bubble_fraction == pytest.approx(4 / 3)
+
+
+def test_a_receive_blocks_its_rank_until_the_send_is_posted():
+    """Rank 1 receives both micro-batches before computing: F0.1 waits for SA1.0 (posted at 2), not SA0.0."""
+    s = edited(gpipe(2, 2), "RA0.1 F0.1 RA1.1", "RA0.1 RA1.1 F0.1")
+    t = s.simulate([1.0, 1.0], [1.0, 1.0], p2p_s=0.5)
+    assert [start for _, start, _ in t.spans[1]] == [2.5, 3.5, 4.5, 5.5]
+
+
+def test_simulate_is_bound_by_the_slowest_chunk():
+    t = gpipe(2, 2).simulate([1.0, 3.0], [2.0, 6.0])
+    assert t.makespan_s == 21.0 and t.busy_s == [6.0, 18.0]
+    with pytest.raises(ValueError, match="need 2 forward and backward times"):
+        gpipe(2, 2).simulate([1.0], [2.0, 2.0])
+
+
+def test_a_broken_schedule_is_reported_as_a_deadlock():
+    """Rank 0 waits for a gradient before sending the activation that rank 1 needs to produce it."""
+    s = edited(gpipe(2, 2), "SA1.0 RG1.0", "RG1.0 SA1.0")
+    message = "deadlock: rank 0 at step 3 (RG1.0) waits for rank 1, which is at step 2 (RA1.1) waiting for rank 0"
+    for run in (s.validate, lambda: s.simulate([1, 1], [2, 2]), s.grid):
+        with pytest.raises(ScheduleError, match=re.escape(message)):
+            run()
+
+
+def test_a_deadlock_names_every_blocked_rank():
+    s = edited(gpipe(3, 1), "SA0.1 RG0.1", "RG0.1 SA0.1")
+    with pytest.raises(ScheduleError, match=re.escape(
+            "deadlock: rank 0 at step 2 (RG0.0) waits for rank 1, which is at step 2 (RG0.1) waiting for rank 2, "
+            "which is at step 0 (RA0.2) waiting for rank 1")):
+        s.validate()
+
+
+# gpipe(2, 2):
+# r0: F0.0 SA0.0 F1.0 SA1.0 RG1.0 B1.0 RG0.0 B0.0 AR
+# r1: RA0.1 F0.1 RA1.1 F1.1 B1.1 SG1.1 B0.1 SG0.1 AR
+@pytest.mark.parametrize("old, new, message", [
+    (" SA0.0", "", "rank 1 step 0 (RA0.1): no matching SA0.0 on rank 0"),
+    ("F1.1 B1.1", "B1.1 F1.1", "rank 1 step 3 (B1.1): must come after F1.1"),
+    ("r0: F0.0", "r0: F0.1", "rank 0 step 0 (F0.1): chunk 1 lives on rank 1"),
+    ("RA0.1 F0.1", "F0.1 RA0.1", "rank 1 step 0 (F0.1): must come after RA0.1"),
+    ("F0.0 SA0.0", "SA0.0 F0.0", "rank 0 step 0 (SA0.0): must come after F0.0"),
+    ("RG0.0 B0.0", "RG0.0 SG0.0 B0.0", "rank 0 step 7 (SG0.0): has no peer chunk"),
+    (" B0.1 SG0.1", "", "rank 1: B0.1 is missing"),
+    ("F1.0 SA1.0", "F1.0 SA1.0 F1.0", "rank 0 step 4 (F1.0): repeats step 2"),
+    ("F0.0 SA0.0", "F0.0 SA0.0 F2.0", "rank 0 step 2 (F2.0): needs mb in 0..1"),
+    ("r1: RA0.1", "r1: AR RA0.1", "rank 1 step 0 (AR): AR must be the last action"),
+    ("B0.0 AR", "AR B0.0", "rank 0: the last action must be AR"),
+])
+def test_hand_broken_schedules_name_rank_and_step(old, new, message):
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        edited(gpipe(2, 2), old, new).validate()
+
+
+def test_p2p_on_a_one_rank_pipeline_is_refused():
+    with pytest.raises(ScheduleError, match=re.escape("rank 0 step 1 (SA0.0): has no peer chunk")):
+        edited(gpipe(1, 1), "F0.0", "F0.0 SA0.0").validate()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("pipeline 1f1b stages=1 chunks=1\nr0: AR", "line 1: expected 'pipeline <name>"),
+    ("pipeline x stages=1 chunks=1 micro_batches=1\nr0: F0.0 X1.0 AR", "line 2: bad action 'X1.0'"),
+    ("pipeline x stages=2 chunks=1 micro_batches=1\nr0: AR\nr2: AR", "line 3: expected 'r1: <actions>'"),
+    ("pipeline x stages=2 chunks=1 micro_batches=1\nr0: AR", "2 stages need 2 action lists, got 1"),
+])
+def test_bad_text_is_refused_with_its_line(text, message):
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        PipeSchedule.parse(text)
+
+
+def test_interleaving_needs_whole_groups_of_micro_batches():
+    with pytest.raises(ScheduleError, match=re.escape("multiple of stages=4, got 6: use micro_batches in [4, 8]")):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ScheduleError, match="or chunks=1"):
+        interleaved_1f1b(4, 3, 2)
+
+
+def test_make_schedule_names_the_valid_kinds():
+    assert make_schedule("interleaved", 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+    assert make_schedule("1f1b", 2, 4) == one_f_one_b(2, 4) and make_schedule("gpipe", 2, 4) == gpipe(2, 4)
+    with pytest.raises(ValueError, match="valid kinds are gpipe, 1f1b, interleaved"):
+        make_schedule("zero_bubble", 2, 4)
+    with pytest.raises(ValueError, match="needs kind 'interleaved'"):
+        make_schedule("1f1b", 2, 4, chunks=2)
