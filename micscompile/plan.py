@@ -131,9 +131,15 @@ class Plan:
                 f"{what}: {p} does not divide {per_stage} (world size {n}); "
                 f"valid partition sizes: {', '.join(map(str, divisors(per_stage)))}"
             )
-        if S > 1 and (self.hierarchical is True or p > k):
+        if self.hierarchical is True and not (p > k and p % k == 0):
+            raise PlanError(
+                f"hierarchical=True needs a partition group spanning whole nodes (partition_size a multiple of "
+                f"gpus_per_node={k}, larger than it), got partition_size={p}; valid: "
+                f"{', '.join(str(q) for q in divisors(n) if q > k and q % k == 0) or 'none on this world'}"
+            )
+        if S > 1 and p > k:
             raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
-                            f"(partition_size <= gpus_per_node={k}, hierarchical not True), got {p}")
+                            f"(partition_size <= gpus_per_node={k}), got {p}")
         return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
 
 

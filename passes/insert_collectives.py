@@ -173,6 +173,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     cut = next((n for n in graph.nodes if n.op == "call_function" and n.meta.get(META_REGION) == REGION_BWD), None) \
         if ctx.plan.stages > 1 else None
     waits: list[torch.fx.Node] = []
+    last_at_cut = None
     for k, iv in enumerate(intervals):
         lay = layouts[iv.bucket]
         if p == 1:
@@ -180,11 +181,15 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             anchor = iv.first
         else:
             # issued right after the wait of the interval `distance` before (the first
-            # `distance` ones up front, before the first wait); distance 0: right before its wait
-            if distance == 0 or k == 0:
+            # `distance` ones up front, before the first wait); distance 0: right before its wait.
+            # A pipeline chunk: a backward gather whose turn falls in forward is issued when backward
+            # starts (in order, before any backward wait)
+            at_cut = (cut is not None and k > 0 and distance > 0 and iv.key[0] == REGION_BWD
+                      and (k < distance or intervals[k - distance].key[0] != REGION_BWD))
+            if at_cut:
+                where = graph.inserting_before(cut) if last_at_cut is None else graph.inserting_after(last_at_cut)
+            elif distance == 0 or k == 0:
                 where = graph.inserting_before(iv.first)
-            elif cut is not None and iv.key[0] == REGION_BWD and (k < distance or intervals[k - distance].key[0] != REGION_BWD):
-                where = graph.inserting_before(cut)  # a pipeline chunk: backward gathers start in backward
             elif k < distance:
                 where = graph.inserting_before(waits[0])
             else:
@@ -192,6 +197,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             with where:
                 fn = C.all_gather_carried if k < carried else C.all_gather_issue
                 issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
+            last_at_cut = issue if at_cut else last_at_cut
             with graph.inserting_before(iv.first):
                 src = graph.call_function(C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)

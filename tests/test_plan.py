@@ -25,7 +25,9 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"partition_size": -1}, "partition_size must be a positive int"),
         ({"grad_sync": "sometimes"}, "grad_sync must be"),
         ({"hierarchical": "yes"}, "hierarchical must be"),
-        ({"pipeline_stages": 2}, "not implemented yet: pipeline_stages"),
+        ({"pipeline_chunks": 2}, "'interleaved' runs v > 1 chunks per rank"),
+        ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "pipeline_schedule must be"),
+        ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
         ({"checkpoint": True}, "not implemented yet: checkpoint"),
         ({"param_dtype": torch.bfloat16}, "not implemented yet: param_dtype"),
     ],
@@ -54,3 +56,19 @@ def test_hierarchical_needs_a_group_spanning_whole_nodes():
     with pytest.raises(mc.PlanError, match="valid: 4, 8, 16"):
         mc.Plan(partition_size=2, gpus_per_node=2, hierarchical=True).resolve(16)
     assert not mc.Plan(partition_size=2, gpus_per_node=2).resolve(16).spans_nodes
+
+
+def test_pipeline_topology_follows_the_mesh_layout():
+    """n = S * t * d: every S*t consecutive ranks one pipeline, every t inside it a stage's group."""
+    rp = mc.Plan(partition_size=2, pipeline_stages=2).resolve(8, 8)
+    assert (rp.stages, rp.partition_size, rp.replicas) == (2, 2, 2)
+    assert [rp.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert rp.partition_ranks(3) == (2, 3)
+    assert rp.pipe_ranks(3) == (1, 3) and rp.pipe_ranks(4) == (4, 6)
+    assert rp.replication_ranks(3) == (3, 7)
+    with pytest.raises(mc.PlanError, match="S \\* t \\* d = n.*valid partition sizes: 1, 2, 4"):
+        mc.Plan(partition_size=3, pipeline_stages=2).resolve(8, 8)
+    with pytest.raises(mc.PlanError, match="pipeline_stages=3 does not divide world size 8"):
+        mc.Plan(pipeline_stages=3).resolve(8, 8)
+    with pytest.raises(mc.PlanError, match="stays inside a node"):
+        mc.Plan(partition_size=4, pipeline_stages=2).resolve(16, 2)

@@ -1,0 +1,154 @@
+"""MiCS-Pipe parity on 4 real gloo ranks (one launch): S * t * d = 4 with 1F1B, interleaved and
+GPipe schedules, a tied input/output embedding, buffers, a meta model; bad input refused first."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import micscompile as mc
+from harness import launch
+from micscompile.materialize import initialize
+from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
+from models import MODELS, TiedLM
+
+WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
+pytestmark = pytest.mark.multiproc
+
+
+@dataclass(frozen=True)
+class PipeCase:
+    stages: int
+    t: int
+    m: int
+    schedule: str = "1f1b"
+    v: int = 1
+    model: str = "tied_lm"
+    opt: str = "sgd"
+    meta: bool = False
+
+    @property
+    def id(self) -> str:
+        meta = "-meta" if self.meta else ""
+        return (f"{self.model}-S{self.stages}-t{self.t}-d{WORLD // (self.stages * self.t)}-{self.schedule}"
+                f"-v{self.v}-m{self.m}-{self.opt}{meta}")
+
+
+CASES = [
+    PipeCase(2, 2, 2), PipeCase(2, 2, 2, "interleaved", 2),
+    PipeCase(4, 1, 4), PipeCase(4, 1, 4, "interleaved", 2, opt="adamw"),
+    PipeCase(2, 1, 4), PipeCase(2, 1, 4, "interleaved", 2),
+    PipeCase(2, 2, 4, "gpipe"),
+    PipeCase(2, 2, 3, model="convnet", opt="adamw"),  # buffers; m not a multiple of S
+    PipeCase(2, 2, 2, meta=True),
+]
+
+
+def _model(case: PipeCase):
+    if case.model == "tied_lm":
+        return TiedLM(layers=6)
+    return MODELS[case.model][0]()
+
+
+def run_case(case: PipeCase, rank: int, world: int) -> dict:
+    _, make_loss, make_batches = MODELS[case.model]
+    torch.manual_seed(0)
+    model = _model(case)
+    if case.meta:
+        torch.manual_seed(1)
+        initialize(model)
+    chains = world // case.stages
+    batches = make_batches(STEPS, LOCAL_BATCH * chains)
+    opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if case.opt == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    ref_losses, ref_state = train_reference(copy.deepcopy(model), make_loss(model), opt, batches, copy_model=False)
+    if case.meta:
+        with torch.device("meta"):
+            model = _model(case)
+        torch.manual_seed(1)
+    plan = mc.Plan(partition_size=case.t, pipeline_stages=case.stages, pipeline_schedule=case.schedule,
+                   pipeline_chunks=case.v, micro_batches=case.m)
+    rp = plan.resolve(world, world)
+    chain = rank // (case.stages * case.t) * case.t + rank % case.t  # the ranks of one chain share a batch
+    local = [tuple(x[chain * LOCAL_BATCH : (chain + 1) * LOCAL_BATCH] for x in b) for b in batches]
+    step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0])
+    losses = [float(step(*b)) for b in local]
+    stats = step.comm_stats()
+    return {
+        "losses": losses, "ref_losses": ref_losses,
+        "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
+        "state_err": state_error(step.full_state_dict(), ref_state),
+        "stage": rp.stage_of(rank),
+        "chunks": step.program.my_chunks(),
+        "calls": {k: r.calls for k, r in stats.rows.items()},
+        "program": str(step.program) if rank == 0 else "",
+    }
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    _, make_loss, make_batches = MODELS["tied_lm"]
+    torch.manual_seed(0)
+    model = TiedLM(layers=1)  # 4 blocks
+    x, y = make_batches(1, LOCAL_BATCH)[0]
+    out = {}
+    for key, plan in {"too_many_chunks": mc.Plan(partition_size=1, pipeline_stages=4, pipeline_chunks=2,
+                                                 pipeline_schedule="interleaved", micro_batches=4),
+                      "interleaved_m": mc.Plan(partition_size=1, pipeline_stages=2, pipeline_chunks=2,
+                                               pipeline_schedule="interleaved", micro_batches=3)}.items():
+        try:
+            mc.compile(model, plan, loss_fn=make_loss(model), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                       example_inputs=(torch.cat([x] * plan.micro_batches), torch.cat([y] * plan.micro_batches)))
+            out[key] = "NO EXCEPTION"
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def run_all(rank: int, world: int) -> dict:
+    results = {"bad_inputs": bad_inputs(rank, world)}
+    for case in CASES:
+        results[case] = run_case(case, rank, world)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return launch(run_all, WORLD, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pipeline_parity_with_single_process_eager(results, case: PipeCase):
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["loss_err"] <= TOLERANCE, (rank, r["losses"], r["ref_losses"])
+        err, name = r["state_err"]
+        assert err <= TOLERANCE, (rank, name, err)
+    assert all(res[case]["losses"] == results[0][case]["losses"] for res in results)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.model == "tied_lm"], ids=lambda c: c.id)
+def test_tied_embedding_gradient_is_all_reduced_between_its_stages(results, case: PipeCase):
+    """The embedding (chunk 0) and the LM head (the last chunk) hold one parameter: their partial
+    gradients meet in one all-reduce per step between the two ranks, unless both chunks are on one."""
+    last = case.stages * case.v - 1
+    for res in results:
+        r = res[case]
+        holds = {0, last} & set(r["chunks"])
+        assert r["calls"].get(("all_reduce", "tied"), 0) == (STEPS if holds else 0), (r["chunks"], r["calls"])
+
+
+def test_bad_pipeline_plans_are_refused_on_every_rank(results):
+    for res in results:
+        bad = res["bad_inputs"]
+        assert bad["too_many_chunks"].startswith("PlanError: cannot cut 4 blocks into 8"), bad
+        assert "micro_batches to be a multiple of stages=2" in bad["interleaved_m"], bad
+
+
+def test_program_prints_the_split_schedule_and_grid(results):
+    text = results[0][CASES[1]]["program"]
+    assert "chunk 0: emb" in text and "tied parameters" in text
+    assert "pipeline interleaved stages=2 chunks=2 micro_batches=2" in text
+    assert "step 0" in text and "r1 " in text

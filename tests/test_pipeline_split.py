@@ -1,0 +1,164 @@
+"""pipeline_split + phase_split on real values, the balance DP against brute force, pipeline simulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import torch.fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import micscompile as mc
+from micscompile.cost_model.simulator import simulate_program
+from micscompile.passes.phase_split import split_phases
+from micscompile.passes.pipeline_split import split
+from micscompile.passes.stage_balance import balance
+from micscompile.pipeline_program import _halves, lower_pipeline
+from micscompile.predict import planned_groups
+from models import MODELS, meta_lm_trace
+
+
+def _resolved(chunks: int, stages: int | None = None) -> mc.ResolvedPlan:
+    stages = stages or chunks
+    v = chunks // stages
+    plan = mc.Plan(partition_size=1, pipeline_stages=stages, pipeline_chunks=v,
+                   pipeline_schedule="interleaved" if v > 1 else "1f1b", micro_batches=stages)
+    return plan.resolve(stages, stages)
+
+
+def _run_chunks(sp, params: dict, batch: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Every chunk's forward in order, then every backward in reverse, values passed by hand."""
+    phases = []
+    for stage in sp.stages:
+        n = len(stage.graph.trainable)
+        phases.append(split_phases(stage.graph.gm, [0, *range(1 + n, 1 + n + len(stage.send_act))]))
+    saved, recv, loss = {}, [], None
+    for stage, ph in zip(sp.stages, phases):
+        g = stage.graph
+        args = [params[n] for n in [*g.param_names, *g.buffer_names]] + [batch[i] for i in stage.batch_inputs]
+        out = ph.forward(*args, *recv, *[None] * len(stage.recv_grad))
+        loss = out[0] if stage.has_loss else loss
+        saved[stage.chunk] = (args, recv, list(out[1 + len(stage.send_act):]))
+        recv = list(out[1 : 1 + len(stage.send_act)])
+        assert [tuple(t.shape) for t in recv] == [t.shape for t in stage.send_act]
+    grads: dict[str, torch.Tensor] = {}
+    back: list = []
+    for stage, ph in reversed(list(zip(sp.stages, phases))):
+        args, acts, kept = saved[stage.chunk]
+        out = ph.backward(*args, *acts, *back, *kept)
+        n = len(stage.graph.trainable)
+        for name, g in zip(stage.graph.trainable, out[:n]):
+            if g is not None:
+                grads[name] = grads.get(name, 0) + g
+        back = list(out[n:])
+    return loss, grads
+
+
+@pytest.mark.parametrize("model_name, chunks", [("tied_lm", 2), ("tied_lm", 4), ("tied_lm", 7), ("convnet", 2),
+                                                ("convnet", 3)])
+def test_chunks_run_in_turn_reproduce_the_joint_graph(model_name, chunks):
+    """Forward chunk by chunk, backward in reverse, values handed over as the pipeline sends them:
+    the same loss and every gradient (a tied weight's partial sums added) as the traced graph."""
+    cls, make_loss, make_batches = MODELS[model_name]
+    torch.manual_seed(0)
+    model = cls(layers=4) if model_name == "tied_lm" else cls()
+    batch = make_batches(1, 4)[0]
+    tg = mc.trace(model, batch, make_loss(model))
+    params = dict(model.named_parameters())
+    ref_loss, *ref_grads = tg.gm(*[params[n] for n in tg.param_names], *dict(model.named_buffers()).values(), *batch)
+    sp = split(tg, _resolved(chunks))
+    buffers = dict(model.named_buffers())
+    loss, grads = _run_chunks(sp, {**params, **buffers}, batch)
+    assert torch.equal(loss, ref_loss)
+    for name, g in zip(tg.trainable, ref_grads):
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7)
+    if model_name == "tied_lm":  # the tied embedding: held by the first and the last chunk
+        assert sp.tied == {"emb.weight": (0, chunks - 1)}
+        vocab_bytes = tg.param_bytes("emb.weight")
+        assert all(sum(t.nbytes for t in s.send_grad) < vocab_bytes for s in sp.stages)
+
+
+def test_more_chunks_than_blocks_is_refused():
+    tg = meta_lm_trace(vocab=29, h=8, layers=2, batch=2, seq=4)  # 5 blocks
+    with pytest.raises(mc.PlanError, match="cannot cut 5 blocks into 6 pipeline chunks"):
+        split(tg, _resolved(6, 3))
+
+
+def _brute_force(costs, chunks):
+    n = len(costs)
+    return min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+               for cuts in itertools.combinations(range(1, n), chunks - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.1, 100.0), min_size=2, max_size=9), st.integers(1, 5))
+def test_balance_finds_the_best_split(costs, chunks):
+    chunks = min(chunks, len(costs))
+    starts = balance(costs, chunks)
+    ends = (*starts[1:], len(costs))
+    assert max(sum(costs[a:b]) for a, b in zip(starts, ends)) == pytest.approx(_brute_force(costs, chunks))
+
+
+def test_balance_respects_the_memory_cap():
+    costs, memory = [1.0, 1.0, 1.0, 5.0], [1.0, 1.0, 1.0, 3.0]
+    assert balance(costs, 2) == (0, 3)
+    assert balance(costs, 2, memory, lambda c: 3.5) == (0, 3)
+    with pytest.raises(mc.PlanError, match="fits in memory"):
+        balance(costs, 2, memory, lambda c: 2.5)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_uneven_model_split_is_within_10_percent_of_the_best(stages):
+    """A large embedding and LM head beside small blocks: the chosen split's slowest chunk, as the
+    simulator prices the lowered chunks, against every possible split priced the same way."""
+    tg = meta_lm_trace(vocab=4000, h=64, layers=4, batch=4, seq=32)
+    cluster = mc.Cluster.preset("p4d.24xlarge", nodes=1)
+    rp = mc.Plan(partition_size=2, pipeline_stages=stages, micro_batches=stages).resolve(2 * stages, 8)
+
+    def slowest(starts=None) -> float:
+        pp = lower_pipeline(tg, rp, cluster, planned_groups(rp), starts=starts)
+        return max(sum(simulate_program(h, cluster, record=False).step_time_s for h in _halves(pp.program(c))[:2])
+                   for c in range(stages))
+
+    units = len(split(tg, rp).units)
+    best = min(slowest((0, *cuts)) for cuts in itertools.combinations(range(1, units), stages - 1))
+    assert slowest() <= 1.10 * best
+
+
+def test_simulated_pipeline_has_the_schedules_bubble():
+    """Four identical blocks on four stages (no embedding): the simulated 1F1B bubble is the
+    schedule's (S-1)/m up to the loss and the P2P hops; interleaving halves it."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
+    x = torch.zeros(64, 256)
+    tg = mc.trace(model, (x, x), torch.nn.functional.mse_loss)
+    cluster = dataclasses.replace(mc.Cluster.preset("p4d.24xlarge", nodes=1), gpus_per_node=4)
+    pred = {v: mc.simulate(tg, mc.Plan(partition_size=1, pipeline_stages=4, micro_batches=8, pipeline_chunks=v,
+                                       pipeline_schedule="interleaved" if v > 1 else "1f1b"), cluster)
+            for v in (1, 2)}
+    assert pred[1].bubble_fraction == pytest.approx(3 / 8, rel=0.1)
+    assert pred[2].bubble_fraction == pytest.approx(3 / 16, rel=0.1)
+    assert pred[2].step_time_s < pred[1].step_time_s
+
+
+@pytest.mark.parametrize("distance", [1, 2, 3])
+@pytest.mark.parametrize("model_name", ["tied_lm", "convnet"])
+def test_chunk_gathers_never_stay_in_flight_between_forward_and_backward(model_name, distance):
+    """Each chunk lowered with gathers ``distance`` ahead: the Program the search derives equals the
+    lowered graph's (schedule checks it), and no gather issued in forward is waited in backward
+    (phase_split checks it)."""
+    cls, make_loss, make_batches = MODELS[model_name]
+    model = cls()
+    tg = mc.trace(model, make_batches(1, 4)[0], make_loss(model))
+    rp = mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=2).resolve(4, 4)
+    for rank in (0, 2):
+        pp = lower_pipeline(tg, rp, None, planned_groups(rp, rank), rank, prefetch=[distance])
+        for c in pp.my_chunks():
+            sched, stage = pp.chunks[c], pp.split.stages[c]
+            gm = torch.fx.GraphModule(stage.graph.gm, sched.graph)
+            n = len(sched.ctx.layouts)
+            split_phases(gm, [0, *range(1 + n, 1 + n + len(stage.send_act))])
