@@ -31,7 +31,7 @@ from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.passes.schedule import Schedule, schedule
 from micscompile.pipeline_schedule import PipeSchedule, make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
-from micscompile.program import Kind, Program
+from micscompile.program import Program
 from micscompile.trace import REGION_BWD, TrainGraph
 
 DEFAULT_DISTANCES = (1, 2, 3)

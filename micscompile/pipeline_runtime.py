@@ -37,7 +37,7 @@ from micscompile.pipeline_schedule import Op
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Kind
 from micscompile.sharding import local_piece, unpack_param
-from micscompile.trace import TrainGraph, split_batch
+from micscompile.trace import TrainGraph, check_batch, split_batch
 
 _P2P = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
 
@@ -177,17 +177,6 @@ class PipelineStep:
                                 "leave bucket_bytes unset so that it has a bucket of its own")
 
     # ---- the step ------------------------------------------------------------------------
-    def _check_batch(self, batch: Sequence[torch.Tensor]) -> None:
-        specs, m = self.graph.input_specs, self._rp.micro_batches
-        if len(batch) != len(specs):
-            raise ValueError(f"step() takes {len(specs)} batch inputs (as example_inputs), got {len(batch)}")
-        for i, (x, (shape, dtype)) in enumerate(zip(batch, specs)):
-            want = (shape[0] * m, *shape[1:])
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"batch input {i}: expected shape {want} {dtype} (this pipeline chain's local "
-                                 f"batch, {m} micro-batches of {shape[0]}), got {got}")
-
     def _peer(self, chunk: int) -> int:
         return self._pipe.ranks[self.program.schedule.rank_of(chunk)]
 
@@ -219,7 +208,7 @@ class PipelineStep:
             (w.wait() if i in recvs else sends.append(w))
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        self._check_batch(batch)
+        check_batch(batch, self.graph.input_specs, self._rp.micro_batches, "this pipeline chain's")
         rp, pp = self._rp, self.program
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
         outbox: dict = {}

@@ -39,7 +39,7 @@ from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
 from micscompile.program import Kind, Program, ProgramError
 from micscompile.sharding import BucketLayout, local_piece, unpack_param
-from micscompile.trace import TrainGraph, split_batch, trace
+from micscompile.trace import TrainGraph, check_batch, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -92,23 +92,9 @@ class TrainStep:
             for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots
         }
 
-    def _check_batch(self, batch: Sequence[torch.Tensor]) -> None:
-        specs = self.graph.input_specs
-        s = self.program.plan.micro_batches
-        if len(batch) != len(specs):
-            raise ValueError(f"step() takes {len(specs)} batch inputs (as example_inputs), got {len(batch)}")
-        for i, (x, (shape, dtype)) in enumerate(zip(batch, specs)):
-            want = (shape[0] * s, *shape[1:])
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(
-                    f"batch input {i}: expected shape {want} {dtype} (this rank's local batch, "
-                    f"{s} micro-batches of {shape[0]}), got {got}"
-                )
-
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """One optimizer step over this rank's local batch; returns the global mean loss."""
-        self._check_batch(batch)
+        check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches)
         comm, plan = self._comm, self.program.plan
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
         with torch.no_grad():

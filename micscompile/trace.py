@@ -321,6 +321,18 @@ def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: int) ->
             node.meta[META_FQN] = bwd_fqn
 
 
+def check_batch(batch, input_specs, micro_batches: int, whose: str = "this rank's") -> None:
+    """Raise ValueError unless ``batch`` is ``micro_batches`` micro-batches of the traced inputs."""
+    if len(batch) != len(input_specs):
+        raise ValueError(f"step() takes {len(input_specs)} batch inputs (as example_inputs), got {len(batch)}")
+    for i, (x, (shape, dtype)) in enumerate(zip(batch, input_specs)):
+        want = (shape[0] * micro_batches, *shape[1:])
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"batch input {i}: expected shape {want} {dtype} ({whose} local batch, "
+                             f"{micro_batches} micro-batches of {shape[0]}), got {got}")
+
+
 def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:
     """Split every batch input along dim 0 into ``micro_batches`` equal micro-batches."""
     for i, x in enumerate(batch):
@@ -334,7 +346,7 @@ def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple
 
 
 __all__ = [
-    "TrainGraph", "TraceError", "trace", "split_batch",
+    "TrainGraph", "TraceError", "trace", "split_batch", "check_batch",
     "META_FQN", "META_REGION", "META_SHAPE", "META_DTYPE", "META_BYTES", "META_FLOPS",
     "REGION_FWD", "REGION_BWD", "LOSS_FQN",
 ]

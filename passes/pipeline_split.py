@@ -304,7 +304,7 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
                 env[n] = new.node_copy(n)
         for n in sorted(own[c], key=order.__getitem__):
             if n not in env:
-                env[n] = new.node_copy(n, lambda a: env[a])
+                env[n] = new.node_copy(n, env.__getitem__)
         stage_grads = []
         stage_trainable = [n for n in tg.trainable if n in stage_params]
         for name in stage_trainable:
