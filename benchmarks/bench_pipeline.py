@@ -24,11 +24,8 @@ against the 40 GiB device, not enforced. TFLOP/s per GPU by the thesis's formula
 run) over all G samples, divided by 128 GPUs and the step time. Each (model, seq,
 micro-batch) is traced once, on the meta device, and reused for every G. No GPU needed.
 
-MiCS-Pipe rows marked "*": ``mc.simulate`` refused the plan because the memory-aware
-stage split found no cut whose chunks fit 40 GiB (without checkpointing, one 8192-wide
-layer at seq 4096 saves ~15 GiB of activations per micro-batch); those rows are priced
-with ``lower_pipeline`` on the split balanced by time alone, exactly as ``mc.simulate``
-prices a pipeline otherwise, so that they are as (in)feasible as the MiCS rows beside them.
+When no cut of the model into S chunks fits the device (here: none, without checkpointing),
+the split balances time alone and the peak column says how far over it is, as for MiCS.
 """
 
 from __future__ import annotations
@@ -41,11 +38,6 @@ import torch
 
 import micscompile as mc
 from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.passes.pipeline_split import forward_units, unit_costs
-from micscompile.passes.stage_balance import balance
-from micscompile.pipeline_program import lower_pipeline
-from micscompile.pipeline_schedule import ScheduleError
-from micscompile.predict import planned_groups
 
 GIB = 1 << 30
 DTYPE = "float16"
@@ -78,24 +70,6 @@ SCENARIOS = (
 )
 
 
-def simulate_pipe(trace: mc.TrainGraph, plan: mc.Plan, cluster: mc.Cluster, flops: float) -> tuple[mc.Prediction, bool]:
-    """``mc.simulate`` of a pipeline plan; if its memory-aware split is refused, the same pricing on
-    the split balanced by time alone (returns the prediction and whether that fallback was used)."""
-    try:
-        return mc.simulate(trace, plan, cluster, flops_per_step=flops, compute_dtype=DTYPE), False
-    except mc.PlanError as e:
-        if "fits in memory" not in str(e):
-            raise
-    rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
-    seconds, _ = unit_costs(trace, forward_units(trace), cluster.gpu, rp.partition_size)
-    starts = balance(seconds, rp.stages * plan.pipeline_chunks)
-    costs = {"compute_dtype": DTYPE}
-    pp = lower_pipeline(trace, rp, cluster, planned_groups(rp), costs=costs, starts=starts)
-    pred = pp.predict(cluster, **costs)
-    pred.flops_per_step = flops
-    return pred, True
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["52B", "104B"])
@@ -112,7 +86,6 @@ def main() -> None:
     head = (f"{'model':<10}{'seq':>5}{'G':>6}  {'system':<30}{'b':>3}{'m':>5}{'step s':>9}{'TFLOP/s':>9}"
             f"{'bubble':>8}{'peak GiB':>10}{'fits':>5}{'Pipe/MiCS':>10}{'sim s':>7}")
     verdicts: dict[str, list[tuple[str, int, float]]] = {}  # scenario -> (model, G, Pipe/MiCS)
-    fallback_used = False
     t_start = time.perf_counter()
     for sc in SCENARIOS:
         batches = (1024,) if args.quick else sc.batches
@@ -148,19 +121,12 @@ def main() -> None:
                         m = G // (b * n)
                         assert m * b * n == G, (G, b, n)
                         plan = mc.Plan(partition_size=md.mics_p, micro_batches=m)
-                        pred, fell_back = mc.simulate(traces[b], plan, cluster, flops_per_step=flops,
-                                                      compute_dtype=DTYPE), False
                     else:
                         m = G // (b * d_pipe * T)
                         assert m * b * d_pipe * T == G, (G, b, d_pipe)
                         plan = mc.Plan(partition_size=T, pipeline_stages=md.stages, micro_batches=m, **pipe)
-                        try:
-                            pred, fell_back = simulate_pipe(traces[b], plan, cluster, flops)
-                        except (mc.PlanError, ScheduleError) as e:
-                            print(f"{md.name:<10}{sc.seq:>5}{G:>6}  {label:<30}{b:>3}{m:>5}  n/a: {e}")
-                            continue
+                    pred = mc.simulate(traces[b], plan, cluster, flops_per_step=flops, compute_dtype=DTYPE)
                     sim_s = time.perf_counter() - t1
-                    fallback_used |= fell_back
                     tf = pred.tflops_per_gpu
                     ratio = ""
                     if pipe is None:
@@ -171,12 +137,9 @@ def main() -> None:
                             verdicts.setdefault(sc.name, []).append((md.name, G, tf / mics_tflops))
                     bubble = "-" if pred.bubble_fraction is None else f"{pred.bubble_fraction:.1%}"
                     peak = pred.peak_memory_bytes
-                    print(f"{md.name:<10}{sc.seq:>5}{G:>6}  {label + '*' * fell_back:<30}{b:>3}{m:>5}"
+                    print(f"{md.name:<10}{sc.seq:>5}{G:>6}  {label:<30}{b:>3}{m:>5}"
                           f"{pred.step_time_s:>9.2f}{tf:>9.1f}{bubble:>8}{peak / GIB:>10.1f}"
                           f"{'yes' if peak <= cap else 'no':>5}{ratio:>10}{sim_s:>7.1f}")
-    if fallback_used:
-        print("\n* mc.simulate refused the memory-aware stage split (no cut fits 40 GiB without activation "
-              "checkpointing); priced on the time-balanced split instead (see the docstring).")
 
     print()
     for sc in SCENARIOS:

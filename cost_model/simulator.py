@@ -142,6 +142,7 @@ def simulate_program(
     flops_per_step: float | None = None,
     compute_dtype: str = "float32",
     record: bool = True,
+    accumulate: bool = True,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -274,7 +275,8 @@ def simulate_program(
             if mb == 0:
                 note_span(start, t if end is None else end)
         # gradient accumulation into the shard accumulators
-        run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
+        if accumulate:  # (not for a pipeline chunk's forward half)
+            run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
 
     ends = []
     for a in program.boundary:

@@ -29,7 +29,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import CPU, Prefetch
 from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.passes.schedule import Schedule, schedule
-from micscompile.pipeline_schedule import PipeSchedule, make_schedule
+from micscompile.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Program
 from micscompile.trace import REGION_BWD, TrainGraph
@@ -137,37 +137,59 @@ def _halves(program: Program) -> tuple[Program, Program, Program]:
     return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
 
 
+def chunk_in_flight(sched: PipeSchedule) -> list[int]:
+    """Per chunk: the most micro-batches whose forward ran and backward did not (saved activations)."""
+    most = [0] * (sched.stages * sched.chunks)
+    for actions in sched.ranks:
+        live = [0] * len(most)
+        for a in actions:
+            if a.op is Op.FORWARD:
+                live[a.chunk] += 1
+                most[a.chunk] = max(most[a.chunk], live[a.chunk])
+            elif a.op is Op.BACKWARD:
+                live[a.chunk] -= 1
+    return most
+
+
 def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Prediction:
-    """One optimizer step of the pipeline on ``cluster`` (see the module docstring)."""
+    """One optimizer step of the pipeline on ``cluster`` (see the module docstring). ``exposed_comm_s``
+    is the busiest rank's communication not hidden behind its compute (bubbles are
+    ``bubble_fraction``)."""
     rp, sp, sched = pp.plan, pp.split, pp.schedule
-    fwd, bwd, boundary, static, act_peak = [], [], [], [], []
+    m = rp.micro_batches
+    fwd, bwd, edge, exposed, static, acts = [], [], [], [], [], []
     for c in range(len(pp.chunks)):
-        f, b, edge = (simulate_program(h, cluster, record=False, **costs) for h in _halves(pp.program(c)))
+        f_half, b_half, boundary = _halves(pp.program(c))
+        f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
+        b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half, boundary))
         fwd.append(f.step_time_s)
         bwd.append(b.step_time_s)
-        boundary.append(edge.step_time_s)
+        edge.append(e.step_time_s)
+        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s) + e.step_time_s)
         static.append(f.static_memory_bytes)
-        act_peak.append(max(f.peak_memory_bytes, b.peak_memory_bytes) - f.static_memory_bytes)
+        acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
     # the activations of one micro-batch crossing a cut, t chains sharing the node link when it crosses nodes
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
-    hops = [collective_time_s(P2P, sum(t.nbytes for t in st.send_act) * (rp.partition_size if (
-        first[c % rp.stages] // k != first[(c + 1) % rp.stages] // k) else 1),
-        [first[c % rp.stages], first[(c + 1) % rp.stages]], cluster) for c, st in enumerate(sp.stages[:-1])]
+    hops = []
+    for c, st in enumerate(sp.stages[:-1]):
+        a, b = first[c % rp.stages], first[(c + 1) % rp.stages]
+        chains = rp.partition_size if a // k != b // k else 1
+        hops.append(collective_time_s(P2P, sum(t.nbytes for t in st.send_act) * chains, [a, b], cluster))
     timeline = sched.simulate(fwd, bwd, max(hops, default=0.0))
-    in_flight = sched.max_in_flight()
-    per_rank_boundary = [sum(boundary[c] for c in sched.chunks_of(r)) for r in range(rp.stages)]
-    step = timeline.makespan_s + max(per_rank_boundary)
-    saved = [sum(t.nbytes for t in st.send_act) for st in sp.stages]  # a proxy floor per in-flight micro-batch
-    peaks = [sum(static[c] + act_peak[c] + (in_flight[r] - 1) * max(saved[c], act_peak[c])
-                 for c in sched.chunks_of(r)) for r in range(rp.stages)]
-    compute = [sum(m * (fwd[c] + bwd[c]) for c in sched.chunks_of(r)) for r, m in
-               ((r, rp.micro_batches) for r in range(rp.stages))]
+    in_flight = chunk_in_flight(sched)
+    ranks = [sched.chunks_of(r) for r in range(rp.stages)]
+    # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
+    saved = [max(fa, 0) for fa, _ in acts]
+    peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
+             for cs in ranks]
+    compute = [sum(m * (fwd[c] + bwd[c]) for c in cs) for cs in ranks]
     flops = sum(a.flops for c in range(len(pp.chunks)) for a in pp.program(c).micro_step)
     pred = Prediction(
-        step_time_s=step, compute_s=max(compute), exposed_comm_s=step - max(compute),
+        step_time_s=timeline.makespan_s + max(sum(edge[c] for c in cs) for cs in ranks),
+        compute_s=max(compute), exposed_comm_s=max(sum(exposed[c] for c in cs) for cs in ranks),
         stream_busy_s={"compute": max(compute)}, peak_memory_bytes=int(max(peaks)),
-        static_memory_bytes=int(max(sum(static[c] for c in sched.chunks_of(r)) for r in range(rp.stages))),
-        flops_per_step=rp.micro_batches * flops / rp.stages, world_size=rp.world_size,
+        static_memory_bytes=int(max(sum(static[c] for c in cs) for cs in ranks)),
+        flops_per_step=m * flops / rp.stages, world_size=rp.world_size,
     )
     pred.bubble_fraction = timeline.bubble_fraction
     return pred

@@ -39,6 +39,7 @@ from micscompile.cost_model.node_cost import NodeWork, node_work
 from micscompile.cost_model.specs import A100_40GB, GpuSpec
 from micscompile.passes.buckets import block_of
 from micscompile.passes.stage_balance import balance
+from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, REGION_BWD, REGION_FWD, TrainGraph
 
@@ -120,8 +121,8 @@ def forward_units(tg: TrainGraph) -> list[str]:
     return list(seen)
 
 
-def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[list[float], list[float]]:
-    """(predicted forward + backward seconds, model-state + saved-activation bytes) per unit."""
+def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[list[float], list[float], list[float]]:
+    """(predicted forward + backward seconds, model-state bytes, saved-activation bytes) per unit."""
     index = {u: i for i, u in enumerate(units)}
     work = [NodeWork() for _ in units]
     saved = [0] * len(units)
@@ -143,7 +144,7 @@ def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[
         + w.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + w.ops * gpu.op_overhead_s
         for w in work
     ]
-    return seconds, [s + a for s, a in zip(state, saved)]
+    return seconds, state, [float(a) for a in saved]
 
 
 def assign_chunks(tg: TrainGraph, chunk_of_block: dict[str, int], last: int) -> dict[torch.fx.Node, int]:
@@ -198,12 +199,19 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
     plan = rp.plan
     chunks = rp.stages * plan.pipeline_chunks
     units = forward_units(tg)
-    seconds, memory = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
+    seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
     if starts is None:
-        in_flight = rp.micro_batches if plan.pipeline_schedule == "gpipe" else min(rp.stages, rp.micro_batches)
-        state_and_acts = [m * in_flight for m in memory]  # conservative: as many in flight as the first rank
+        # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
+        sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
+        memory = [s + a * in_flight for s, a in zip(state, saved)]
         capacity = (gpu or A100_40GB).memory_bytes
-        starts = balance(seconds, chunks, state_and_acts, lambda c: capacity)
+        try:
+            starts = balance(seconds, chunks, memory, lambda c: capacity)
+        except PlanError:
+            if chunks > len(units):
+                raise
+            starts = balance(seconds, chunks)  # nothing fits: balance time alone (the prediction shows the peak)
     if len(starts) != chunks or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(units):
         raise PlanError(f"bad pipeline cut points {starts} for {chunks} chunks of {len(units)} blocks")
     chunk_of_block = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}

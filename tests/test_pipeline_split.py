@@ -162,3 +162,13 @@ def test_chunk_gathers_never_stay_in_flight_between_forward_and_backward(model_n
             gm = torch.fx.GraphModule(stage.graph.gm, sched.graph)
             n = len(sched.ctx.layouts)
             split_phases(gm, [0, *range(1 + n, 1 + n + len(stage.send_act))])
+
+
+def test_each_chunk_keeps_its_own_micro_batches_in_flight():
+    from micscompile.pipeline_program import chunk_in_flight
+    from micscompile.pipeline_schedule import gpipe, interleaved_1f1b, one_f_one_b
+
+    assert chunk_in_flight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
+    assert chunk_in_flight(gpipe(2, 5)) == [5, 5]
+    per_chunk = chunk_in_flight(interleaved_1f1b(4, 8, 2))
+    assert [per_chunk[r] + per_chunk[r + 4] for r in range(4)] >= interleaved_1f1b(4, 8, 2).max_in_flight()
