@@ -21,6 +21,7 @@ import micscompile as mc
 from micscompile.materialize import initialize
 from micscompile.parity import rel_error, state_error, train_reference
 from micscompile.sharding import shard_of
+from harness import run_cases
 from models import MODELS
 
 STEPS = 5
@@ -217,7 +218,4 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
 
 
 def run_all(rank: int, world: int) -> dict:
-    results = {"bad_inputs": bad_inputs(rank, world)}
-    for case in CASES:
-        results[case] = run_case(case, rank, world)
-    return results
+    return run_cases(rank, world, bad_inputs, run_case, CASES)

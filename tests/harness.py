@@ -68,3 +68,23 @@ def launch(fn, world_size: int, *args, timeout_s: float = 300, pg_timeout_s: flo
     if errors:
         raise RuntimeError("worker(s) failed:\n" + "\n".join(errors))
     return [res["value"] for res in results]
+
+
+def run_cases(rank: int, world: int, bad_inputs, run_case, cases) -> dict:
+    """In one launch: the bad-input checks first (each must fail before any collective, which the
+    cases after them prove), then every case; keyed by case."""
+    results = {"bad_inputs": bad_inputs(rank, world)}
+    for case in cases:
+        results[case] = run_case(case, rank, world)
+    return results
+
+
+def assert_parity(results: list[dict], case, tolerance: float) -> None:
+    """Every rank's losses and full state match the single-process reference; all ranks report
+    the same global mean losses."""
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["loss_err"] <= tolerance, (rank, r["losses"], r["ref_losses"])
+        err, name = r["state_err"]
+        assert err <= tolerance, (rank, name, err)
+    assert all(res[case]["losses"] == results[0][case]["losses"] for res in results)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import micscompile as mc
-from harness import launch
+from harness import assert_parity, launch, run_cases
 from micscompile.materialize import initialize
 from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
 from models import MODELS, TiedLM
@@ -108,10 +108,7 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
 
 
 def run_all(rank: int, world: int) -> dict:
-    results = {"bad_inputs": bad_inputs(rank, world)}
-    for case in CASES:
-        results[case] = run_case(case, rank, world)
-    return results
+    return run_cases(rank, world, bad_inputs, run_case, CASES)
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +118,7 @@ def results() -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pipeline_parity_with_single_process_eager(results, case: PipeCase):
-    for rank, res in enumerate(results):
-        r = res[case]
-        assert r["loss_err"] <= TOLERANCE, (rank, r["losses"], r["ref_losses"])
-        err, name = r["state_err"]
-        assert err <= TOLERANCE, (rank, name, err)
-    assert all(res[case]["losses"] == results[0][case]["losses"] for res in results)
+    assert_parity(results, case, TOLERANCE)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.model == "tied_lm"], ids=lambda c: c.id)
