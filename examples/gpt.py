@@ -109,6 +109,7 @@ def main() -> None:
             f"({name}), tolerance {TOLERANCE:.0e}: {verdict}")
     out(f"\ncommunication of rank 0 over {args.steps} steps (ring wire bytes per rank):")
     out(step.comm_stats())
+    dist.barrier()  # nobody tears its gloo pairs down while a peer still reads from them (seen: SIGABRT at exit)
     dist.destroy_process_group()
     if reference and err > TOLERANCE:
         raise SystemExit(1)
