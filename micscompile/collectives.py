@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from micscompile.sharding import BucketLayout, pack_grads
+from micscompile.sharding import BucketLayout, pack_grads, unpack_param
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
@@ -160,6 +160,22 @@ class Pending(NamedTuple):
     """Valid after the wait."""
     finish: Callable[[], torch.Tensor] | None = None
     """Run at the wait, after ``work``: the rest of a chained collective; returns the result."""
+
+
+def gather_full(layouts, shards: list[torch.Tensor], shard: GroupInfo, aliases: dict[str, list[str]]) -> dict:
+    """Every parameter of ``layouts`` unsharded on CPU, under each of its aliases (an all-gather per
+    bucket over the partition group: every rank of it must call this)."""
+    full = {}
+    for lay, local in zip(layouts, shards):
+        gathered = local
+        if lay.partition_size > 1:
+            gathered = local.new_empty(lay.padded_numel)
+            dist.all_gather_single(gathered, local, group=shard.group)
+        for slot in lay.slots:
+            t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
+            for alias in aliases[slot.name]:
+                full[alias] = t
+    return full
 
 
 # ---- operations inserted into the graph (call_function targets) ----------------------

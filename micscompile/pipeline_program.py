@@ -16,7 +16,6 @@ boundary (replication and tied-weight all-reduces, optimizer) follows.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,8 +30,8 @@ from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.passes.schedule import Schedule, schedule
 from micscompile.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
-from micscompile.program import Program
-from micscompile.trace import REGION_BWD, TrainGraph
+from micscompile.program import Program, backward_start, digest
+from micscompile.trace import TrainGraph
 
 DEFAULT_DISTANCES = (1, 2, 3)
 """Prefetch candidates inside a chunk (keep-live and across-micro-step gathers do not apply:
@@ -64,10 +63,10 @@ class PipelineProgram:
 
     def fingerprint(self) -> str:
         text = "|".join(self.program(c).fingerprint() for c in range(len(self.chunks)))
-        return hashlib.sha256((text + str(self.schedule) + str(self.split.starts)).encode()).hexdigest()[:16]
+        return digest(text + str(self.schedule) + str(self.split.starts))
 
     def collective_fingerprint(self) -> str:
-        return hashlib.sha256("|".join(self.collective_order()).encode()).hexdigest()[:16]
+        return digest("|".join(self.collective_order()))
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -132,7 +131,8 @@ def _halves(program: Program) -> tuple[Program, Program, Program]:
     """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone."""
     one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(micro_batches=1))
     acts = program.micro_step
-    cut = next((i for i, a in enumerate(acts) if a.region.startswith(REGION_BWD)), len(acts))
+    cut = backward_start(acts)
+    cut = len(acts) if cut is None else cut
     part = lambda micro, boundary: dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
     return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
 

@@ -36,7 +36,7 @@ from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Kind
-from micscompile.sharding import local_piece, unpack_param
+from micscompile.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.trace import TrainGraph, check_batch, split_batch
 
 _P2P = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
@@ -80,7 +80,7 @@ def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupI
         groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)
 
 
-def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, object]:
+def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, GroupInfo]:
     """Tied parameter -> the group of this chain's ranks whose chunks hold it (every rank creates
     every chain's group, in the same order, as ``new_group`` requires)."""
     rp, sched = pp.plan, pp.schedule
@@ -99,7 +99,9 @@ def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, objec
                 for r in ranks:
                     cache[key][r] = pg
         if rank in cache[key]:
-            out[name] = cache[key][rank]
+            pg = cache[key][rank]
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            out[name] = GroupInfo("tied", pg, ranks, ranks.index(rank), False)
     return out
 
 
@@ -139,28 +141,24 @@ class PipelineStep:
             self._chunks[c] = _Chunk(c, phases, comm, shards, grads, [buffers[n] for n in st.graph.buffer_names],
                                      st.batch_inputs, len(st.send_act), _used(phases.forward),
                                      _used(phases.backward), boundary)
-            for lay, shard, grad in zip(layouts, shards, grads):
-                for slot in lay.slots:
-                    if slot.name in st.graph.trainable:
-                        p = nn.Parameter(local_piece(lay, slot, shard, shard_rank))
-                        p.grad = None if slot.name in unused else local_piece(lay, slot, grad, shard_rank)
-                        self.params.setdefault(slot.name, p)
-                        params.append(p)
+            for name, p in shard_parameters(layouts, shards, grads, shard_rank, set(st.graph.trainable), unused):
+                self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
+                params.append(p)
         self._check_tied_layouts()
         self._tied = _tied_groups(pp, pp.rank, cache)
         self.optimizer = optimizer_factory(params)
         self.steps = 0
 
     # ---- tied parameters -----------------------------------------------------------------
-    def _tied_pieces(self, name: str, of: str = "grads") -> list[torch.Tensor]:
-        """This rank's piece of a tied parameter's gradient (or shard) in each of its chunks holding it."""
+    def _tied_pieces(self, name: str) -> list[torch.Tensor]:
+        """This rank's piece of a tied parameter's gradient in each of its chunks holding it."""
         rank = self._groups["shard"].rank
         out = []
         for ch in self._chunks.values():
             for lay in ch.comm.layouts:
                 for slot in lay.slots:
                     if slot.name == name:
-                        out.append(local_piece(lay, slot, getattr(ch, of)[lay.index], rank))
+                        out.append(local_piece(lay, slot, ch.grads[lay.index], rank))
         return out
 
     def _check_tied_layouts(self) -> None:
@@ -186,7 +184,7 @@ class PipelineStep:
     def _p2p(self, actions, outbox: dict, inbox: dict, sends: list) -> None:
         """One batch of adjacent P2P actions: post all, wait for the receives."""
         stages = self.program.split.stages
-        ops, recvs = [], []
+        ops, recvs = [], set()
         for a in actions:
             backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
@@ -202,7 +200,7 @@ class PipelineStep:
                 for i, t in enumerate(bufs):
                     ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
                                           self._tag(a.mb, src, backward, i)))
-                    recvs.append(len(ops) - 1)
+                    recvs.add(len(ops) - 1)
         works = dist.batch_isend_irecv(ops) if ops else []
         for i, w in enumerate(works):
             (w.wait() if i in recvs else sends.append(w))
@@ -285,9 +283,8 @@ class PipelineStep:
                 continue
             total = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
             if name in self._tied:
-                dist.all_reduce(total, group=self._tied[name])
-                tied = GroupInfo("tied", self._tied[name], tuple(dist.get_process_group_ranks(self._tied[name])),
-                                 0, False)
+                tied = self._tied[name]
+                dist.all_reduce(total, group=tied.group)
                 self._stats.record(C.ALL_REDUCE, tied, total.numel() * total.element_size())
             for piece in pieces:
                 piece.copy_(total)
@@ -303,8 +300,7 @@ class PipelineStep:
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every parameter its chunks hold (1-D, possibly empty)."""
         rank = self._groups["shard"].rank
-        return {slot.name: local_piece(lay, slot, ch.shards[lay.index], rank)
-                for ch in self._chunks.values() for lay in ch.comm.layouts for slot in lay.slots}
+        return {k: v for ch in self._chunks.values() for k, v in local_pieces(ch.comm.layouts, ch.shards, rank).items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank
@@ -312,15 +308,7 @@ class PipelineStep:
         mine: dict[str, torch.Tensor] = {}
         shard = self._groups["shard"]
         for ch in self._chunks.values():
-            for lay, s in zip(ch.comm.layouts, ch.shards):
-                gathered = s
-                if lay.partition_size > 1:
-                    gathered = s.new_empty(lay.padded_numel)
-                    dist.all_gather_single(gathered, s, group=shard.group)
-                for slot in lay.slots:
-                    t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
-                    for alias in self.graph.param_aliases[slot.name]:
-                        mine[alias] = t
+            mine.update(C.gather_full(ch.comm.layouts, ch.shards, shard, self.graph.param_aliases))
             names = self.program.split.stages[ch.index].graph.buffer_names
             mine.update({n: b.detach().cpu().clone() for n, b in zip(names, ch.buffers)})
         everyone: list = [None] * self._rp.world_size

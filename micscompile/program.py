@@ -30,7 +30,7 @@ from micscompile.cost_model.profile import META_TIME_S
 from micscompile.passes.context import Prefetch
 from micscompile.plan import ResolvedPlan
 from micscompile.sharding import BucketLayout
-from micscompile.trace import META_FLOPS, META_FQN, META_REGION
+from micscompile.trace import META_FLOPS, META_FQN, META_REGION, REGION_BWD
 
 if TYPE_CHECKING:
     from micscompile.cost_model.specs import Cluster
@@ -116,8 +116,13 @@ def hierarchical_stages(a: Action, groups: dict[str, GroupInfo]) -> list[Action]
     return [intra, inter] if a.kind is Kind.REDUCE_SCATTER else [inter, intra]
 
 
-def _digest(text: str) -> str:
+def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def backward_start(actions: list[Action]) -> int | None:
+    """Index of the first backward action (compute actions never span both phases: build_program)."""
+    return next((i for i, a in enumerate(actions) if a.region.startswith(REGION_BWD)), None)
 
 
 class ProgramError(RuntimeError):
@@ -223,10 +228,10 @@ class Program:
                                    f"{sorted(b for b, n in gathered.items() if n)} not released")
 
     def fingerprint(self) -> str:
-        return _digest("|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan))
+        return digest("|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan))
 
     def collective_fingerprint(self) -> str:
-        return _digest("|".join(self.collective_order()))
+        return digest("|".join(self.collective_order()))
 
     def wire_bytes(self) -> dict[tuple[str, str], int]:
         """Predicted per-rank wire bytes per (collective, group) for one step."""

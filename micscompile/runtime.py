@@ -38,7 +38,7 @@ from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
 from micscompile.program import Kind, Program, ProgramError
-from micscompile.sharding import BucketLayout, local_piece, unpack_param
+from micscompile.sharding import BucketLayout, local_pieces, shard_parameters
 from micscompile.trace import TrainGraph, check_batch, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -64,19 +64,11 @@ class TrainStep:
         self._state_keys = state_keys
         plan = program.plan
         self._scale = 1.0 / (plan.world_size * plan.micro_batches)
-        trainable, unused = set(graph.trainable), graph.unused_params
         self._grads = [torch.zeros_like(s) for s in shards]
         # the Program decides which buckets the boundary all-reduces (2-hop, d > 1, reduced buckets)
         self._boundary_buckets = [a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE]
-        self.params: dict[str, nn.Parameter] = {}
-        rank = comm.shard.rank
-        for lay, shard, grad in zip(comm.layouts, shards, self._grads):
-            for slot in lay.slots:
-                if slot.name in trainable:  # this rank's piece (possibly empty), sharing the shard's storage
-                    param = nn.Parameter(local_piece(lay, slot, shard, rank))
-                    # like eager, a parameter the loss does not reach has no gradient: the optimizer skips it
-                    param.grad = None if slot.name in unused else local_piece(lay, slot, grad, rank)
-                    self.params[slot.name] = param
+        self.params: dict[str, nn.Parameter] = dict(shard_parameters(
+            comm.layouts, shards, self._grads, comm.shard.rank, set(graph.trainable), graph.unused_params))
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.steps = 0
 
@@ -86,11 +78,7 @@ class TrainStep:
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every parameter (1-D, possibly empty), by canonical name."""
-        rank = self._comm.shard.rank
-        return {
-            slot.name: local_piece(lay, slot, shard, rank)
-            for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots
-        }
+        return local_pieces(self.layouts, self._shards, self._comm.shard.rank)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """One optimizer step over this rank's local batch; returns the global mean loss."""
@@ -136,17 +124,7 @@ class TrainStep:
 
         Collective over the partition group: every rank must call it.
         """
-        comm = self._comm
-        full: dict[str, torch.Tensor] = {}
-        for lay, shard in zip(self.layouts, self._shards):
-            gathered = shard
-            if lay.partition_size > 1:
-                gathered = shard.new_empty(lay.padded_numel)
-                dist.all_gather_single(gathered, shard, group=comm.shard.group)
-            for slot in lay.slots:
-                t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
-                for alias in self.graph.param_aliases[slot.name]:
-                    full[alias] = t
+        full = C.gather_full(self.layouts, self._shards, self._comm.shard, self.graph.param_aliases)
         full.update({n: b.detach().cpu().clone() for n, b in self._buffer_map.items()})
         return {k: full[k] for k in self._state_keys}
 

@@ -98,6 +98,28 @@ def local_piece(layout: BucketLayout, slot: ParamSlot, shard: torch.Tensor, shar
     return shard[start : start + hi - lo]
 
 
+def local_pieces(layouts, shards: list[torch.Tensor], shard_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter in ``layouts`` (1-D, possibly empty), by canonical name."""
+    return {slot.name: local_piece(lay, slot, shard, shard_rank)
+            for lay, shard in zip(layouts, shards) for slot in lay.slots}
+
+
+def shard_parameters(
+    layouts, shards: list[torch.Tensor], grads: list[torch.Tensor], shard_rank: int, trainable, unused,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, Parameter) for each trainable parameter: this rank's piece (possibly empty), sharing the
+    shard's storage, its ``.grad`` a view of the gradient shard; like eager, a parameter the loss does
+    not reach has no gradient (the optimizer skips it)."""
+    out = []
+    for lay, shard, grad in zip(layouts, shards, grads):
+        for slot in lay.slots:
+            if slot.name in trainable:
+                param = torch.nn.Parameter(local_piece(lay, slot, shard, shard_rank))
+                param.grad = None if slot.name in unused else local_piece(lay, slot, grad, shard_rank)
+                out.append((slot.name, param))
+    return out
+
+
 def shard_of(full: torch.Tensor, layout: BucketLayout, slot: ParamSlot, shard_rank: int) -> torch.Tensor:
     """``shard_rank``'s piece of a full parameter (1-D copy, possibly empty)."""
     lo, hi = layout.local_range(slot, shard_rank)

@@ -31,10 +31,19 @@ class Phases:
     """How many saved values the forward returns after its own outputs."""
 
 
-def _copy_placeholders(graph: torch.fx.Graph, source: list[torch.fx.Node], env: dict) -> None:
-    for p in source:
-        env[p] = graph.placeholder(p.name)
-        env[p].meta = dict(p.meta)
+def placeholder_like(graph: torch.fx.Graph, like: torch.fx.Node, prefix: str = "") -> torch.fx.Node:
+    """A placeholder named and annotated like ``like`` (a value that now arrives from outside)."""
+    node = graph.placeholder(prefix + like.name)
+    node.meta = dict(like.meta)
+    return node
+
+
+def flat_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule over ``graph`` called with flat positional arguments, like the trace's."""
+    gm = torch.fx.GraphModule(root, graph)
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.recompile()
+    return gm
 
 
 def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases:
@@ -66,26 +75,18 @@ def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases
                 seen.add(v)
                 saved.append(v)
 
-    fg, env_f = torch.fx.Graph(), {}
-    _copy_placeholders(fg, placeholders, env_f)
+    fg = torch.fx.Graph()
+    env_f = {p: placeholder_like(fg, p) for p in placeholders}
     for n in fwd:
         env_f[n] = fg.node_copy(n, env_f.__getitem__)
     fg.output(tuple(env_f.get(outs[i], outs[i]) if isinstance(outs[i], torch.fx.Node) else outs[i]
                     for i in forward_outputs) + tuple(env_f[v] for v in saved))
 
-    bg, env_b = torch.fx.Graph(), {}
-    _copy_placeholders(bg, placeholders, env_b)
-    for v in saved:
-        env_b[v] = bg.placeholder(f"saved_{v.name}")
-        env_b[v].meta = dict(v.meta)
+    bg = torch.fx.Graph()
+    env_b = {p: placeholder_like(bg, p) for p in placeholders}
+    env_b.update({v: placeholder_like(bg, v, "saved_") for v in saved})
     for n in bwd:
         env_b[n] = bg.node_copy(n, env_b.__getitem__)
     bg.output(tuple(env_b[outs[i]] if isinstance(outs[i], torch.fx.Node) else outs[i] for i in bwd_outputs))
 
-    parts = []
-    for g in (fg, bg):
-        part = torch.fx.GraphModule(gm, g)
-        part.graph._codegen = torch.fx.graph.CodeGen()  # flat signature, like the trace's
-        part.recompile()
-        parts.append(part)
-    return Phases(parts[0], parts[1], len(saved))
+    return Phases(flat_module(gm, fg), flat_module(gm, bg), len(saved))

@@ -36,11 +36,14 @@ import torch
 import torch.fx
 
 from micscompile.cost_model.node_cost import NodeWork, node_work
+from micscompile.cost_model.simulator import compute_time_s
 from micscompile.cost_model.specs import A100_40GB, GpuSpec
 from micscompile.passes.buckets import block_of
+from micscompile.passes.phase_split import flat_module, placeholder_like
 from micscompile.passes.stage_balance import balance
 from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
+from micscompile.program import Action, Kind
 from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, REGION_BWD, REGION_FWD, TrainGraph
 
 _ADD = torch.ops.aten.add.Tensor
@@ -133,17 +136,13 @@ def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[
         work[i] += node_work(n)
         if n.meta.get(META_REGION) == REGION_FWD and any(u.meta.get(META_REGION) == REGION_BWD for u in n.users):
             saved[i] += n.meta.get(META_BYTES, 0)
-    params, _, _ = _placeholders(tg)
     state = [0.0] * len(units)
     for name in tg.param_names:
         i = index.get(block_of(name.rpartition(".")[0], tg.blocks))
         if i is not None:
             state[i] += 16 * tg.param_bytes(name) / 4 / t  # fp32 weights, gradients, Adam m and v, sharded
-    seconds = [
-        w.matmul_flops / (gpu.flops("float32") * gpu.matmul_efficiency)
-        + w.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + w.ops * gpu.op_overhead_s
-        for w in work
-    ]
+    seconds = [compute_time_s(Action(Kind.COMPUTE, ops=w.ops, matmul_flops=w.matmul_flops, mem_bytes=w.mem_bytes), gpu)
+               for w in work]
     return seconds, state, [float(a) for a in saved]
 
 
@@ -298,15 +297,15 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for p in params:
             if param_name[p] in stage_params:
-                env[p] = _placeholder(new, p)
+                env[p] = placeholder_like(new, p)
         for b, _ in stage_buffers:
-            env[b] = _placeholder(new, b)
+            env[b] = placeholder_like(new, b)
         for i in batch:
-            env[inputs[i]] = _placeholder(new, inputs[i])
+            env[inputs[i]] = placeholder_like(new, inputs[i])
         for v in sorted(recv_act, key=order.__getitem__):
-            env[v] = _placeholder(new, v, "act_")
+            env[v] = placeholder_like(new, v, "act_")
         for v in sorted(recv_grad, key=order.__getitem__):
-            env[v] = _placeholder(new, v, "grad_")
+            env[v] = placeholder_like(new, v, "grad_")
         for n in graph.nodes:  # constants
             if n.op == "get_attr" and n in need[c]:
                 env[n] = new.node_copy(n)
@@ -320,13 +319,10 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             stage_grads.append(_sum(new, [env[leaf] for leaf in leaves]) if leaves else None)
         stage_loss = env[loss] if c == chunks - 1 else None
         out = (stage_loss, *stage_grads, *(env[v] for v in sorted(acts[c], key=order.__getitem__)))
-        out += tuple(env[v] for v in sorted(grads_back[c], key=order.__getitem__)) if c > 0 else ()
+        out += tuple(env[v] for v in sorted(grads_back[c], key=order.__getitem__))  # (none leave chunk 0)
         new.output(out)
-        gm = torch.fx.GraphModule(tg.gm, new)
-        gm.graph._codegen = torch.fx.graph.CodeGen()
-        gm.recompile()
         stage_tg = TrainGraph(
-            gm=gm, param_names=stage_params,
+            gm=flat_module(tg.gm, new), param_names=stage_params,
             param_aliases={n: tg.param_aliases[n] for n in stage_params},
             param_shapes={n: tg.param_shapes[n] for n in stage_params},
             param_dtypes={n: tg.param_dtypes[n] for n in stage_params},
@@ -338,16 +334,10 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
         stages.append(StageGraph(
             chunk=c, graph=stage_tg, blocks=tuple(units[starts[c]:ends[c]]), batch_inputs=tuple(batch),
             recv_act=transfers(recv_act), recv_grad=transfers(recv_grad), send_act=transfers(acts[c]),
-            send_grad=transfers(grads_back[c]) if c > 0 else (), has_loss=c == chunks - 1,
+            send_grad=transfers(grads_back[c]), has_loss=c == chunks - 1,
         ))
     tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
     return PipelineSplit(tuple(stages), tuple(units), starts, tuple(seconds), tied)
-
-
-def _placeholder(graph: torch.fx.Graph, like: torch.fx.Node, prefix: str = "") -> torch.fx.Node:
-    node = graph.placeholder(prefix + like.name)
-    node.meta = dict(like.meta)
-    return node
 
 
 def _sum(graph: torch.fx.Graph, terms: list[torch.fx.Node]) -> torch.fx.Node:

@@ -36,7 +36,7 @@ from micscompile.passes.context import CPU, PassContext, Prefetch, make_context
 from micscompile.passes.insert_collectives import check_keep_live
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.plan import PlanError, ResolvedPlan
-from micscompile.program import Action, Kind, Program, ProgramError, build_program
+from micscompile.program import Action, Kind, Program, ProgramError, backward_start, build_program
 from micscompile.trace import REGION_BWD, TrainGraph
 
 MAX_DISTANCE = 4
@@ -83,8 +83,7 @@ def with_prefetch(program: Program, distance: int, across_micro_steps: bool = Fa
     n = len(issues)
     carried = distance if across_micro_steps and program.plan.micro_batches > 1 and distance < n else 0
     # a pipeline chunk: backward gathers are issued no earlier than backward starts (insert_collectives)
-    cut = next((i for i, a in enumerate(actions) if a.region.startswith(REGION_BWD)), None) \
-        if program.plan.stages > 1 else None
+    cut = backward_start(actions) if program.plan.stages > 1 else None
     at_cut: list[Action] = []
     moved = {i: actions[i]._replace(carried=k < carried) for k, i in enumerate(issues)}
     after: dict[int, Action] = {}  # index of a wait -> the issue that follows it
