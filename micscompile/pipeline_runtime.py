@@ -68,7 +68,7 @@ def _pick(args: Sequence, used: list[bool]) -> list:
 
 def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
     """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
-    key = (device_type, rp.replicas, rp.stages, rp.partition_size)
+    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size)  # never a flat plan's (d, p, k) key
     if key not in cache:
         mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
                                 mesh_dim_names=("replicate", "pipe", "shard"))

@@ -107,8 +107,20 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def flat_plan_first(rank: int, world: int) -> dict[str, str]:
+    """Bad input, then a flat plan whose partition groups span (simulated) nodes, compiled in the same
+    process as the pipelines: its (d, p/k, k) mesh must not stand in for a (d, S, t) one."""
+    out = bad_inputs(rank, world)
+    _, make_loss, make_batches = MODELS["tied_lm"]
+    torch.manual_seed(0)
+    model = TiedLM(layers=1)
+    mc.compile(model, mc.Plan(partition_size=2, gpus_per_node=1), loss_fn=make_loss(model),
+               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=make_batches(1, LOCAL_BATCH)[0])
+    return out
+
+
 def run_all(rank: int, world: int) -> dict:
-    return run_cases(rank, world, bad_inputs, run_case, CASES)
+    return run_cases(rank, world, flat_plan_first, run_case, CASES)
 
 
 @pytest.fixture(scope="module")
