@@ -124,7 +124,21 @@ def lower_pipeline(
                  costs=costs, need_graph=c in mine, disable=disable, log=log if c in mine else None)
         for c, st in enumerate(sp.stages)
     ]
+    _check_tied_layouts(sp, chunks)
     return PipelineProgram(rp, sp, sched, chunks, rank, cluster)
+
+
+def _check_tied_layouts(sp: PipelineSplit, chunks: list[Schedule]) -> None:
+    """A tied parameter's partial gradients are summed piece by piece at the boundary: every chunk
+    holding it must shard it alike (refused here, before any collective)."""
+    for name, holders in sp.tied.items():
+        spans = set()
+        for c in holders:
+            layout, slot = next((ly, s) for ly in chunks[c].program.layouts for s in ly.slots if s.name == name)
+            spans.add(tuple(layout.local_range(slot, r) for r in range(layout.partition_size)))
+        if len(spans) > 1:
+            raise PlanError(f"tied parameter {name} is sharded differently in chunks {list(holders)} (it shares "
+                            "a bucket with other parameters); leave bucket_bytes unset so that it has a bucket of its own")
 
 
 def _halves(program: Program) -> tuple[Program, Program, Program]:

@@ -34,7 +34,7 @@ from micscompile.materialize import local_state
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
-from micscompile.plan import PlanError, ResolvedPlan
+from micscompile.plan import ResolvedPlan
 from micscompile.program import Kind
 from micscompile.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.trace import TrainGraph, check_batch, split_batch
@@ -144,7 +144,6 @@ class PipelineStep:
             for name, p in shard_parameters(layouts, shards, grads, shard_rank, set(st.graph.trainable), unused):
                 self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
                 params.append(p)
-        self._check_tied_layouts()
         self._tied = _tied_groups(pp, pp.rank, cache)
         self.optimizer = optimizer_factory(params)
         self.steps = 0
@@ -160,19 +159,6 @@ class PipelineStep:
                     if slot.name == name:
                         out.append(local_piece(lay, slot, ch.grads[lay.index], rank))
         return out
-
-    def _check_tied_layouts(self) -> None:
-        for name in self.program.split.tied:
-            spans = set()
-            for c in self.program.split.tied[name]:
-                lay = self.program.chunks[c].program.layouts
-                slot = next(s for ly in lay for s in ly.slots if s.name == name)
-                layout = next(ly for ly in lay if slot in ly.slots)
-                spans.add(tuple(layout.local_range(slot, r) for r in range(layout.partition_size)))
-            if len(spans) > 1:
-                raise PlanError(f"tied parameter {name} is sharded differently in chunks "
-                                f"{list(self.program.split.tied[name])} (it shares a bucket with other parameters); "
-                                "leave bucket_bytes unset so that it has a bucket of its own")
 
     # ---- the step ------------------------------------------------------------------------
     def _peer(self, chunk: int) -> int:

@@ -172,3 +172,13 @@ def test_each_chunk_keeps_its_own_micro_batches_in_flight():
     assert chunk_in_flight(gpipe(2, 5)) == [5, 5]
     per_chunk = chunk_in_flight(interleaved_1f1b(4, 8, 2))
     assert [per_chunk[r] + per_chunk[r + 4] for r in range(4)] >= interleaved_1f1b(4, 8, 2).max_in_flight()
+
+
+def test_a_tied_weight_sharded_differently_in_its_chunks_is_refused_before_any_collective():
+    """bucket_bytes merges the embedding with its neighbours: with the first blocks in chunk 0, with the
+    final norm in the last chunk; its pieces would not line up for the boundary sum."""
+    tg = meta_lm_trace(vocab=29, h=8, layers=2, batch=2, seq=4)
+    rp = mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=2, bucket_bytes=1 << 20).resolve(4, 4)
+    with pytest.raises(mc.PlanError, match="tied parameter emb.weight is sharded differently in chunks"):
+        lower_pipeline(tg, rp, None, planned_groups(rp))
+    lower_pipeline(tg, dataclasses.replace(rp, plan=rp.plan.replace(bucket_bytes=None)), None, planned_groups(rp))
