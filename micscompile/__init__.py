@@ -9,15 +9,17 @@
 from micscompile.collectives import CommStats
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, plan_memory
+from micscompile.memory_stats import MemoryStats
 from micscompile.passes.context import Prefetch
 from micscompile.plan import Plan, PlanError, ResolvedPlan
-from micscompile.predict import simulate, transformer_flops
+from micscompile.predict import simulate, step_memory, transformer_flops
 from micscompile.program import Action, Kind, Program
 from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
-    "Action", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "Plan", "PlanError", "Prediction", "Prefetch",
-    "Program",
-    "ResolvedPlan", "TraceError", "TrainGraph", "TrainStep", "compile", "simulate", "trace", "transformer_flops",
+    "Action", "Buffer", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
+    "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
+    "TrainGraph", "TrainStep", "compile", "plan_memory", "simulate", "step_memory", "trace", "transformer_flops",
 ]

@@ -151,6 +151,14 @@ class Comm:
     """Set by the runtime before each micro-step (the Program's carried gathers depend on them)."""
     carried: deque = field(default_factory=deque)
     """(bucket, Pending) gathers issued for the next micro-step, in issue order."""
+    arena: Any = None
+    """The rank's ``Arena`` (planned buffers), or None: allocate as usual."""
+
+    def alloc(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat buffer for a collective: the arena's next planned one, else a new tensor."""
+        if self.arena is None:
+            return like.new_empty(numel)
+        return self.arena.take(name, numel, like.dtype)
 
 
 class Pending(NamedTuple):
@@ -185,9 +193,9 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical:
     """Start gathering a bucket over the partition group into a [p * row_numel] buffer."""
     layout = comm.layouts[bucket]
     if hierarchical:
-        pending = _hierarchical_all_gather(comm, layout, shard)
+        pending = _hierarchical_all_gather(comm, layout, shard, f"AG{bucket}")
     else:
-        out = shard.new_empty(layout.padded_numel)
+        out = comm.alloc(f"AG{bucket}", layout.padded_numel, shard)
         work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
         comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
         pending = Pending(work, out)
@@ -229,10 +237,10 @@ def reduce_scatter_issue(
 ) -> Pending:
     """Start summing a bucket's gradients over the partition group; result = own shard."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like)
+    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
     if hierarchical:
-        return _hierarchical_reduce_scatter(comm, layout, flat)
-    out = flat.new_empty(layout.row_numel)
+        return _hierarchical_reduce_scatter(comm, layout, flat, f"RS{bucket}")
+    out = comm.alloc(f"RS{bucket}", layout.row_numel, flat)
     work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, comm.shard, layout.full_bytes)
     return Pending(work, out)
@@ -241,7 +249,7 @@ def reduce_scatter_issue(
 def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
     """grad_sync="every_step": sum full gradients over all ranks; result = own shard's row."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like)
+    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
     comm.stats.record(ALL_REDUCE, comm.world, layout.full_bytes)
     return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank])
@@ -249,7 +257,8 @@ def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
 
 def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
     """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
-    return pack_grads(comm.layouts[bucket], grads, like)
+    layout = comm.layouts[bucket]
+    return pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
 
 
 
@@ -260,37 +269,40 @@ def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor
 # (gloo has no coalescing); the same calls run on NCCL.
 
 
-def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tensor) -> Pending:
+def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tensor, name: str) -> Pending:
     """(1) all-gather across nodes among the ranks with this local index (the k of them run at once,
     sharing the node's link): [C_local, C_{k+local}, ...]; at the wait, (3) all-gather those inside
     the node and (2) reorder [local][node] -> [node][local]: exactly the flat [C0, ..., C_{p-1}]."""
     inter, intra = comm.inter, comm.intra
     m, k, row = inter.size, intra.size, layout.row_numel
-    across = shard.new_empty(m * row)
+    across = comm.alloc(name, m * row, shard)
     work = dist.all_gather_single(across, shard, group=inter.group, async_op=True)
     comm.stats.record(ALL_GATHER, inter, across.numel() * across.element_size(), parallel_rings=k)
 
     def finish() -> torch.Tensor:
-        inside = shard.new_empty(k * m * row)
+        inside = comm.alloc(name, k * m * row, shard)
         dist.all_gather_single(inside, across, group=intra.group)
         comm.stats.record(ALL_GATHER, intra, inside.numel() * inside.element_size())
-        return inside.view(k, m, row).transpose(0, 1).reshape(-1)
+        result = comm.alloc(name, k * m * row, shard)
+        result.view(m, k, row).copy_(inside.view(k, m, row).transpose(0, 1))
+        return result
 
     return Pending(work, None, finish)
 
 
-def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.Tensor) -> Pending:
+def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.Tensor, name: str) -> Pending:
     """Inside the node first: reorder [node][local] -> [local][node] and reduce-scatter over the k
     ranks (each gets the node's sum of the m chunks with its local index); then across nodes,
     asynchronously: reduce-scatter those m chunks over the inter group. Result: own chunk, summed
     over all p ranks."""
     inter, intra = comm.inter, comm.intra
     m, k, row = inter.size, intra.size, layout.row_numel
-    by_local = flat.view(m, k, row).transpose(0, 1).reshape(-1)
-    partial = flat.new_empty(m * row)
+    by_local = comm.alloc(name, k * m * row, flat)
+    by_local.view(k, m, row).copy_(flat.view(m, k, row).transpose(0, 1))
+    partial = comm.alloc(name, m * row, flat)
     dist.reduce_scatter_single(partial, by_local, op=dist.ReduceOp.SUM, group=intra.group)
     comm.stats.record(REDUCE_SCATTER, intra, by_local.numel() * by_local.element_size())
-    out = flat.new_empty(row)
+    out = comm.alloc(name, row, flat)
     work = dist.reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=inter.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, inter, partial.numel() * partial.element_size(), parallel_rings=k)
     return Pending(work, out)

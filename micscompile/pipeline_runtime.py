@@ -19,6 +19,7 @@ the loss, scale by 1 / (t * d * m) and step the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
+from micscompile.arena import Arena, OutsideArena
+from micscompile.lifetimes import ARENA_KINDS, pipeline_buffers
+from micscompile.memory_plan import plan_memory
+from micscompile.memory_stats import MemoryStats
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import local_state
 from micscompile.passes.phase_split import Phases, split_phases
@@ -110,7 +115,8 @@ class PipelineStep:
     every rank of one pipeline chain)."""
 
     def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
-                 optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict) -> None:
+                 optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
+                 arena: bool = True) -> None:
         self.program = pp
         self.graph = graph
         self.device = device
@@ -123,6 +129,12 @@ class PipelineStep:
         self._stage = rp.stage_of(pp.rank)
         self._pipe = groups["pipe"]
         self._chunks: dict[int, _Chunk] = {}
+        self._step_buffers = pipeline_buffers(pp)
+        owned = [b for b in self._step_buffers if b.kind in ARENA_KINDS]
+        self._arena = Arena(owned, plan_memory(owned), device) if arena else None
+        self.track_memory = False
+        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
+        self._outside_peak_bytes: int | None = None
         self.params: dict[str, nn.Parameter] = {}
         params: list[nn.Parameter] = []
         unused = graph.unused_params
@@ -134,7 +146,8 @@ class PipelineStep:
             n_buckets = len(layouts)
             forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
             phases = split_phases(gm, forward_outputs)
-            comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats)
+            comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats,
+                        arena=self._arena)
             shards, buffers = local_state(model, layouts, shard_rank, device, init_fn)
             grads = [torch.zeros_like(s) for s in shards]
             boundary = [a.bucket for a in sched.program.boundary if a.kind is Kind.ALL_REDUCE]
@@ -181,7 +194,7 @@ class PipelineStep:
             else:
                 src = a.chunk + (1 if backward else -1)
                 specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
-                bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in specs]
+                bufs = [self._recv_buffer(f"{a.op.value}{a.chunk}", t) for t in specs]
                 inbox[(a.op, a.mb, a.chunk)] = bufs
                 for i, t in enumerate(bufs):
                     ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
@@ -190,6 +203,11 @@ class PipelineStep:
         works = dist.batch_isend_irecv(ops) if ops else []
         for i, w in enumerate(works):
             (w.wait() if i in recvs else sends.append(w))
+
+    def _recv_buffer(self, name: str, spec) -> torch.Tensor:
+        if self._arena is None:
+            return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype).view(spec.shape)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         check_batch(batch, self.graph.input_specs, self._rp.micro_batches, "this pipeline chain's")
@@ -200,7 +218,10 @@ class PipelineStep:
         saved: dict = {}
         sends: list = []
         actions = pp.schedule.ranks[self._stage]
-        with torch.no_grad():
+        probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
+        if self._arena is not None:
+            self._arena.begin_step()
+        with torch.no_grad(), probe:
             for ch in self._chunks.values():
                 for g in ch.grads:
                     g.zero_()
@@ -247,6 +268,10 @@ class PipelineStep:
                 i += 1
             for w in sends:
                 w.wait()
+        if self._arena is not None:
+            self._arena.end_step()
+        if self.track_memory:
+            self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self.optimizer.step()
         self.steps += 1
         return (loss_buf[0] * self._scale).detach()
@@ -280,6 +305,10 @@ class PipelineStep:
         return loss_buf
 
     # ---- inspection and export -------------------------------------------------------------
+    def memory_stats(self) -> MemoryStats:
+        """As ``TrainStep.memory_stats``: the arena, what stays outside it, the caching-allocator comparison."""
+        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan, self._outside_peak_bytes)
+
     def comm_stats(self) -> CommStats:
         return self._stats
 

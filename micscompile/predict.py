@@ -17,6 +17,9 @@ from micscompile.passes.context import Prefetch
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.plan import Plan, ResolvedPlan
+from micscompile.lifetimes import ARENA_KINDS, pipeline_buffers, step_buffers
+from micscompile.memory_plan import Buffer, plan_memory
+from micscompile.memory_stats import MemoryStats
 from micscompile.program import Kind, Program
 from micscompile.trace import TrainGraph
 
@@ -98,6 +101,28 @@ def simulate(
     elif scaling:
         pred.scaling_efficiency = 1.0
     return pred
+
+
+def step_buffers_of(
+    trace: TrainGraph, plan: Plan, world_size: int, *, rank: int = 0, gpus_per_node: int | None = None,
+    cluster: Cluster | None = None, prefetch: Sequence[Prefetch | int] | None = None,
+) -> list[Buffer]:
+    """The buffers one step of ``plan`` allocates on ``rank`` (``lifetimes``), lowered as
+    ``mc.compile`` lowers it, without a process group."""
+    rp = plan.resolve(world_size, gpus_per_node)
+    groups = planned_groups(rp, rank)
+    if rp.stages > 1:
+        return pipeline_buffers(lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch))
+    sched = schedule(trace, rp, cluster, groups, rank, prefetch=prefetch)
+    return step_buffers(sched.graph, sched.program)
+
+
+def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> MemoryStats:
+    """``step.memory_stats()`` before compiling: the arena ``mc.compile`` would plan for the
+    collectives' buffers, the ops' own peak, every step buffer planned in one arena and PyTorch's
+    caching allocator on the same trace (``kwargs`` as ``step_buffers_of``)."""
+    buffers = step_buffers_of(trace, plan, world_size, **kwargs)
+    return MemoryStats.of(buffers, plan_memory([b for b in buffers if b.kind in ARENA_KINDS]))
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:

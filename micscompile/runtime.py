@@ -16,6 +16,7 @@ optimizer on the local fp32 shards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -27,7 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
+from micscompile.arena import Arena, OutsideArena
 from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.lifetimes import ARENA_KINDS, step_buffers
+from micscompile.memory_plan import plan_memory
+from micscompile.memory_stats import MemoryStats
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
@@ -50,13 +55,14 @@ class TrainStep:
     def __init__(
         self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, graph: TrainGraph,
         shards: list[torch.Tensor], buffers: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
-        state_keys: list[str], pass_records: list[PassRecord], device: torch.device,
+        state_keys: list[str], pass_records: list[PassRecord], device: torch.device, step_buffers=(),
     ) -> None:
         self.gm = gm
         self.program = program
         self.graph = graph
         self.pass_records = pass_records
         self.device = device
+        self._step_buffers = list(step_buffers)
         self._comm = comm
         self._shards = shards
         self._buffers = [buffers[n] for n in graph.buffer_names]
@@ -71,6 +77,9 @@ class TrainStep:
             comm.layouts, shards, self._grads, comm.shard.rank, set(graph.trainable), graph.unused_params))
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.steps = 0
+        self.track_memory = False
+        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
+        self._outside_peak_bytes: int | None = None
 
     @property
     def layouts(self) -> tuple[BucketLayout, ...]:
@@ -85,10 +94,13 @@ class TrainStep:
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches)
         comm, plan = self._comm, self.program.plan
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
-        with torch.no_grad():
+        probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
+        with torch.no_grad(), probe:
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             comm.carried.clear()
             comm.micro_steps = len(micro)
+            if comm.arena is not None:
+                comm.arena.begin_step()
             for j, mb in enumerate(micro):
                 comm.micro_step = j
                 outputs = self.gm(comm, *self._shards, *self._buffers, *mb)
@@ -99,6 +111,8 @@ class TrainStep:
                 del outputs  # gradient buffers die here, not a micro-batch later
             if comm.carried:
                 raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
+            if comm.arena is not None:
+                comm.arena.end_step()
             works = []
             for b in self._boundary_buckets:
                 acc = self._grads[b]
@@ -111,9 +125,17 @@ class TrainStep:
                 w.wait()
             for acc in self._grads:
                 acc.mul_(self._scale)
+        if self.track_memory:
+            self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self.optimizer.step()
         self.steps += 1
         return (loss_buf[0] * self._scale).detach()
+
+    def memory_stats(self) -> MemoryStats:
+        """The step's memory: the arena (planned buffers of the collectives), what the ops allocate
+        outside it (planned from the lifetimes; measured over the steps run with ``track_memory``),
+        and the plan of every step buffer against PyTorch's caching allocator on the same trace."""
+        return MemoryStats.of(self._step_buffers, self._comm.arena and self._comm.arena.plan, self._outside_peak_bytes)
 
     def comm_stats(self) -> CommStats:
         """Calls and bytes per collective kind and group since compile (or the last reset)."""
@@ -241,6 +263,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     prefetch: Sequence[Prefetch | int] | None = None,
     disable_passes: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
+    arena: bool = True,
 ) -> TrainStep:
     """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
 
@@ -257,6 +280,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     ``Cluster.preset("local")`` after calibrating); without a cluster, one use interval
     ahead where the budget allows. ``prefetch`` lists the candidates instead (``Prefetch``
     objects or distances).
+
+    ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
+    live at offsets planned from the Program in one arena allocated once (``memory_plan``);
+    False allocates them per use like eager PyTorch.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -283,6 +310,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
                              prefetch=prefetch, disable=disable_passes, log=log)
             ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
+            buffers = step_buffers(graph, program)
+            owned = [b for b in buffers if b.kind in ARENA_KINDS]
+            arena_plan = plan_memory(owned) if arena else None
         order = program.collective_order()
         prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
                   "weights": fingerprint(model, device)}
@@ -293,13 +323,16 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         groups = planned_groups(rp, rank)
         pipeline_groups(rp, device.type, groups, _mesh_cache())
         return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
-                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache())
+                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena)
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups
     comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"), groups.get("intra"))
-    shards, buffers = local_state(model, layouts, groups["shard"].rank, device, init_fn)
+    if arena_plan is not None:
+        comm.arena = Arena(owned, arena_plan, device)
+    shards, state = local_state(model, layouts, groups["shard"].rank, device, init_fn)
     return TrainStep(
-        gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=buffers,
+        gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=state,
         optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
+        step_buffers=buffers,
     )

@@ -131,8 +131,10 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
     return gathered[offset : offset + numel].view(shape)
 
 
-def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor) -> torch.Tensor:
-    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero)."""
+def pack_grads(
+    layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero), into ``out`` if given."""
     parts = [
         g.reshape(-1) if g is not None else like.new_zeros(slot.numel, dtype=layout.dtype)
         for slot, g in zip(layout.slots, grads)
@@ -140,4 +142,4 @@ def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], lik
     pad = layout.padded_numel - layout.numel
     if pad:
         parts.append(like.new_zeros(pad, dtype=layout.dtype))
-    return torch.cat(parts)
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)

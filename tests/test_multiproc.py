@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dist_cases import CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
+from dist_cases import ARENA_OFF, ARENA_PAIRS, CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
 from harness import assert_parity, launch
 from micscompile.parity import TOLERANCE
 
@@ -38,6 +38,29 @@ def test_meta_model_equals_real_model(results, case: Case):
         assert meta_state.keys() == real_state.keys()
         for k in real_state:
             assert torch.equal(meta_state[k], real_state[k]), (rank, k)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.arena], ids=lambda c: c.id)
+def test_ops_allocate_outside_the_arena_exactly_what_the_lifetimes_plan(results, case: Case):
+    """With the collectives' buffers in the arena, the bytes ops allocate themselves (counted by a
+    dispatch mode over a real step) peak at exactly the lifetimes' activations and temporaries."""
+    for rank, res in enumerate(results):
+        arena_bytes, n_buffers, planned, measured = res[case]["memory"]
+        assert n_buffers > 0 and arena_bytes > 0, (rank, res[case]["memory"])
+        assert measured == planned, (rank, measured, planned)
+
+
+@pytest.mark.parametrize("case", ARENA_OFF, ids=lambda c: c.id)
+def test_arena_changes_no_numbers(results, case: Case):
+    """The same plan with its collectives' buffers allocated per use: bitwise the same training;
+    those buffers are then allocated by ops outside any arena."""
+    twin = ARENA_PAIRS[case]
+    for rank, res in enumerate(results):
+        assert res[case]["losses"] == res[twin]["losses"], rank
+        for k, v in res[twin]["state"].items():
+            assert torch.equal(res[case]["state"][k], v), (rank, k)
+        arena_bytes, _, planned, measured = res[case]["memory"]
+        assert arena_bytes == 0 and measured > planned, (rank, res[case]["memory"])
 
 
 def _padded_model_bytes(layouts, p: int) -> int:
@@ -139,7 +162,7 @@ def test_runtime_peak_of_gathered_bytes_is_the_programs(results, case: Case):
         assert measured == planned
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.hierarchical is True], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.hierarchical is True and c.arena], ids=lambda c: c.id)
 def test_hierarchical_plan_moves_less_across_nodes(results, case: Case):
     """Same model and plan, gathered flat: the hierarchical run's inter-node bytes per gather are
     (p-k)/(p-1) of the flat run's."""

@@ -75,7 +75,10 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
     chain = rank // (case.stages * case.t) * case.t + rank % case.t  # the ranks of one chain share a batch
     local = [tuple(x[chain * LOCAL_BATCH : (chain + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0])
-    losses = [float(step(*b)) for b in local]
+    losses = [float(step(*b)) for b in local[:-1]]
+    step.track_memory = True
+    losses.append(float(step(*local[-1])))
+    memory = step.memory_stats()
     stats = step.comm_stats()
     return {
         "losses": losses, "ref_losses": ref_losses,
@@ -83,6 +86,8 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
         "state_err": state_error(step.full_state_dict(), ref_state),
         "stage": rp.stage_of(rank),
         "chunks": step.program.my_chunks(),
+        "memory": (memory.arena_bytes, memory.arena_buffers, memory.outside_planned_peak_bytes,
+                   memory.outside_measured_peak_bytes),
         "calls": {k: r.calls for k, r in stats.rows.items()},
         "program": str(step.program) if rank == 0 else "",
     }

@@ -1,0 +1,111 @@
+"""Static memory plan vs the lower bound L and vs PyTorch's CUDA caching allocator.
+
+    .venv/bin/python benchmarks/bench_memory.py            # every model x plan below
+    .venv/bin/python benchmarks/bench_memory.py --quick    # GPT only
+
+For each model (traced once on the meta device) and plan (4 ranks; rank 0's Program,
+pipelines included) the step's buffers come from the Program (``micscompile.lifetimes``:
+gathered parameters, gradient buckets and shards, hierarchical stages, pipeline
+receives, activations, temporaries). Columns:
+
+* L: most aligned bytes live at once (no offset plan can use less);
+* plan: ``mc.plan_memory``'s arena for all of them, and plan / L;
+* PyTorch: peak reserved bytes of a simulation of the CUDA caching allocator
+  (``cost_model.caching_allocator``: 512 B rounding, 2 MiB small-pool segments, 20 MiB
+  segments below 10 MiB, best fit, split rule) replaying the same allocations in the same
+  order, and PyTorch / plan (what the plan saves over what PyTorch would have reserved);
+* arena: what ``mc.compile`` actually puts in its runtime arena (the collectives'
+  buffers) and its ratio to that subset's L.
+
+No GPU and no process group needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import micscompile as mc
+from micscompile.cost_model.caching_allocator import replay_buffers
+from micscompile.lifetimes import ARENA_KINDS
+from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.predict import step_buffers_of
+
+MIB = 1 << 20
+WORLD = 4
+
+
+def gpt_trace(causal: bool, batch: int = 8):
+    cfg = GPTConfig(vocab_size=8192, seq_len=512, layers=8, hidden=512, heads=8, causal=causal)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
+    return mc.trace(model, (x, x), lm_loss)
+
+
+def cnn_trace(batch: int = 64):
+    sys.path.insert(0, "tests")
+    from models import ConvNet, cls_loss  # the test suite's CNN, wider input
+
+    with torch.device("meta"):
+        model = ConvNet(length=4096)
+    return mc.trace(model, (torch.zeros(batch, 3, 4096), torch.zeros(batch, dtype=torch.long)), cls_loss)
+
+
+PLANS = {
+    "p=1 s=2": (mc.Plan(partition_size=1, micro_batches=2), None),
+    "p=2 s=1": (mc.Plan(partition_size=2), None),
+    "p=4 s=2": (mc.Plan(partition_size=4, micro_batches=2), None),
+    "p=4 s=2 keep+across": (mc.Plan(partition_size=4, micro_batches=2), (mc.Prefetch(2, 1, True),)),
+    "p=4 k=2 hierarchical": (mc.Plan(partition_size=4, micro_batches=2, gpus_per_node=2, hierarchical=True), None),
+    "S=2 t=2 1F1B m=4": (mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4), None),
+    "S=2 t=1 interleaved v=2": (mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=4, pipeline_chunks=2,
+                                        pipeline_schedule="interleaved"), None),
+}
+
+
+def row(model: str, plan_name: str, trace) -> dict:
+    plan, prefetch = PLANS[plan_name]
+    buffers = step_buffers_of(trace, plan, WORLD, prefetch=prefetch)
+    t0 = time.perf_counter()
+    mp = mc.plan_memory(buffers)
+    solve_s = time.perf_counter() - t0
+    mp.check(buffers)
+    reserved = replay_buffers(buffers).peak_reserved_bytes
+    owned = [b for b in buffers if b.kind in ARENA_KINDS]
+    arena = mc.plan_memory(owned)
+    return {"model": model, "plan": plan_name, "buffers": len(buffers), "L": mp.lower_bound_bytes,
+            "arena": mp.arena_bytes, "reserved": reserved, "solve_s": solve_s, "method": mp.method,
+            "rt_arena": arena.arena_bytes, "rt_L": arena.lower_bound_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="GPT only")
+    args = ap.parse_args()
+    models = {"GPT": lambda: gpt_trace(True)}
+    if not args.quick:
+        models |= {"BERT": lambda: gpt_trace(False), "CNN": cnn_trace}
+    head = (f"{'model':<6}{'plan':<25}{'buffers':>8}{'L MiB':>9}{'plan MiB':>10}{'plan/L':>8}"
+            f"{'PyTorch MiB':>13}{'PyTorch/plan':>14}{'arena/L':>9}{'solve s':>9}  method")
+    print(head)
+    print("-" * len(head))
+    worst_l, worst_pt = 0.0, float("inf")
+    for name, make in models.items():
+        trace = make()
+        for plan_name in PLANS:
+            r = row(name, plan_name, trace)
+            ratio, saving = r["arena"] / r["L"], r["reserved"] / r["arena"]
+            worst_l, worst_pt = max(worst_l, ratio), min(worst_pt, saving)
+            print(f"{name:<6}{plan_name:<25}{r['buffers']:>8}{r['L'] / MIB:>9.1f}{r['arena'] / MIB:>10.1f}"
+                  f"{ratio:>8.4f}{r['reserved'] / MIB:>13.1f}{saving:>13.2f}x"
+                  f"{r['rt_arena'] / max(r['rt_L'], 1):>9.4f}{r['solve_s']:>9.2f}  {r['method']}", flush=True)
+    print(f"\nworst plan / L: {worst_l:.4f} (goal <= 1.01); smallest PyTorch reserved / plan: {worst_pt:.2f}x "
+          f"(goal >= 1)")
+
+
+if __name__ == "__main__":
+    main()
