@@ -83,3 +83,11 @@ class OutsideArena(TorchDispatchMode):
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
                 weakref.finalize(storage, self._freed, ptr)
         return out
+
+
+def arena_out(comm, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Graph op (``passes.out_variants``): the arena buffer an op writes its result into."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return comm.arena.take(name, numel, dtype).view(shape)

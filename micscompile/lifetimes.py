@@ -24,21 +24,25 @@ them from it, in exactly the order listed here, see ``micscompile.arena``):
 * ``recv``: a pipeline P2P receive buffer, from the receive to the backward of its
   micro-batch (the runtime keeps a forward's inputs for its backward).
 
-Computed by the graph's ops (outside any arena unless an op writes ``out=``):
-``activation`` (alive into the backward: saved for it) and ``temporary`` (the rest).
+Computed by the graph's ops: ``activation`` (alive into the backward: saved for it) and
+``temporary`` (the rest); in the arena too when the op writes ``out=`` an ``arena_out``
+buffer (``passes.out_variants``; named ``out:<node>``), else allocated by the op itself.
 Persistent state (parameter shards, gradient accumulators, optimizer state) is not a
 step buffer.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.fx
 
 from micscompile import collectives as C
+from micscompile.arena import arena_out
 from micscompile.cost_model.node_cost import META_BYTES, _is_view
 from micscompile.memory_plan import Buffer
 from micscompile.pipeline_schedule import Op
@@ -47,6 +51,15 @@ from micscompile.trace import META_REGION, REGION_BWD
 
 ARENA_KINDS = frozenset({"gathered", "gather_across", "gather_intra", "grad_bucket", "grad_reorder", "grad_partial",
                          "grad_shard", "recv"})
+OUT_PREFIX = "out:"
+"""Names of the arena buffers ops write into (``passes.out_variants``)."""
+
+
+def in_arena(b: Buffer) -> bool:
+    """Whether the runtime takes ``b`` from its arena (with ``passes.out_variants`` applied)."""
+    return b.kind in ARENA_KINDS or b.name.startswith(OUT_PREFIX)
+
+
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
 _GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue, C.pack_local)
 _NO_ALLOC = (C.collective_wait, C.release, *_GATHERS, *_GRAD_SYNCS)
@@ -70,12 +83,23 @@ class _Gather:
     """Its buffers; the last is the one its waits and releases end."""
 
 
+def _mutates_first(n: torch.fx.Node) -> bool:
+    """An in-place op (``add_``, ``copy_``): its result is its first argument, written."""
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and schema.returns[0].alias_info.is_write)
+
+
 def _roots(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
     """The value each node's result keeps alive (a view's base, transitively)."""
     root: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in nodes:
         base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
-        root[n] = root[base] if (_is_view(n) and base is not None and base in root) else n
+        out = n.kwargs.get("out") if n.op == "call_function" else None
+        if isinstance(out, torch.fx.Node):  # an op writing into an arena buffer returns that buffer
+            base = out
+        aliases = _is_view(n) or out is not None or _mutates_first(n)
+        root[n] = root[base] if (aliases and base is not None and base in root) else n
     return root
 
 
@@ -100,8 +124,8 @@ class GraphLifetimes:
             nodes: list[torch.fx.Node] | None = None) -> None:
         """Append the buffers one execution of ``nodes`` (default: all) allocates, in the runtime's
         order. ``when(node)``: the node's time in this execution (its last users may run in a later
-        execution, e.g. a pipeline backward); ``held_until(node)``: when the runtime drops that
-        output of the graph. ``carry``: gathers issued for the next micro-step (consumed and refilled)."""
+        execution, e.g. a pipeline backward); ``held_until(root)``: when the runtime drops the
+        graph's outputs that are (views of) the value ``root``. ``carry``: gathers issued for the next micro-step (consumed and refilled)."""
         carry = carry if carry is not None else deque()
         mine: deque = deque()
         pending: dict[torch.fx.Node, _Gather] = {}  # issuing (or carried) node -> its gather
@@ -163,6 +187,9 @@ class GraphLifetimes:
                     add(row, t, held, name, "grad_shard")
                 else:  # the result is a view of the packed bucket
                     add(full, t, held, name, "grad_bucket")
+            elif n.target is arena_out:
+                size = math.prod(n.args[2]) * n.args[3].itemsize
+                add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary")
             elif n.target not in _NO_ALLOC and self.root[n] is n and n.meta.get(META_BYTES, 0) and n in self.users:
                 kind = "activation" if n in self.saved else "temporary"
                 add(n.meta[META_BYTES], t, last_use(n) + 1, n.name, kind)
@@ -193,6 +220,15 @@ def step_buffers(graph: torch.fx.Graph, program) -> list[Buffer]:
     return _finish(recs)
 
 
+class _Halves(NamedTuple):
+    lt: GraphLifetimes
+    fwd: list[torch.fx.Node]
+    bwd: list[torch.fx.Node]
+    sends: set[torch.fx.Node]
+    """The values (roots) of the outputs sent to another chunk (held until the step ends)."""
+    in_bwd: set[torch.fx.Node]
+
+
 def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
     """Every buffer one optimizer step of a pipeline plan allocates on ``rank`` (default: the
     Program's), in allocation order: its chunks' forward and backward halves and receives, in
@@ -208,17 +244,16 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
         body = [n for n in lt.nodes if n.op == "call_function"]
         cut = next((i for i, n in enumerate(body) if n.meta.get(META_REGION) == REGION_BWD), len(body))
         outputs = list(lt.nodes[-1].args[0])
-        sends = {v for v in outputs[1 + len(sched.program.layouts):] if isinstance(v, torch.fx.Node)}
-        chunks[c] = (lt, body[:cut], body[cut:], sends)
+        sends = {lt.root[v] for v in outputs[1 + len(sched.program.layouts):] if isinstance(v, torch.fx.Node)}
+        chunks[c] = _Halves(lt, body[:cut], body[cut:], sends, set(body[cut:]))
     # pass 1: when each action runs (a compute action takes one step per node, plus one to hand
-    # over its outputs; a P2P action one step per buffer)
+    # over its outputs; a P2P action one step)
     start: dict[tuple, int] = {}
     t = 0
     for a in actions:
         start[(a.op, a.mb, a.chunk)] = t
         if a.op in (Op.FORWARD, Op.BACKWARD):
-            lt, fwd, bwd, _ = chunks[a.chunk]
-            t += len(fwd if a.op is Op.FORWARD else bwd) + 1
+            t += len(chunks[a.chunk].fwd if a.op is Op.FORWARD else chunks[a.chunk].bwd) + 1
         else:
             t += 1
     step_end = t
@@ -228,16 +263,16 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
         t0 = start[(a.op, a.mb, a.chunk)]
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
             stage = pp.split.stages[a.chunk]
-            end = start[(Op.BACKWARD, a.mb, a.chunk)] + len(chunks[a.chunk][2]) + 1
+            end = start[(Op.BACKWARD, a.mb, a.chunk)] + len(chunks[a.chunk].bwd) + 1
             for tr in stage.recv_act if a.op is Op.RECV_ACT else stage.recv_grad:
                 recs.append(_Rec(tr.nbytes, t0, end, f"{a.op.value}{a.chunk}", "recv"))
         elif a.op in (Op.FORWARD, Op.BACKWARD):
-            lt, fwd, bwd, sends = chunks[a.chunk]
+            lt, fwd, bwd, sends, in_bwd = chunks[a.chunk]
             f0, b0 = start[(Op.FORWARD, a.mb, a.chunk)], start[(Op.BACKWARD, a.mb, a.chunk)]
             pos = {n: f0 + i for i, n in enumerate(fwd)} | {n: b0 + i for i, n in enumerate(bwd)}
             f_end, b_end = f0 + len(fwd) + 1, b0 + len(bwd) + 1
 
-            def held(n, sends=sends, in_bwd=set(bwd), f_end=f_end, b_end=b_end):
+            def held(n, sends=sends, in_bwd=in_bwd, f_end=f_end, b_end=b_end):
                 return step_end if n in sends else b_end if n in in_bwd else f_end
 
             lt.run(pos.__getitem__, held, recs, nodes=fwd if a.op is Op.FORWARD else bwd)

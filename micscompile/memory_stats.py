@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.caching_allocator import AllocatorStats, replay_buffers
-from micscompile.lifetimes import ARENA_KINDS
+from micscompile.lifetimes import in_arena
 from micscompile.memory_plan import Buffer, MemoryPlan, lower_bound_bytes, plan_memory
 
 
@@ -44,9 +44,9 @@ class MemoryStats:
 
     @classmethod
     def of(cls, buffers: list[Buffer], arena: MemoryPlan | None, measured: int | None = None) -> MemoryStats:
-        """``buffers``: the step's (``lifetimes``); ``arena``: the plan of their ``ARENA_KINDS`` ones
+        """``buffers``: the step's (``lifetimes``); ``arena``: the plan of arena's ones (``lifetimes.in_arena``)
         (None: no arena)."""
-        outside = [b for b in buffers if b.kind not in ARENA_KINDS]
+        outside = [b for b in buffers if not in_arena(b)]
         return cls(
             arena_bytes=arena.arena_bytes if arena is not None else 0,
             arena_lower_bound_bytes=arena.lower_bound_bytes if arena is not None else 0,

@@ -31,11 +31,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
-from micscompile.lifetimes import ARENA_KINDS, pipeline_buffers
+from micscompile.lifetimes import in_arena, pipeline_buffers
 from micscompile.memory_plan import plan_memory
 from micscompile.memory_stats import MemoryStats
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import local_state
+from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
@@ -129,8 +130,11 @@ class PipelineStep:
         self._stage = rp.stage_of(pp.rank)
         self._pipe = groups["pipe"]
         self._chunks: dict[int, _Chunk] = {}
+        if arena:
+            for c in pp.my_chunks():
+                out_variants_pass(pp.chunks[c].graph)
         self._step_buffers = pipeline_buffers(pp)
-        owned = [b for b in self._step_buffers if b.kind in ARENA_KINDS]
+        owned = [b for b in self._step_buffers if in_arena(b)]
         self._arena = Arena(owned, plan_memory(owned), device) if arena else None
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
@@ -221,11 +225,11 @@ class PipelineStep:
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
         if self._arena is not None:
             self._arena.begin_step()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
         with torch.no_grad(), probe:
             for ch in self._chunks.values():
                 for g in ch.grads:
                     g.zero_()
-            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             i = 0
             while i < len(actions):
                 a = actions[i]

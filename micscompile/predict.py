@@ -14,10 +14,11 @@ from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
+from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.plan import Plan, ResolvedPlan
-from micscompile.lifetimes import ARENA_KINDS, pipeline_buffers, step_buffers
+from micscompile.lifetimes import in_arena, pipeline_buffers, step_buffers
 from micscompile.memory_plan import Buffer, plan_memory
 from micscompile.memory_stats import MemoryStats
 from micscompile.program import Kind, Program
@@ -105,16 +106,20 @@ def simulate(
 
 def step_buffers_of(
     trace: TrainGraph, plan: Plan, world_size: int, *, rank: int = 0, gpus_per_node: int | None = None,
-    cluster: Cluster | None = None, prefetch: Sequence[Prefetch | int] | None = None,
+    cluster: Cluster | None = None, prefetch: Sequence[Prefetch | int] | None = None, arena: bool = True,
 ) -> list[Buffer]:
     """The buffers one step of ``plan`` allocates on ``rank`` (``lifetimes``), lowered as
-    ``mc.compile`` lowers it, without a process group."""
+    ``mc.compile`` lowers it (``arena`` as there), without a process group."""
     rp = plan.resolve(world_size, gpus_per_node)
     groups = planned_groups(rp, rank)
+    rewrite = out_variants_pass if arena else (lambda graph: graph)
     if rp.stages > 1:
-        return pipeline_buffers(lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch))
+        pp = lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch)
+        for c in pp.my_chunks():
+            rewrite(pp.chunks[c].graph)
+        return pipeline_buffers(pp)
     sched = schedule(trace, rp, cluster, groups, rank, prefetch=prefetch)
-    return step_buffers(sched.graph, sched.program)
+    return step_buffers(rewrite(sched.graph), sched.program)
 
 
 def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> MemoryStats:
@@ -122,7 +127,7 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
     collectives' buffers, the ops' own peak, every step buffer planned in one arena and PyTorch's
     caching allocator on the same trace (``kwargs`` as ``step_buffers_of``)."""
     buffers = step_buffers_of(trace, plan, world_size, **kwargs)
-    return MemoryStats.of(buffers, plan_memory([b for b in buffers if b.kind in ARENA_KINDS]))
+    return MemoryStats.of(buffers, plan_memory([b for b in buffers if in_arena(b)]))
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:

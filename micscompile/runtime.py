@@ -30,13 +30,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
 from micscompile.collectives import Comm, CommStats, GroupInfo
-from micscompile.lifetimes import ARENA_KINDS, step_buffers
+from micscompile.lifetimes import in_arena, step_buffers
 from micscompile.memory_plan import plan_memory
 from micscompile.memory_stats import MemoryStats
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
+from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
@@ -95,8 +96,8 @@ class TrainStep:
         comm, plan = self._comm, self.program.plan
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
         with torch.no_grad(), probe:
-            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             comm.carried.clear()
             comm.micro_steps = len(micro)
             if comm.arena is not None:
@@ -310,8 +311,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
                              prefetch=prefetch, disable=disable_passes, log=log)
             ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
+            if arena:
+                graph = out_variants_pass(graph)
             buffers = step_buffers(graph, program)
-            owned = [b for b in buffers if b.kind in ARENA_KINDS]
+            owned = [b for b in buffers if in_arena(b)]
             arena_plan = plan_memory(owned) if arena else None
         order = program.collective_order()
         prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
