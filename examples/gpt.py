@@ -94,6 +94,7 @@ def main() -> None:
 
     out(f"\n{'step':>4}  {'micscompile loss':>17}  {'eager loss':>11}  {'|diff|':>9}  {'time':>8}")
     for i, batch in enumerate(local):
+        step.track_memory = i == len(local) - 1  # count what ops allocate outside the arena on the last step
         t0 = time.perf_counter()
         loss = float(step(*batch))
         dt = time.perf_counter() - t0
@@ -109,6 +110,8 @@ def main() -> None:
             f"({name}), tolerance {TOLERANCE:.0e}: {verdict}")
     out(f"\ncommunication of rank 0 over {args.steps} steps (ring wire bytes per rank):")
     out(step.comm_stats())
+    out("\nmemory of rank 0 per step (static plan: collectives' buffers and out= results in one arena):")
+    out(step.memory_stats())
     dist.barrier()  # nobody tears its gloo pairs down while a peer still reads from them (seen: SIGABRT at exit)
     dist.destroy_process_group()
     if reference and err > TOLERANCE:

@@ -34,7 +34,7 @@ class MemoryStats:
     arena_buffers: int
     """Planned buffers the arena serves per step."""
     outside_planned_peak_bytes: int
-    """Most bytes the ops' own buffers (activations, temporaries) hold at once, from the lifetimes."""
+    """Most bytes the buffers not in the arena (all of them without one) hold at once, from the lifetimes."""
     outside_measured_peak_bytes: int | None
     """Most bytes ops allocated outside the arena at once, over the steps run with ``track_memory``."""
     step_plan: MemoryPlan
@@ -46,7 +46,7 @@ class MemoryStats:
     def of(cls, buffers: list[Buffer], arena: MemoryPlan | None, measured: int | None = None) -> MemoryStats:
         """``buffers``: the step's (``lifetimes``); ``arena``: the plan of arena's ones (``lifetimes.in_arena``)
         (None: no arena)."""
-        outside = [b for b in buffers if not in_arena(b)]
+        outside = [b for b in buffers if arena is None or not in_arena(b)]
         return cls(
             arena_bytes=arena.arena_bytes if arena is not None else 0,
             arena_lower_bound_bytes=arena.lower_bound_bytes if arena is not None else 0,
