@@ -76,11 +76,11 @@ class _Rec:
 
 @dataclass
 class _Gather:
-    """A gather in flight across executions (issued for the next micro-step)."""
+    """A gather issued and not yet waited for (possibly by the previous micro-step)."""
 
     bucket: int
-    recs: list[_Rec]
-    """Its buffers; the last is the one its waits and releases end."""
+    first: _Rec
+    """The buffer its issue allocated (the hierarchical across-node piece ends at the wait)."""
 
 
 def _mutates_first(n: torch.fx.Node) -> bool:
@@ -125,14 +125,16 @@ class GraphLifetimes:
         """Append the buffers one execution of ``nodes`` (default: all) allocates, in the runtime's
         order. ``when(node)``: the node's time in this execution (its last users may run in a later
         execution, e.g. a pipeline backward); ``held_until(root)``: when the runtime drops the
-        graph's outputs that are (views of) the value ``root``. ``carry``: gathers issued for the next micro-step (consumed and refilled)."""
+        graph's outputs that are (views of) the value ``root``. ``carry``: gathers issued for the
+        next micro-step (consumed and refilled)."""
         carry = carry if carry is not None else deque()
         mine: deque = deque()
         pending: dict[torch.fx.Node, _Gather] = {}  # issuing (or carried) node -> its gather
 
         def last_use(n: torch.fx.Node) -> int:
-            users = self.users.get(self.root[n], ())
-            return max((held_until(n) - 1 if u.op == "output" else when(u) for u in users), default=when(n))
+            root = self.root[n]
+            users = self.users.get(root, ())
+            return max((held_until(root) - 1 if u.op == "output" else when(u) for u in users), default=when(n))
 
         def add(size: int, start: int, end: int, name: str, kind: str) -> _Rec:
             rec = _Rec(size, start, max(end, start + 1), name, kind)
@@ -151,7 +153,7 @@ class GraphLifetimes:
                     full = self.layouts[bucket].full_bytes
                     first = add(full // self.k if hier else full, t, t + 1, f"AG{bucket}",
                                 "gather_across" if hier else "gathered")
-                    g = _Gather(bucket, [first])
+                    g = _Gather(bucket, first)
                     if n.target is C.all_gather_next:
                         mine.append(g)
                     else:
@@ -167,11 +169,11 @@ class GraphLifetimes:
                 full = self.layouts[g.bucket].full_bytes
                 end = last_use(n) + 1
                 if hier:
-                    g.recs[0].end = t + 1
+                    g.first.end = t + 1
                     add(full, t, t + 1, f"AG{g.bucket}", "gather_intra")
                     add(full, t, end, f"AG{g.bucket}", "gathered")
                 else:
-                    g.recs[0].end = end
+                    g.first.end = end
             elif n.target in _GRAD_SYNCS:
                 lay = self.layouts[n.args[1]]
                 full, row = lay.full_bytes, lay.shard_bytes

@@ -25,10 +25,12 @@ Phases, per distinct piece; each ends as soon as the piece reaches its target (i
 global L or best proven lower bound when higher: a piece below the max cannot change the arena):
     1. greedy portfolio: best-fit by size / lifetime / area, first-fit by start / size;
     2. within ``time_budget_s`` (None: 1 s, 0: skip), on the pieces that set the arena, costliest
-       first (``memory_search``): for pieces of up to EXACT_MAX_BUFFERS buffers an exact feasibility
-       search at the target, then randomized local search on the best greedy order, then exact
-       branch and bound from the best placement, which can prove optimality; larger pieces get
-       local search only.
+       first: for pieces of up to EXACT_MAX_BUFFERS buffers an exact feasibility search at the
+       target (``memory_search``); then a squeaky-wheel search over skyline placements
+       (``memory_skyline``: lowest gap first, buffers that end above the target get priority next
+       time), which is what brings pipeline-parallel traces from 3-4 % above L down to L; then
+       randomized local search on the best order; then, for small pieces, exact branch and bound
+       from the best placement, which can prove optimality.
 Internally all sizes and offsets are in units of ``alignment``.
 """
 
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from micscompile.memory_search import exact_search, local_search
+from micscompile.memory_skyline import skyline_search
 
 
 class Buffer(NamedTuple):
@@ -356,8 +359,9 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
     """Phases 2-3 on one piece, in place; returns the proven lower bound on the piece's optimum.
 
     Pieces small enough for the exact search first ask it for a placement at the target (a
-    feasibility search prunes hard and usually succeeds or fails fast), then get a short local
-    search, then branch and bound from the best placement; larger pieces get local search only.
+    feasibility search prunes hard and usually succeeds or fails fast); then every piece gets the
+    skyline search (``memory_skyline``) and a short local search on the best order; small pieces
+    end with branch and bound from the best placement.
     """
     lb = p.L
     target = max(lb, glb)
@@ -369,7 +373,7 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
         return max(int(work_cap * frac) - sol.work, 0), t_start + span * frac
 
     if exact:
-        cap, dl = spend(0.4)
+        cap, dl = spend(0.15)
         res = exact_search(p.u, p.sc, p.ec, p.T, upper=target + 1, target=target, deadline=dl, work_cap=cap)
         sol.work += res.work
         if res.offsets is not None:
@@ -377,8 +381,19 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
         elif res.exhausted:     # nothing fits in the target: the optimum is above it
             lb = max(lb, target + 1)
     target = max(lb, glb)
+    if sol.arena > target:
+        cap, dl = spend(0.55 if exact else 0.85)
+        sky = skyline_search(p.u, p.sc, p.ec, p.T, target=target, deadline=dl, work_cap=cap)
+        sol.work += sky.work
+        if sky.offsets is not None and sky.arena < sol.arena:
+            sol.offs, sol.arena, sol.method = sky.offsets, sky.arena, "skyline"
+            sol.order, sol.best_fit = sorted(range(p.n), key=lambda i: (sky.offsets[i], i)), False
+            if sol.arena > target:
+                # First fit in (offset, index) order puts every buffer at or below its skyline
+                # offset (the argument in memory_search), and matches the local search's order.
+                sol.offs, sol.arena = p.place(sol.order, False)
     if sol.arena > target and sol.order is not None:
-        cap, dl = spend(0.6 if exact else 1.0)
+        cap, dl = spend(0.7 if exact else 1.0)
         cost = p.n + p.n * p.n // 16 if not p.use_numpy else 25 * p.n + p.n * p.n // 800   # ~ one placement
         ls = local_search(lambda order, limit: p.place(order, sol.best_fit, limit), p.u, sol.order, sol.offs,
                           sol.arena, target=target, deadline=dl, work_cap=cap, cost=cost, seed=p.n)
