@@ -54,14 +54,15 @@ def test_ops_allocate_outside_the_arena_what_the_lifetimes_plan(results, case: C
 @pytest.mark.parametrize("case", ARENA_OFF, ids=lambda c: c.id)
 def test_arena_changes_no_numbers(results, case: Case):
     """The same plan with every buffer allocated per use: bitwise the same training; the ops then
-    allocate (counted) what the lifetimes list, far more than beside an arena."""
+    allocate (counted) at least what the lifetimes list (more when an async collective's Work holds
+    its buffers past their last use), far more than beside an arena."""
     twin = ARENA_PAIRS[case]
     for rank, res in enumerate(results):
         assert res[case]["losses"] == res[twin]["losses"], rank
         for k, v in res[twin]["state"].items():
             assert torch.equal(res[case]["state"][k], v), (rank, k)
         arena_bytes, _, planned, measured = res[case]["memory"]
-        assert arena_bytes == 0 and abs(measured - planned) <= 0.1 * planned, (rank, res[case]["memory"])
+        assert arena_bytes == 0 and measured >= 0.9 * planned, (rank, res[case]["memory"])
         assert measured > 1.5 * res[twin]["memory"][3], (rank, res[case]["memory"], res[twin]["memory"])
 
 
