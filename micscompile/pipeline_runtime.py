@@ -41,7 +41,7 @@ from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
 from micscompile.plan import ResolvedPlan
-from micscompile.program import Kind
+from micscompile.program import Kind, ProgramError
 from micscompile.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.trace import TrainGraph, check_batch, split_batch
 
@@ -252,14 +252,14 @@ class PipelineStep:
                     if ch.n_send_act:
                         outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
                     saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
+                    del out, args, acts
                 elif a.op is Op.BACKWARD:
                     ch = self._chunks[a.chunk]
                     inputs, acts, kept = saved.pop((a.mb, a.chunk))
                     grads_in = inbox.pop((Op.RECV_GRAD, a.mb, a.chunk), [])
-                    args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept]
+                    args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
                     del acts, kept, grads_in
-                    out = ch.phases.backward(*_pick(args, ch.bwd_used))
-                    del args
+                    out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
                     n = len(ch.grads)
                     for acc, g in zip(ch.grads, out[:n]):
                         if g is not None:
@@ -267,13 +267,15 @@ class PipelineStep:
                     if len(out) > n:
                         outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
                     del out
-                elif a.op is Op.ALL_REDUCE:
-                    loss_buf = self._boundary(loss_sum)
+                elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
+                    raise ProgramError(f"unknown pipeline action {a}")
                 i += 1
             for w in sends:
                 w.wait()
         if self._arena is not None:
             self._arena.end_step()
+        with torch.no_grad():
+            loss_buf = self._boundary(loss_sum)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self.optimizer.step()

@@ -134,12 +134,19 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
 def pack_grads(
     layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero), into ``out`` if given."""
-    parts = [
-        g.reshape(-1) if g is not None else like.new_zeros(slot.numel, dtype=layout.dtype)
-        for slot, g in zip(layout.slots, grads)
-    ]
-    pad = layout.padded_numel - layout.numel
-    if pad:
-        parts.append(like.new_zeros(pad, dtype=layout.dtype))
-    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero); into ``out`` when
+    given (each gradient copied into its slot: no temporary, whatever its strides)."""
+    if out is None:
+        parts = [
+            g.reshape(-1) if g is not None else like.new_zeros(slot.numel, dtype=layout.dtype)
+            for slot, g in zip(layout.slots, grads)
+        ]
+        pad = layout.padded_numel - layout.numel
+        if pad:
+            parts.append(like.new_zeros(pad, dtype=layout.dtype))
+        return torch.cat(parts)
+    for slot, g in zip(layout.slots, grads):
+        dst = out[slot.offset : slot.offset + slot.numel]
+        dst.zero_() if g is None else dst.view(g.shape).copy_(g)
+    out[layout.numel :].zero_()
+    return out

@@ -8,7 +8,7 @@ issues no backward gather before the cut). Values the backward reads from the
 forward (saved activations) become extra forward outputs and backward inputs.
 
     forward:  (*placeholders)          -> (*forward outputs, *saved)
-    backward: (*placeholders, *saved)  -> (*the other outputs)
+    backward: [*placeholders, *saved]  -> (*the other outputs)   (boxed: it empties the list)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from micscompile.trace import META_REGION, REGION_BWD
 class Phases:
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
+    """Boxed: call it with one list of its inputs, which it empties (saved values die at their last use)."""
     saved: int
     """How many saved values the forward returns after its own outputs."""
 
@@ -38,10 +39,12 @@ def placeholder_like(graph: torch.fx.Graph, like: torch.fx.Node, prefix: str = "
     return node
 
 
-def flat_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A GraphModule over ``graph`` called with flat positional arguments, like the trace's."""
+def flat_module(root: torch.nn.Module, graph: torch.fx.Graph, boxed: bool = False) -> torch.fx.GraphModule:
+    """A GraphModule over ``graph`` called with flat positional arguments, like the trace's; ``boxed``:
+    called with one list that it empties (FX's boxed convention, as AOTAutograd's compiled
+    backward), so an input dies at its last use instead of when the call returns."""
     gm = torch.fx.GraphModule(root, graph)
-    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.graph._codegen = torch.fx.graph._BoxedCodeGen() if boxed else torch.fx.graph.CodeGen()
     gm.recompile()
     return gm
 
@@ -89,4 +92,4 @@ def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases
         env_b[n] = bg.node_copy(n, env_b.__getitem__)
     bg.output(tuple(env_b[outs[i]] if isinstance(outs[i], torch.fx.Node) else outs[i] for i in bwd_outputs))
 
-    return Phases(flat_module(gm, fg), flat_module(gm, bg), len(saved))
+    return Phases(flat_module(gm, fg), flat_module(gm, bg, boxed=True), len(saved))

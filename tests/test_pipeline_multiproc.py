@@ -138,6 +138,17 @@ def test_pipeline_parity_with_single_process_eager(results, case: PipeCase):
     assert_parity(results, case, TOLERANCE)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pipeline_ops_allocate_outside_the_arena_what_the_lifetimes_plan(results, case: PipeCase):
+    """Receive buffers, the chunks' collective buffers and the ops' ``out=`` results come from the
+    arena; what the other ops allocate (counted over a real step) peaks at most at the lifetimes'
+    count (less when a sent activation is freed as its send completes, before the step ends)."""
+    for rank, res in enumerate(results):
+        arena_bytes, n_buffers, planned, measured = res[case]["memory"]
+        assert arena_bytes > 0 and n_buffers > 0, (rank, res[case]["memory"])
+        assert 0 < measured <= 1.01 * planned + 1024, (rank, measured, planned)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.model == "tied_lm"], ids=lambda c: c.id)
 def test_tied_embedding_gradient_is_all_reduced_between_its_stages(results, case: PipeCase):
     """The embedding (chunk 0) and the LM head (the last chunk) hold one parameter: their partial

@@ -48,7 +48,7 @@ def _run_chunks(sp, params: dict, batch: tuple) -> tuple[torch.Tensor, dict[str,
     back: list = []
     for stage, ph in reversed(list(zip(sp.stages, phases))):
         args, acts, kept = saved[stage.chunk]
-        out = ph.backward(*args, *acts, *back, *kept)
+        out = ph.backward([*args, *acts, *back, *kept])
         n = len(stage.graph.trainable)
         for name, g in zip(stage.graph.trainable, out[:n]):
             if g is not None:
