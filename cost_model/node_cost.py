@@ -39,6 +39,13 @@ def _is_view(node: torch.fx.Node) -> bool:
     return node.target in _VIEW_OPS or name in ("getitem", "unpack_param")
 
 
+def mutates_first(node: torch.fx.Node) -> bool:
+    """An in-place op (``add_``, ``relu_``, ``copy_``): its result is its first argument, written."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and schema.returns[0].alias_info.is_write)
+
+
 def node_work(node: torch.fx.Node) -> NodeWork:
     if node.op != "call_function":
         return NodeWork()

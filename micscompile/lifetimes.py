@@ -43,7 +43,7 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.arena import arena_out
-from micscompile.cost_model.node_cost import META_BYTES, _is_view
+from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory_plan import Buffer
 from micscompile.pipeline_schedule import Op
 from micscompile.sharding import BucketLayout
@@ -83,13 +83,6 @@ class _Gather:
     """The buffer its issue allocated (the hierarchical across-node piece ends at the wait)."""
 
 
-def _mutates_first(n: torch.fx.Node) -> bool:
-    """An in-place op (``add_``, ``copy_``): its result is its first argument, written."""
-    schema = getattr(n.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and schema.returns[0].alias_info.is_write)
-
-
 def _roots(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
     """The value each node's result keeps alive (a view's base, transitively)."""
     root: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -98,7 +91,7 @@ def _roots(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
         out = n.kwargs.get("out") if n.op == "call_function" else None
         if isinstance(out, torch.fx.Node):  # an op writing into an arena buffer returns that buffer
             base = out
-        aliases = _is_view(n) or out is not None or _mutates_first(n)
+        aliases = _is_view(n) or out is not None or mutates_first(n)
         root[n] = root[base] if (aliases and base is not None and base in root) else n
     return root
 

@@ -54,8 +54,11 @@ class Plan:
     """Most all-gathers issued and not yet waited for at once (caps the prefetch distance); None = no cap."""
     bucket_bytes: int | None = None
     """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per block."""
-    checkpoint: bool = False
-    """Activation checkpointing (not implemented yet)."""
+    checkpoint: Literal[False, True, "selective"] = False
+    """Activation checkpointing (passes.checkpoint): True recomputes in backward every forward value
+    of a segment but its outputs; "selective" also keeps matmul outputs (recomputes the cheap ops)."""
+    checkpoint_every: int = 1
+    """Blocks per checkpointed segment (its outputs are kept, everything inside recomputed)."""
     offload_activations: bool = False
     """Activation offload to host (not implemented yet)."""
     param_dtype: torch.dtype = torch.float32
@@ -92,10 +95,12 @@ class Plan:
         positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
         if self.hierarchical not in ("auto", True, False):
             raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
+        if self.checkpoint not in (False, True, "selective"):
+            raise PlanError(f"Plan.checkpoint must be False, True or 'selective', got {self.checkpoint!r}")
+        positive("checkpoint_every", self.checkpoint_every)
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
         not_yet = {
-            "checkpoint=True": bool(self.checkpoint),
             "offload_activations=True": bool(self.offload_activations),
             "param_dtype other than float32": self.param_dtype != torch.float32,
             "reduce_dtype other than float32": self.reduce_dtype != torch.float32,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from micscompile.passes.context import PassContext
+from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.retarget_device import retarget_device_pass
 from micscompile.plan import Plan
@@ -41,7 +42,10 @@ def op_counts(graph: torch.fx.Graph) -> Counter:
 
 def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     """The passes a Plan needs, in order."""
-    return [("retarget_device", retarget_device_pass), ("insert_collectives", insert_collectives_pass)]
+    passes = [("retarget_device", retarget_device_pass)]
+    if plan.checkpoint:
+        passes.append(("checkpoint", checkpoint_pass))
+    return passes + [("insert_collectives", insert_collectives_pass)]
 
 
 def run_passes(

@@ -46,12 +46,16 @@ class Case:
     hierarchical: bool | str = "auto"
     arena: bool = True
     """Collectives' buffers in the planned arena (False: allocated per use)."""
+    checkpoint: bool | str = False
+    checkpoint_every: int = 1
 
     @property
     def id(self) -> str:
         extra = ("-every_step" if self.grad_sync == "every_step" else "") + ("-meta" if self.meta else "")
         extra += ("-reinit" if self.reinit else "") + (f"-k{self.k}" if self.k else "")
         extra += {True: "-hier", False: "-flat"}.get(self.hierarchical, "") + ("" if self.arena else "-noarena")
+        if self.checkpoint:
+            extra += f"-ckpt{'sel' if self.checkpoint == 'selective' else ''}{self.checkpoint_every}"
         if self.prefetch is not None:
             pf = self.prefetch
             extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
@@ -83,7 +87,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         torch.manual_seed(1)
     loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
-                   hierarchical=case.hierarchical)
+                   hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
                       prefetch=None if case.prefetch is None else (case.prefetch,), arena=case.arena)
@@ -106,7 +110,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
         "own_shard_err": own_err,
         "state_err": state_error(state, ref_state),
-        "state": state if case.meta or case in REAL_TWINS or case in ARENA_PAIRS else None,
+        "state": state if case.meta or case in REAL_TWINS or case in ARENA_PAIRS or case in CKPT_TWINS or case in CKPT_TWINS.values() else None,
         "memory": (memory.arena_bytes, memory.arena_buffers, memory.outside_planned_peak_bytes,
                    memory.outside_measured_peak_bytes),
         "measured": {k: r.bytes for k, r in stats.rows.items()},
@@ -160,7 +164,14 @@ ARENA_OFF = [dataclasses.replace(c, arena=False) for c in (
     EXTRA[-1], EXTRA[-2], EXTRA[-5], Case("tied_lm", 1, 3, "sgd"), Case("convnet", 2, 4, "adamw"))]
 ARENA_PAIRS = {c: dataclasses.replace(c, arena=True) for c in ARENA_OFF}
 ARENA_PAIRS.update({v: k for k, v in ARENA_PAIRS.items()})
-CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS + ARENA_OFF
+# activation checkpointing: bitwise the numbers of the same plan without it
+CKPT = [
+    Case("tied_lm", 2, 3, "sgd", checkpoint=True), Case("convnet", 4, 4, "adamw", checkpoint=True),
+    Case("tied_lm", 2, 3, "sgd", checkpoint="selective"), Case("tied_lm", 4, 4, "adamw", checkpoint=True,
+                                                                   checkpoint_every=2),
+]
+CKPT_TWINS = {c: dataclasses.replace(c, checkpoint=False, checkpoint_every=1) for c in CKPT}
+CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS + ARENA_OFF + CKPT
 
 
 def _expect_error(kind, fn) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dist_cases import ARENA_OFF, ARENA_PAIRS, CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
+from dist_cases import ARENA_OFF, ARENA_PAIRS, CKPT, CKPT_TWINS, CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
 from harness import assert_parity, launch
 from micscompile.parity import TOLERANCE
 
@@ -64,6 +64,22 @@ def test_arena_changes_no_numbers(results, case: Case):
         arena_bytes, _, planned, measured = res[case]["memory"]
         assert arena_bytes == 0 and measured >= 0.9 * planned, (rank, res[case]["memory"])
         assert measured > 1.5 * res[twin]["memory"][3], (rank, res[case]["memory"], res[twin]["memory"])
+
+
+@pytest.mark.parametrize("case", CKPT, ids=lambda c: c.id)
+def test_checkpointing_changes_no_numbers(results, case: Case):
+    """Recomputing activations in backward runs the same ops on the same inputs: the losses and
+    parameters are bitwise those of the same plan without checkpointing. Checkpointing every block
+    adds no gather (the recomputation uses the backward's gather); a segment of several blocks
+    gathers its earlier blocks a third time for the recomputation."""
+    twin = CKPT_TWINS[case]
+    assert twin in CASES
+    for rank, res in enumerate(results):
+        assert res[case]["losses"] == res[twin]["losses"], rank
+        for k, v in res[twin]["state"].items():
+            assert torch.equal(res[case]["state"][k], v), (rank, k)
+        gathers, base = res[case]["calls"][("all_gather", "shard")], res[twin]["calls"][("all_gather", "shard")]
+        assert gathers == base if case.checkpoint_every == 1 else gathers > base, (rank, gathers, base)
 
 
 def _padded_model_bytes(layouts, p: int) -> int:

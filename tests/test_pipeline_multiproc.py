@@ -29,10 +29,11 @@ class PipeCase:
     model: str = "tied_lm"
     opt: str = "sgd"
     meta: bool = False
+    checkpoint: bool = False
 
     @property
     def id(self) -> str:
-        meta = "-meta" if self.meta else ""
+        meta = ("-meta" if self.meta else "") + ("-ckpt" if self.checkpoint else "")
         return (f"{self.model}-S{self.stages}-t{self.t}-d{WORLD // (self.stages * self.t)}-{self.schedule}"
                 f"-v{self.v}-m{self.m}-{self.opt}{meta}")
 
@@ -44,6 +45,7 @@ CASES = [
     PipeCase(2, 2, 4, "gpipe"),
     PipeCase(2, 2, 3, model="convnet", opt="adamw"),  # buffers; m not a multiple of S
     PipeCase(2, 2, 2, meta=True),
+    PipeCase(2, 2, 4, checkpoint=True), PipeCase(2, 1, 4, "interleaved", 2, checkpoint=True),
 ]
 
 
@@ -70,7 +72,7 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
             model = _model(case)
         torch.manual_seed(1)
     plan = mc.Plan(partition_size=case.t, pipeline_stages=case.stages, pipeline_schedule=case.schedule,
-                   pipeline_chunks=case.v, micro_batches=case.m)
+                   pipeline_chunks=case.v, micro_batches=case.m, checkpoint=case.checkpoint)
     rp = plan.resolve(world, world)
     chain = rank // (case.stages * case.t) * case.t + rank % case.t  # the ranks of one chain share a batch
     local = [tuple(x[chain * LOCAL_BATCH : (chain + 1) * LOCAL_BATCH] for x in b) for b in batches]

@@ -28,7 +28,9 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"pipeline_chunks": 2}, "'interleaved' runs v > 1 chunks per rank"),
         ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "pipeline_schedule must be"),
         ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
-        ({"checkpoint": True}, "not implemented yet: checkpoint"),
+        ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True or 'selective'"),
+        ({"checkpoint_every": 0}, "Plan.checkpoint_every must be a positive int"),
+        ({"offload_activations": True}, "not implemented yet: offload_activations"),
         ({"param_dtype": torch.bfloat16}, "not implemented yet: param_dtype"),
     ],
 )
