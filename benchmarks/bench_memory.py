@@ -61,7 +61,10 @@ PLANS = {
     "p=4 s=2": (mc.Plan(partition_size=4, micro_batches=2), None),
     "p=4 s=2 keep+across": (mc.Plan(partition_size=4, micro_batches=2), (mc.Prefetch(2, 1, True),)),
     "p=4 k=2 hierarchical": (mc.Plan(partition_size=4, micro_batches=2, gpus_per_node=2, hierarchical=True), None),
+    "p=2 s=1 checkpoint": (mc.Plan(partition_size=2, checkpoint=True), None),
+    "p=2 s=1 selective": (mc.Plan(partition_size=2, checkpoint="selective"), None),
     "S=2 t=2 1F1B m=4": (mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4), None),
+    "S=2 t=2 1F1B checkpoint": (mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4, checkpoint=True), None),
     "S=2 t=1 interleaved v=2": (mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=4, pipeline_chunks=2,
                                         pipeline_schedule="interleaved"), None),
 }

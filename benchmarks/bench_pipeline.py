@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="BERT 52B only, G = 1024 only, 1F1B only")
     ap.add_argument("--no-interleaved", action="store_true", help="skip the interleaved-1F1B (v = 2) rows")
     ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing (every block) in both systems")
     args = ap.parse_args()
     models = ["52B"] if args.quick else args.models
     interleaved = not (args.quick or args.no_interleaved)
@@ -120,11 +121,12 @@ def main() -> None:
                     if pipe is None:
                         m = G // (b * n)
                         assert m * b * n == G, (G, b, n)
-                        plan = mc.Plan(partition_size=md.mics_p, micro_batches=m)
+                        plan = mc.Plan(partition_size=md.mics_p, micro_batches=m, checkpoint=args.checkpoint)
                     else:
                         m = G // (b * d_pipe * T)
                         assert m * b * d_pipe * T == G, (G, b, d_pipe)
-                        plan = mc.Plan(partition_size=T, pipeline_stages=md.stages, micro_batches=m, **pipe)
+                        plan = mc.Plan(partition_size=T, pipeline_stages=md.stages, micro_batches=m,
+                                       checkpoint=args.checkpoint, **pipe)
                     pred = mc.simulate(traces[b], plan, cluster, flops_per_step=flops, compute_dtype=DTYPE)
                     sim_s = time.perf_counter() - t1
                     tf = pred.tflops_per_gpu

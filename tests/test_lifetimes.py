@@ -45,7 +45,10 @@ PLANS = {
     "p4-s2": mc.Plan(partition_size=4, micro_batches=2),
     "p4-s2-across": mc.Plan(partition_size=4, micro_batches=2),
     "p4-k2-hier": mc.Plan(partition_size=4, micro_batches=2, gpus_per_node=2, hierarchical=True),
+    "p2-ckpt": mc.Plan(partition_size=2, micro_batches=2, checkpoint=True),
+    "p4-selective": mc.Plan(partition_size=4, checkpoint="selective"),
     "S2-t2-1f1b": mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4),
+    "S2-t2-ckpt": mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4, checkpoint=True),
     "S2-t1-interleaved": mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=4, pipeline_chunks=2,
                                  pipeline_schedule="interleaved"),
 }
