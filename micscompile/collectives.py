@@ -153,6 +153,8 @@ class Comm:
     """(bucket, Pending) gathers issued for the next micro-step, in issue order."""
     arena: Any = None
     """The rank's ``Arena`` (planned buffers), or None: allocate as usual."""
+    copy_stream: Any = None
+    """CUDA stream of activation offload copies (micscompile.offload), made on first use."""
 
     def alloc(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer for a collective: the arena's next planned one, else a new tensor."""

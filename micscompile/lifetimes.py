@@ -24,6 +24,7 @@ them from it, in exactly the order listed here, see ``micscompile.arena``):
 * ``recv``: a pipeline P2P receive buffer, from the receive to the backward of its
   micro-batch (the runtime keeps a forward's inputs for its backward).
 
+``host``: an offloaded activation's host copy (``micscompile.offload``), not device memory.
 Computed by the graph's ops: ``activation`` (alive into the backward: saved for it) and
 ``temporary`` (the rest); in the arena too when the op writes ``out=`` an ``arena_out``
 buffer (``passes.out_variants``; named ``out:<node>``), else allocated by the op itself.
@@ -43,6 +44,7 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.arena import arena_out
+from micscompile.offload import offload, reload
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory_plan import Buffer
 from micscompile.pipeline_schedule import Op
@@ -58,6 +60,11 @@ OUT_PREFIX = "out:"
 def in_arena(b: Buffer) -> bool:
     """Whether the runtime takes ``b`` from its arena (with ``passes.out_variants`` applied)."""
     return b.kind in ARENA_KINDS or b.name.startswith(OUT_PREFIX)
+
+
+def on_device(buffers: list[Buffer]) -> list[Buffer]:
+    """The buffers in device memory (offloaded host copies excluded)."""
+    return [b for b in buffers if b.kind != "host"]
 
 
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
@@ -182,6 +189,10 @@ class GraphLifetimes:
                     add(row, t, held, name, "grad_shard")
                 else:  # the result is a view of the packed bucket
                     add(full, t, held, name, "grad_bucket")
+            elif n.target is offload:  # a host copy: not device memory (``kind="host"``)
+                add(n.args[1].meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "host")
+            elif n.target is reload:
+                add(n.meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "activation")
             elif n.target is arena_out:
                 size = math.prod(n.args[2]) * n.args[3].itemsize
                 add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.caching_allocator import AllocatorStats, replay_buffers
-from micscompile.lifetimes import in_arena
+from micscompile.lifetimes import in_arena, on_device
 from micscompile.memory_plan import Buffer, MemoryPlan, lower_bound_bytes, plan_memory
 
 
@@ -38,7 +38,7 @@ class MemoryStats:
     outside_measured_peak_bytes: int | None
     """Most bytes ops allocated outside the arena at once, over the steps run with ``track_memory``."""
     step_plan: MemoryPlan
-    """Every step buffer (the arena's and the ops') planned in one arena."""
+    """Every step buffer in device memory (the arena's and the ops') planned in one arena."""
     caching_allocator: AllocatorStats
     """The same buffers replayed through a simulation of PyTorch's CUDA caching allocator."""
 
@@ -53,8 +53,8 @@ class MemoryStats:
             arena_buffers=len(buffers) - len(outside) if arena is not None else 0,
             outside_planned_peak_bytes=live_peak_bytes(outside),
             outside_measured_peak_bytes=measured,
-            step_plan=plan_memory(buffers),
-            caching_allocator=replay_buffers(buffers),
+            step_plan=plan_memory(on_device(buffers)),
+            caching_allocator=replay_buffers(on_device(buffers)),
         )
 
     def __str__(self) -> str:

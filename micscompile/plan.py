@@ -60,7 +60,8 @@ class Plan:
     checkpoint_every: int = 1
     """Blocks per checkpointed segment (its outputs are kept, everything inside recomputed)."""
     offload_activations: bool = False
-    """Activation offload to host (not implemented yet)."""
+    """Checkpointed segment outputs go to host memory after their last forward use and come back
+    before their backward (needs ``checkpoint``; micscompile.offload)."""
     param_dtype: torch.dtype = torch.float32
     """dtype of gathered parameters and compute; only float32 so far."""
     reduce_dtype: torch.dtype = torch.float32
@@ -98,10 +99,12 @@ class Plan:
         if self.checkpoint not in (False, True, "selective"):
             raise PlanError(f"Plan.checkpoint must be False, True or 'selective', got {self.checkpoint!r}")
         positive("checkpoint_every", self.checkpoint_every)
+        if self.offload_activations and not self.checkpoint:
+            raise PlanError("offload_activations=True offloads the checkpointed segment outputs: set checkpoint=True "
+                            "(or 'selective') too")
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
         not_yet = {
-            "offload_activations=True": bool(self.offload_activations),
             "param_dtype other than float32": self.param_dtype != torch.float32,
             "reduce_dtype other than float32": self.reduce_dtype != torch.float32,
         }

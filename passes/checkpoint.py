@@ -30,6 +30,7 @@ from micscompile.cost_model.flops import FLOP_RULES
 from micscompile.cost_model.node_cost import mutates_first
 from micscompile.passes.buckets import block_of
 from micscompile.passes.context import PassContext
+from micscompile.offload import META_OFFLOAD
 from micscompile.plan import PlanError
 from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, REGION_BWD
 
@@ -64,14 +65,17 @@ def checkpoint_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
             if fqn != LOSS_FQN and block in seg_of:
                 members.setdefault(seg_of[block], []).append(n)
     for seg in sorted(members):
-        _recompute_segment(graph, members[seg], plan.checkpoint == "selective")
+        _recompute_segment(graph, members[seg], plan.checkpoint == "selective", plan.offload_activations)
     graph.lint()
     return graph
 
 
-def _recompute_segment(graph: torch.fx.Graph, forward: list[torch.fx.Node], selective: bool) -> None:
+def _recompute_segment(graph: torch.fx.Graph, forward: list[torch.fx.Node], selective: bool, offload: bool) -> None:
     inside = set(forward)
     kept = {v for v in forward if any(u not in inside and not _is_bwd(u) and u.op != "output" for u in v.users)}
+    if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.offload)
+        for v in kept:
+            v.meta[META_OFFLOAD] = True
     if selective:
         kept |= {v for v in forward if v.target in FLOP_RULES}
     need = [v for v in forward if v not in kept and any(_is_bwd(u) for u in v.users)]

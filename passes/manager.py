@@ -15,6 +15,7 @@ import torch.fx
 
 from micscompile.passes.context import PassContext
 from micscompile.passes.checkpoint import checkpoint_pass
+from micscompile.offload import offload_pass
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.retarget_device import retarget_device_pass
 from micscompile.plan import Plan
@@ -45,7 +46,10 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     passes = [("retarget_device", retarget_device_pass)]
     if plan.checkpoint:
         passes.append(("checkpoint", checkpoint_pass))
-    return passes + [("insert_collectives", insert_collectives_pass)]
+    passes.append(("insert_collectives", insert_collectives_pass))
+    if plan.offload_activations:
+        passes.append(("offload", offload_pass))
+    return passes
 
 
 def run_passes(

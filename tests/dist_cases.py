@@ -48,6 +48,7 @@ class Case:
     """Collectives' buffers in the planned arena (False: allocated per use)."""
     checkpoint: bool | str = False
     checkpoint_every: int = 1
+    offload: bool = False
 
     @property
     def id(self) -> str:
@@ -56,6 +57,7 @@ class Case:
         extra += {True: "-hier", False: "-flat"}.get(self.hierarchical, "") + ("" if self.arena else "-noarena")
         if self.checkpoint:
             extra += f"-ckpt{'sel' if self.checkpoint == 'selective' else ''}{self.checkpoint_every}"
+            extra += "-offload" if self.offload else ""
         if self.prefetch is not None:
             pf = self.prefetch
             extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
@@ -87,7 +89,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         torch.manual_seed(1)
     loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
-                   hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every)
+                   hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every,
+                   offload_activations=case.offload)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
                       prefetch=None if case.prefetch is None else (case.prefetch,), arena=case.arena)
@@ -169,8 +172,10 @@ CKPT = [
     Case("tied_lm", 2, 3, "sgd", checkpoint=True), Case("convnet", 4, 4, "adamw", checkpoint=True),
     Case("tied_lm", 2, 3, "sgd", checkpoint="selective"), Case("tied_lm", 4, 4, "adamw", checkpoint=True,
                                                                    checkpoint_every=2),
+    # and the checkpointed segment outputs offloaded to host memory between forward and backward
+    Case("tied_lm", 2, 3, "sgd", checkpoint=True, offload=True), Case("convnet", 4, 4, "adamw", checkpoint=True, offload=True),
 ]
-CKPT_TWINS = {c: dataclasses.replace(c, checkpoint=False, checkpoint_every=1) for c in CKPT}
+CKPT_TWINS = {c: dataclasses.replace(c, checkpoint=False, checkpoint_every=1, offload=False) for c in CKPT}
 CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS + ARENA_OFF + CKPT
 
 

@@ -78,3 +78,19 @@ def test_random_ops_are_refused(gpt):
     tg = mc.trace(model, (torch.zeros(4, 8), torch.zeros(4)), nn.functional.mse_loss)
     with pytest.raises(mc.PlanError, match="random op"):
         _lowered(tg, checkpoint=True)
+
+
+def test_offload_moves_the_checkpointed_outputs_to_host_and_lowers_the_device_peak(gpt):
+    from micscompile.lifetimes import on_device
+
+    ckpt = step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=True), WORLD)
+    off = step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=True, offload_activations=True), WORLD)
+    host = [b for b in off if b.kind == "host"]
+    b, s, h = 4, CFG.seq_len, CFG.hidden
+    # one host copy per segment output the backward reads (each block's b x s x h output)
+    assert len(host) >= CFG.layers and all(x.size == b * s * h * 4 for x in host[:CFG.layers])
+    L = lambda bufs: mc.plan_memory(on_device(bufs)).lower_bound_bytes  # noqa: E731
+    assert L(off) < L(ckpt)
+    # the same collectives: offload only adds copies
+    base = _lowered(gpt, checkpoint=True).program.collective_order()
+    assert _lowered(gpt, checkpoint=True, offload_activations=True).program.collective_order() == base

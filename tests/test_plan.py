@@ -30,7 +30,7 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
         ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True or 'selective'"),
         ({"checkpoint_every": 0}, "Plan.checkpoint_every must be a positive int"),
-        ({"offload_activations": True}, "not implemented yet: offload_activations"),
+        ({"offload_activations": True}, "set checkpoint=True"),
         ({"param_dtype": torch.bfloat16}, "not implemented yet: param_dtype"),
     ],
 )
