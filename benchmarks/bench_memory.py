@@ -30,7 +30,7 @@ import torch
 
 import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
-from micscompile.lifetimes import in_arena
+from micscompile.lifetimes import arena_plan
 from micscompile.models import GPT, GPTConfig, lm_loss
 from micscompile.predict import step_buffers_of
 
@@ -78,8 +78,7 @@ def row(model: str, plan_name: str, trace) -> dict:
     solve_s = time.perf_counter() - t0
     mp.check(buffers)
     reserved = replay_buffers(buffers).peak_reserved_bytes
-    owned = [b for b in buffers if in_arena(b)]
-    arena = mc.plan_memory(owned)
+    arena = arena_plan(buffers)[1]
     return {"model": model, "plan": plan_name, "buffers": len(buffers), "L": mp.lower_bound_bytes,
             "arena": mp.arena_bytes, "reserved": reserved, "solve_s": solve_s, "method": mp.method,
             "rt_arena": arena.arena_bytes, "rt_L": arena.lower_bound_bytes}

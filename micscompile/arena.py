@@ -15,6 +15,7 @@ collective into the same bytes never overtakes the last reader.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -85,9 +86,10 @@ class OutsideArena(TorchDispatchMode):
         return out
 
 
+OUT_PREFIX = "out:"
+"""Names of the arena buffers ops write into (``passes.out_variants``)."""
+
+
 def arena_out(comm, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Graph op (``passes.out_variants``): the arena buffer an op writes its result into."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return comm.arena.take(name, numel, dtype).view(shape)
+    return comm.arena.take(name, math.prod(shape), dtype).view(shape)

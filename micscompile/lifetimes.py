@@ -43,20 +43,17 @@ from typing import NamedTuple
 import torch.fx
 
 from micscompile import collectives as C
-from micscompile.arena import arena_out
+from micscompile.arena import OUT_PREFIX, arena_out
 from micscompile.offload import offload, reload
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
-from micscompile.memory_plan import Buffer
+from micscompile.memory_plan import Buffer, MemoryPlan, plan_memory
+from micscompile.passes.out_variants import out_variants_pass
 from micscompile.pipeline_schedule import Op
 from micscompile.sharding import BucketLayout
 from micscompile.trace import META_REGION, REGION_BWD
 
 ARENA_KINDS = frozenset({"gathered", "gather_across", "gather_intra", "grad_bucket", "grad_reorder", "grad_partial",
                          "grad_shard", "recv"})
-OUT_PREFIX = "out:"
-"""Names of the arena buffers ops write into (``passes.out_variants``)."""
-
-
 def in_arena(b: Buffer) -> bool:
     """Whether the runtime takes ``b`` from its arena (with ``passes.out_variants`` applied)."""
     return b.kind in ARENA_KINDS or b.name.startswith(OUT_PREFIX)
@@ -283,3 +280,21 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
 
             lt.run(pos.__getitem__, held, recs, nodes=fwd if a.op is Op.FORWARD else bwd)
     return _finish(recs)
+
+
+def buffers_as_run(lowered, arena: bool) -> list[Buffer]:
+    """The step's buffers as the runtime runs ``lowered`` (a flat ``Schedule`` or a
+    ``PipelineProgram``): with an arena, this rank's graphs are first rewritten in place so
+    that ops with an ``out=`` overload write into it (``passes.out_variants``)."""
+    pipeline = hasattr(lowered, "my_chunks")
+    graphs = [lowered.chunks[c].graph for c in lowered.my_chunks()] if pipeline else [lowered.graph]
+    if arena:
+        for graph in graphs:
+            out_variants_pass(graph)
+    return pipeline_buffers(lowered) if pipeline else step_buffers(lowered.graph, lowered.program)
+
+
+def arena_plan(buffers: list[Buffer]) -> tuple[list[Buffer], MemoryPlan]:
+    """The buffers the runtime takes from its arena (``in_arena``), in order, and their offsets."""
+    owned = [b for b in buffers if in_arena(b)]
+    return owned, plan_memory(owned)

@@ -72,7 +72,7 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
     if not ctx.plan.plan.offload_activations:
         return graph
     comm = next(n for n in graph.nodes if n.op == "placeholder")
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    position = {n: i for i, n in enumerate(graph.nodes)}  # of the original nodes: insertions keep their order
     for v in [n for n in graph.nodes if n.meta.get(META_OFFLOAD)]:
         bwd = [u for u in v.users if u.meta.get(META_REGION) == REGION_BWD]
         fwd = [u for u in v.users if u not in bwd and u.op != "output"]
@@ -89,6 +89,5 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
         back.meta.pop(META_OFFLOAD)
         for u in bwd:
             u.replace_input_with(v, back)
-        position = {n: i for i, n in enumerate(graph.nodes)}
     graph.lint()
     return graph

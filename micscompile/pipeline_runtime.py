@@ -31,12 +31,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
-from micscompile.lifetimes import in_arena, pipeline_buffers
-from micscompile.memory_plan import plan_memory
+from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory_stats import MemoryStats
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import local_state
-from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
@@ -130,12 +128,8 @@ class PipelineStep:
         self._stage = rp.stage_of(pp.rank)
         self._pipe = groups["pipe"]
         self._chunks: dict[int, _Chunk] = {}
-        if arena:
-            for c in pp.my_chunks():
-                out_variants_pass(pp.chunks[c].graph)
-        self._step_buffers = pipeline_buffers(pp)
-        owned = [b for b in self._step_buffers if in_arena(b)]
-        self._arena = Arena(owned, plan_memory(owned), device) if arena else None
+        self._step_buffers = buffers_as_run(pp, arena)
+        self._arena = Arena(*arena_plan(self._step_buffers), device) if arena else None
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
         self._outside_peak_bytes: int | None = None

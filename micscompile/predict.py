@@ -14,12 +14,11 @@ from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
-from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.plan import Plan, ResolvedPlan
-from micscompile.lifetimes import in_arena, pipeline_buffers, step_buffers
-from micscompile.memory_plan import Buffer, plan_memory
+from micscompile.lifetimes import arena_plan, buffers_as_run
+from micscompile.memory_plan import Buffer
 from micscompile.memory_stats import MemoryStats
 from micscompile.program import Kind, Program
 from micscompile.trace import TrainGraph
@@ -112,14 +111,9 @@ def step_buffers_of(
     ``mc.compile`` lowers it (``arena`` as there), without a process group."""
     rp = plan.resolve(world_size, gpus_per_node)
     groups = planned_groups(rp, rank)
-    rewrite = out_variants_pass if arena else (lambda graph: graph)
     if rp.stages > 1:
-        pp = lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch)
-        for c in pp.my_chunks():
-            rewrite(pp.chunks[c].graph)
-        return pipeline_buffers(pp)
-    sched = schedule(trace, rp, cluster, groups, rank, prefetch=prefetch)
-    return step_buffers(rewrite(sched.graph), sched.program)
+        return buffers_as_run(lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch), arena)
+    return buffers_as_run(schedule(trace, rp, cluster, groups, rank, prefetch=prefetch), arena)
 
 
 def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> MemoryStats:
@@ -127,7 +121,7 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
     collectives' buffers, the ops' own peak, every step buffer planned in one arena and PyTorch's
     caching allocator on the same trace (``kwargs`` as ``step_buffers_of``)."""
     buffers = step_buffers_of(trace, plan, world_size, **kwargs)
-    return MemoryStats.of(buffers, plan_memory([b for b in buffers if in_arena(b)]))
+    return MemoryStats.of(buffers, arena_plan(buffers)[1])
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:

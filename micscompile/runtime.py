@@ -30,14 +30,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
 from micscompile.collectives import Comm, CommStats, GroupInfo
-from micscompile.lifetimes import in_arena, step_buffers
-from micscompile.memory_plan import plan_memory
+from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory_stats import MemoryStats
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
-from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
@@ -311,11 +309,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
                              prefetch=prefetch, disable=disable_passes, log=log)
             ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
-            if arena:
-                graph = out_variants_pass(graph)
-            buffers = step_buffers(graph, program)
-            owned = [b for b in buffers if in_arena(b)]
-            arena_plan = plan_memory(owned) if arena else None
+            buffers = buffers_as_run(sched, arena)
+            owned, planned = arena_plan(buffers) if arena else ([], None)
         order = program.collective_order()
         prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
                   "weights": fingerprint(model, device)}
@@ -331,8 +326,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     groups = _groups(rp, rank, device)
     program.groups = groups
     comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"), groups.get("intra"))
-    if arena_plan is not None:
-        comm.arena = Arena(owned, arena_plan, device)
+    if planned is not None:
+        comm.arena = Arena(owned, planned, device)
     shards, state = local_state(model, layouts, groups["shard"].rank, device, init_fn)
     return TrainStep(
         gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=state,

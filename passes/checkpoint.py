@@ -64,13 +64,17 @@ def checkpoint_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
             block = block_of(fqn, ctx.graph.blocks)
             if fqn != LOSS_FQN and block in seg_of:
                 members.setdefault(seg_of[block], []).append(n)
+    position = {n: i for i, n in enumerate(nodes)}  # the copies go between original nodes: their order holds
     for seg in sorted(members):
-        _recompute_segment(graph, members[seg], plan.checkpoint == "selective", plan.offload_activations)
+        _recompute_segment(graph, members[seg], position, plan.checkpoint == "selective", plan.offload_activations)
     graph.lint()
     return graph
 
 
-def _recompute_segment(graph: torch.fx.Graph, forward: list[torch.fx.Node], selective: bool, offload: bool) -> None:
+def _recompute_segment(
+    graph: torch.fx.Graph, forward: list[torch.fx.Node], position: dict[torch.fx.Node, int], selective: bool,
+    offload: bool,
+) -> None:
     inside = set(forward)
     kept = {v for v in forward if any(u not in inside and not _is_bwd(u) and u.op != "output" for u in v.users)}
     if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.offload)
@@ -97,7 +101,6 @@ def _recompute_segment(graph: torch.fx.Graph, forward: list[torch.fx.Node], sele
         if mutates_first(v) and v.args[0] not in recompute:
             raise PlanError(f"checkpoint: {v.meta.get(META_FQN) or '<root>'} writes {v.args[0].name} in place "
                             f"({v.target}), a value the recomputation does not own")
-    position = {n: i for i, n in enumerate(graph.nodes)}
     first = min((u for v in need for u in v.users if _is_bwd(u)), key=position.__getitem__)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     with graph.inserting_before(first):

@@ -16,10 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from micscompile.arena import arena_out
+from micscompile.arena import OUT_PREFIX, arena_out
 from micscompile.cost_model.node_cost import META_BYTES, _is_view
-from micscompile.lifetimes import OUT_PREFIX
-
 
 
 def out_overload(node: torch.fx.Node):
