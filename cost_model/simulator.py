@@ -140,7 +140,7 @@ def simulate_program(
     optimizer_bytes_per_param: int = 28,
     buffer_bytes: int = 0,
     flops_per_step: float | None = None,
-    compute_dtype: str = "float32",
+    compute_dtype: str | None = None,
     record: bool = True,
     accumulate: bool = True,
 ) -> Prediction:
@@ -148,10 +148,11 @@ def simulate_program(
 
     ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
     element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
-    ``compute_dtype`` prices matmuls at that dtype's peak (what-if: the thesis trained
-    in fp16 while this Program is fp32).
+    ``compute_dtype`` prices matmuls at that dtype's peak (default: the Plan's param_dtype;
+    a what-if such as fp16 peak for an fp32 Program otherwise).
     """
     gpu = cluster.gpu
+    compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
     groups = program.groups
     layouts = program.layouts
     shard_numel = sum(lay.row_numel for lay in layouts)

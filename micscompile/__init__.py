@@ -13,7 +13,7 @@ from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, plan_me
 from micscompile.memory_stats import MemoryStats
 from micscompile.passes.context import Prefetch
 from micscompile.plan import Plan, PlanError, ResolvedPlan
-from micscompile.predict import simulate, step_memory, transformer_flops
+from micscompile.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
 from micscompile.program import Action, Kind, Program
 from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
@@ -21,5 +21,6 @@ from micscompile.trace import TraceError, TrainGraph, trace
 __all__ = [
     "Action", "Buffer", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
-    "TrainGraph", "TrainStep", "compile", "plan_memory", "simulate", "step_memory", "trace", "transformer_flops",
+    "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile", "plan_memory", "simulate", "step_memory", "trace",
+    "transformer_flops",
 ]

@@ -156,11 +156,13 @@ class Comm:
     copy_stream: Any = None
     """CUDA stream of activation offload copies (micscompile.offload), made on first use."""
 
-    def alloc(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer for a collective: the arena's next planned one, else a new tensor."""
+    def alloc(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A flat buffer for a collective (``like``'s device, ``dtype`` or its dtype): the arena's next
+        planned one, else a new tensor."""
+        dtype = dtype or like.dtype
         if self.arena is None:
-            return like.new_empty(numel)
-        return self.arena.take(name, numel, like.dtype)
+            return like.new_empty(numel, dtype=dtype)
+        return self.arena.take(name, numel, dtype)
 
 
 class Pending(NamedTuple):
@@ -191,15 +193,30 @@ def gather_full(layouts, shards: list[torch.Tensor], shard: GroupInfo, aliases: 
 # ---- operations inserted into the graph (call_function targets) ----------------------
 
 
+def _gather_input(shard: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
+    """What a rank sends into the gather ``out``: its ``shard``, or, with mixed precision, the
+    shard cast into its own chunk of ``out`` (an in-place gather: the cast needs no buffer and the
+    wire carries the low precision)."""
+    if out.dtype == shard.dtype and out.numel() > shard.numel():
+        return shard
+    own = out.view(-1, shard.numel())[index]
+    own.copy_(shard)
+    return own
+
+
 def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> Pending:
-    """Start gathering a bucket over the partition group into a [p * row_numel] buffer."""
+    """Start gathering a bucket over the partition group into a [p * row_numel] buffer in the
+    layout's ``gather_dtype`` (p = 1, mixed precision: only the cast)."""
     layout = comm.layouts[bucket]
     if hierarchical:
         pending = _hierarchical_all_gather(comm, layout, shard, f"AG{bucket}")
     else:
-        out = comm.alloc(f"AG{bucket}", layout.padded_numel, shard)
-        work = dist.all_gather_single(out, shard, group=comm.shard.group, async_op=True)
-        comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
+        out = comm.alloc(f"AG{bucket}", layout.padded_numel, shard, layout.gather_dtype)
+        src = _gather_input(shard, out, comm.shard.rank)
+        work = None
+        if layout.partition_size > 1:
+            work = dist.all_gather_single(out, src, group=comm.shard.group, async_op=True)
+            comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
         pending = Pending(work, out)
     comm.stats.gathered(layout.full_bytes)
     return pending
@@ -239,29 +256,39 @@ def reduce_scatter_issue(
 ) -> Pending:
     """Start summing a bucket's gradients over the partition group; result = own shard."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
+    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
     if hierarchical:
         return _hierarchical_reduce_scatter(comm, layout, flat, f"RS{bucket}")
     out = comm.alloc(f"RS{bucket}", layout.row_numel, flat)
     work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
-    comm.stats.record(REDUCE_SCATTER, comm.shard, layout.full_bytes)
+    comm.stats.record(REDUCE_SCATTER, comm.shard, layout.grad_bytes)
     return Pending(work, out)
 
 
 def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
     """grad_sync="every_step": sum full gradients over all ranks; result = own shard's row."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
+    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
-    comm.stats.record(ALL_REDUCE, comm.world, layout.full_bytes)
+    comm.stats.record(ALL_REDUCE, comm.world, layout.grad_bytes)
     return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank])
 
 
 def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
     """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
     layout = comm.layouts[bucket]
-    return pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like))
+    return pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
 
+
+
+def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype) -> Pending:
+    """The boundary all-reduce of a gradient accumulator (or the loss), summed in ``dtype``
+    (Plan.reduce_dtype): in place when ``acc`` has that dtype, else through a cast copy written
+    back at the wait (``collective_wait``)."""
+    buf = acc if acc.dtype == dtype else acc.to(dtype)
+    work = dist.all_reduce(buf, group=group.group, async_op=True)
+    stats.record(ALL_REDUCE, group, buf.numel() * buf.element_size())
+    return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf))
 
 
 # ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------
@@ -277,15 +304,15 @@ def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tens
     the node and (2) reorder [local][node] -> [node][local]: exactly the flat [C0, ..., C_{p-1}]."""
     inter, intra = comm.inter, comm.intra
     m, k, row = inter.size, intra.size, layout.row_numel
-    across = comm.alloc(name, m * row, shard)
-    work = dist.all_gather_single(across, shard, group=inter.group, async_op=True)
+    across = comm.alloc(name, m * row, shard, layout.gather_dtype)
+    work = dist.all_gather_single(across, _gather_input(shard, across, inter.rank), group=inter.group, async_op=True)
     comm.stats.record(ALL_GATHER, inter, across.numel() * across.element_size(), parallel_rings=k)
 
     def finish() -> torch.Tensor:
-        inside = comm.alloc(name, k * m * row, shard)
+        inside = comm.alloc(name, k * m * row, across)
         dist.all_gather_single(inside, across, group=intra.group)
         comm.stats.record(ALL_GATHER, intra, inside.numel() * inside.element_size())
-        result = comm.alloc(name, k * m * row, shard)
+        result = comm.alloc(name, k * m * row, across)
         result.view(m, k, row).copy_(inside.view(k, m, row).transpose(0, 1))
         return result
 

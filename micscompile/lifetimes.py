@@ -44,7 +44,7 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.arena import OUT_PREFIX, arena_out
-from micscompile.offload import offload, reload
+from micscompile.offload import offload, reload_issue, reload_wait
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory_plan import Buffer, MemoryPlan, plan_memory
 from micscompile.passes.out_variants import out_variants_pass
@@ -66,7 +66,7 @@ def on_device(buffers: list[Buffer]) -> list[Buffer]:
 
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
 _GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue, C.pack_local)
-_NO_ALLOC = (C.collective_wait, C.release, *_GATHERS, *_GRAD_SYNCS)
+_NO_ALLOC = (C.collective_wait, C.release, reload_wait, *_GATHERS, *_GRAD_SYNCS)
 
 
 @dataclass
@@ -173,7 +173,7 @@ class GraphLifetimes:
                     g.first.end = end
             elif n.target in _GRAD_SYNCS:
                 lay = self.layouts[n.args[1]]
-                full, row = lay.full_bytes, lay.shard_bytes
+                full, row = lay.grad_bytes, lay.grad_shard_bytes
                 name = f"RS{n.args[1]}"
                 held = held_until(self.wait_of.get(n, n))
                 waited = when(self.wait_of[n]) + 1 if n in self.wait_of else held
@@ -188,8 +188,9 @@ class GraphLifetimes:
                     add(full, t, held, name, "grad_bucket")
             elif n.target is offload:  # a host copy: not device memory (``kind="host"``)
                 add(n.args[1].meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "host")
-            elif n.target is reload:
-                add(n.meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "activation")
+            elif n.target is reload_issue:  # allocated at the issue, read through its wait
+                wait = next(u for u in self.users[n] if u.target is reload_wait)
+                add(n.meta.get(META_BYTES, 0), t, last_use(wait) + 1, n.name, "activation")
             elif n.target is arena_out:
                 size = math.prod(n.args[2]) * n.args[3].itemsize
                 add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary")

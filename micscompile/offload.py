@@ -1,13 +1,18 @@
 """Activation offload: graph ops that copy a checkpointed block output to host memory
-after the forward's last use of it and bring it back before the backward's first use
-(``passes.checkpoint`` inserts them when ``Plan.offload_activations``).
+after the forward's last use of it and bring it back ahead of the backward that needs it
+(``passes.checkpoint`` marks the values when ``Plan.offload_activations``; ``offload_pass``
+places the copies).
 
-On CUDA the copies run on a side stream into pinned host memory: ``offload`` records an
-event after the copy and the device tensor is released to the allocator only once the
-copy stream is done with it (``record_stream``); ``reload`` copies back on the side
-stream and makes the current stream wait for it. On the CPU the same Program runs with
-plain copies (host and device are one memory: the numbers, the order and the accounting
-are what is tested there).
+The reloads run in reverse forward order, each issued one segment ahead: where the
+backward waits for the previous reload (the first at the start of backward), so a copy
+overlaps the backward of the segment after it, and at most two reloaded outputs are
+live at once. On CUDA the copies run on a side stream into pinned host memory:
+``offload`` records an event after the copy and the device tensor is released to the
+allocator only once the copy stream is done with it (``record_stream``);
+``reload_issue`` copies back on the side stream after that event and records another;
+``reload_wait`` makes the current stream wait for it. On the CPU the same Program runs
+with plain copies (host and device are one memory: the numbers, the order and the
+accounting are what is tested there).
 """
 
 from __future__ import annotations
@@ -49,17 +54,34 @@ def offload(comm, x: torch.Tensor) -> Offloaded:
     return Offloaded(host, done, x.device)
 
 
-def reload(comm, off: Offloaded) -> torch.Tensor:
-    """Bring an offloaded tensor back to its device (the current stream waits for the copy)."""
+class Reloading(NamedTuple):
+    out: torch.Tensor
+    """The device copy, valid once ``reload_wait`` returns it."""
+    done: object
+    """The copy's torch.cuda.Event (None on the CPU)."""
+
+
+def reload_issue(comm, off: Offloaded) -> Reloading:
+    """Start bringing an offloaded tensor back to its device (on CUDA: on the copy stream, after
+    the offload's copy is done)."""
     if off.done is None:
-        return off.host.clone()
+        return Reloading(off.host.clone(), None)
     stream = _copy_stream(comm)
     with torch.cuda.stream(stream):
         stream.wait_event(off.done)
         out = off.host.to(off.device, non_blocking=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    out.record_stream(torch.cuda.current_stream())
-    return out
+        done = torch.cuda.Event()
+        done.record(stream)
+    return Reloading(out, done)
+
+
+def reload_wait(comm, r: Reloading) -> torch.Tensor:
+    """The reloaded tensor; the current stream waits for its copy (and keeps it from the allocator
+    until its own work on it is done)."""
+    if r.done is not None:
+        torch.cuda.current_stream().wait_event(r.done)
+        r.out.record_stream(torch.cuda.current_stream())
+    return r.out
 
 
 META_OFFLOAD = "mc_offload"
@@ -67,12 +89,14 @@ META_OFFLOAD = "mc_offload"
 
 
 def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
-    """After insert_collectives: each marked value is offloaded after its last forward use and
-    reloaded right before its first backward use; the backward reads the reloaded copy."""
+    """After insert_collectives: each marked value is offloaded after its last forward use; in
+    backward order, its reload is waited right before its first backward use and issued where the
+    previous one is waited (the first at the start of backward); the backward reads the reload."""
     if not ctx.plan.plan.offload_activations:
         return graph
     comm = next(n for n in graph.nodes if n.op == "placeholder")
     position = {n: i for i, n in enumerate(graph.nodes)}  # of the original nodes: insertions keep their order
+    moved = []  # (first backward use, value, its offload)
     for v in [n for n in graph.nodes if n.meta.get(META_OFFLOAD)]:
         bwd = [u for u in v.users if u.meta.get(META_REGION) == REGION_BWD]
         fwd = [u for u in v.users if u not in bwd and u.op != "output"]
@@ -83,11 +107,19 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
             off = graph.call_function(offload, (comm, v))
         off.meta = {**v.meta, META_BYTES: 0, META_REGION: v.meta.get(META_REGION)}  # host memory
         off.meta.pop(META_OFFLOAD)
-        with graph.inserting_before(min(bwd, key=position.__getitem__)):
-            back = graph.call_function(reload, (comm, off))
-        back.meta = {**v.meta, META_REGION: REGION_BWD}
-        back.meta.pop(META_OFFLOAD)
-        for u in bwd:
+        moved.append((min(bwd, key=position.__getitem__), v, off))
+    moved.sort(key=lambda m: position[m[0]])
+    issue_at = next((n for n in graph.nodes if n.meta.get(META_REGION) == REGION_BWD), None)
+    for first_use, v, off in moved:
+        with graph.inserting_before(issue_at):  # the start of backward, then the previous reload's wait
+            issue = graph.call_function(reload_issue, (comm, off))
+        with graph.inserting_before(first_use):
+            back = graph.call_function(reload_wait, (comm, issue))
+        issue.meta = {**v.meta, META_REGION: REGION_BWD}
+        issue.meta.pop(META_OFFLOAD)
+        back.meta = {**issue.meta, META_BYTES: 0}  # the issue allocated it
+        for u in [u for u in v.users if u.meta.get(META_REGION) == REGION_BWD]:
             u.replace_input_with(v, back)
+        issue_at = back
     graph.lint()
     return graph

@@ -12,6 +12,12 @@ import torch
 from torch import nn
 
 TOLERANCE = 1e-5
+LOW_PRECISION_TOLERANCE = 2e-2
+"""Mixed-precision parity against ``train_reference_mixed`` after 5 steps where the plan rounds
+differently from the reference: gradients summed in bf16 / fp16 (the reference sums in fp32), or a
+tied weight's two gradients summed in fp32 across pipeline stages (eager autograd sums them in
+param_dtype). A few roundings of 2^-9 (bf16) per step, compounded by momentum. Otherwise a
+mixed-precision plan runs exactly the reference's low-precision ops and meets ``TOLERANCE``."""
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,4 +56,49 @@ def train_reference(
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_reference_mixed(
+    model: nn.Module,
+    make_loss: Callable[[nn.Module], Callable[..., torch.Tensor]],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    global_batches: Sequence[Sequence[torch.Tensor]],
+    chunks: int,
+    param_dtype: torch.dtype,
+    num_model_inputs: int = 1,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
+
+    ``model`` keeps the fp32 master weights and the optimizer steps them. Each global batch is cut
+    into ``chunks`` equal slices (one per rank and micro-step of the plan compared against); each
+    slice runs forward and backward on ``copy.deepcopy(model).to(param_dtype)`` (parameters and
+    buffers cast), on floating inputs cast to it, with the loss ``make_loss(copy)``; the
+    slices' gradients are summed in fp32 and divided by ``chunks`` (the gradient of the global
+    mean loss). Returns (losses, master state_dict) like ``train_reference``.
+    """
+    low = copy.deepcopy(model).to(param_dtype)
+    masters = list(model.parameters())
+    opt = optimizer(masters)
+    loss_low = make_loss(low)
+    losses = []
+    for batch in global_batches:
+        with torch.no_grad():
+            for lp, mp in zip(low.parameters(), masters):
+                lp.copy_(mp)
+        low.zero_grad(set_to_none=True)
+        totals = [torch.zeros_like(mp) for mp in masters]
+        loss_sum = 0.0
+        for piece in zip(*(x.chunk(chunks) for x in batch)):
+            piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
+            loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
+            grads = torch.autograd.grad(loss, list(low.parameters()), allow_unused=True)
+            for total, g in zip(totals, grads):
+                if g is not None:
+                    total += g.float()
+            loss_sum += float(loss.detach().float())
+        for mp, total, g in zip(masters, totals, grads):
+            mp.grad = None if g is None else total / chunks
+        opt.step()
+        losses.append(loss_sum / chunks)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

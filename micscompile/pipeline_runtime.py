@@ -277,17 +277,14 @@ class PipelineStep:
         return (loss_buf[0] * self._scale).detach()
 
     def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        works = []
         replicate, world = self._groups["replicate"], self._groups["world"]
-        for ch in self._chunks.values():
-            for b in ch.boundary_buckets:
-                works.append(dist.all_reduce(ch.grads[b], group=replicate.group, async_op=True))
-                self._stats.record(C.ALL_REDUCE, replicate, ch.grads[b].numel() * ch.grads[b].element_size())
+        reduce_dtype = self._rp.plan.reduce_dtype
+        works = [C.all_reduce_start(self._stats, replicate, ch.grads[b], reduce_dtype)
+                 for ch in self._chunks.values() for b in ch.boundary_buckets]
         loss_buf = loss_sum.reshape(1)
-        works.append(dist.all_reduce(loss_buf, group=world.group, async_op=True))
-        self._stats.record(C.ALL_REDUCE, world, 4)
+        works.append(C.all_reduce_start(self._stats, world, loss_buf, torch.float32))
         for w in works:
-            w.wait()
+            C.collective_wait(None, w)
         for name in sorted(self.program.split.tied):
             pieces = self._tied_pieces(name)
             if not pieces:

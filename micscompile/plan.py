@@ -19,6 +19,10 @@ from typing import Literal
 import torch
 
 
+PRECISIONS = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes Plan.param_dtype and Plan.reduce_dtype accept."""
+
+
 class PlanError(ValueError):
     """A Plan that cannot work on this world; the message says what would."""
 
@@ -63,9 +67,12 @@ class Plan:
     """Checkpointed segment outputs go to host memory after their last forward use and come back
     before their backward (needs ``checkpoint``; micscompile.offload)."""
     param_dtype: torch.dtype = torch.float32
-    """dtype of gathered parameters and compute; only float32 so far."""
+    """Mixed precision: dtype of the gathered parameters and of compute (bfloat16 / float16). Each
+    rank casts its fp32 shard to it as it gathers (the wire carries it); the shards, their
+    gradients and the optimizer state stay fp32 (master weights). float16 gets no loss scaling."""
     reduce_dtype: torch.dtype = torch.float32
-    """dtype of gradient reduction; only float32 so far."""
+    """dtype the gradients are summed in: the reduce-scatter (or all-reduce) of every micro-step and
+    the boundary all-reduce; accumulation across micro-steps is fp32."""
     grad_sync: Literal["2hop", "every_step"] = "2hop"
     """"2hop": reduce-scatter in the partition group per micro-step, all-reduce in the
     replication group at the boundary; "every_step": all-reduce over all ranks every micro-step."""
@@ -104,13 +111,10 @@ class Plan:
                             "(or 'selective') too")
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
-        not_yet = {
-            "param_dtype other than float32": self.param_dtype != torch.float32,
-            "reduce_dtype other than float32": self.reduce_dtype != torch.float32,
-        }
-        missing = [what for what, asked in not_yet.items() if asked]
-        if missing:
-            raise PlanError(f"not implemented yet: {', '.join(missing)}; use the defaults for these fields")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in PRECISIONS:
+                raise PlanError(f"Plan.{name} must be one of {', '.join(map(str, PRECISIONS))}, "
+                                f"got {getattr(self, name)!r}")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.resolve(torch.distributed.get_world_size())
 
@@ -173,8 +177,11 @@ class ResolvedPlan:
 
     def __str__(self) -> str:
         pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.pipeline_chunks}" if self.stages > 1 else ""
+        plan = self.plan
+        mixed = "" if plan.param_dtype == plan.reduce_dtype == torch.float32 else \
+            f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"
         return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas}{pipe} "
-                f"s={self.micro_batches} grad_sync={self.plan.grad_sync}")
+                f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}")
 
     @property
     def spans_nodes(self) -> bool:

@@ -124,6 +124,19 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
     return MemoryStats.of(buffers, arena_plan(buffers)[1])
 
 
+def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, itemsize: int = 2,
+                               checkpoint: bool = False) -> float:
+    """Bytes one transformer layer keeps for its backward. Checkpointed: its input, b*s*h*itemsize
+    (design.md: b*s*h*2 in 16-bit). Otherwise Korthikanti et al.'s sbh(34 + 5as/h) 16-bit bytes less
+    what dropout adds (three masks and the dropped-out attention probabilities): sbh(32 + 2as/h),
+    attention probabilities materialized (the math attention a meta trace records), scaled to
+    ``itemsize``."""
+    sbh = batch * seq * hidden
+    if checkpoint:
+        return sbh * itemsize
+    return sbh * (32 + 2 * heads * seq / hidden) * itemsize / 2
+
+
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
     """FLOPs of one training iteration of a transformer (design.md, thesis eq. 3.4):
     96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with activation recomputation; 72 instead of 96 without."""

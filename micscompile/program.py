@@ -188,11 +188,13 @@ class Program:
 
     def collectives(self) -> list[Action]:
         """The collectives of one optimizer step, every micro-step expanded, in issue order; a
-        hierarchical one as its two stages (group "inter" or "intra", that stage's buffer)."""
+        hierarchical one as its two stages (group "inter" or "intra", that stage's buffer). A gather
+        over one rank (p = 1 with mixed precision: only the cast to param_dtype) is none."""
         steps = [a for mb in range(self.plan.micro_batches) for a in self.issued_in(mb)]
         out = []
         for a in steps + self.boundary:
-            if a.kind in COLLECTIVE_OF_KIND:
+            cast_only = a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT) and self.groups[a.group].size == 1
+            if a.kind in COLLECTIVE_OF_KIND and not cast_only:
                 out += hierarchical_stages(a, self.groups) if a.hierarchical else [a]
         return out
 
@@ -324,7 +326,9 @@ def build_program(
             bucket = node.args[1]
             group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
                      Kind.ALL_REDUCE: "world"}.get(kind)
-            actions.append(Action(kind, bucket, group=group, tensor_bytes=layouts[bucket].full_bytes,
+            lay = layouts[bucket]
+            nbytes = lay.grad_bytes if kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK) else lay.full_bytes
+            actions.append(Action(kind, bucket, group=group, tensor_bytes=nbytes,
                                   carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, ""),
                                   hierarchical=node.kwargs.get("hierarchical", False)))
             issued[node] = kind
@@ -337,6 +341,7 @@ def build_program(
     boundary = []
     if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
         reduced = sorted({a.bucket for a in actions if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
-        boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].shard_bytes) for b in reduced]
+        boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
+                     for b in reduced]
     boundary += [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]
     return Program(rank, plan, layouts, groups, actions, boundary)

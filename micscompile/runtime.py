@@ -112,16 +112,13 @@ class TrainStep:
                 raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
             if comm.arena is not None:
                 comm.arena.end_step()
-            works = []
-            for b in self._boundary_buckets:
-                acc = self._grads[b]
-                works.append(dist.all_reduce(acc, group=comm.replicate.group, async_op=True))
-                comm.stats.record(C.ALL_REDUCE, comm.replicate, acc.numel() * acc.element_size())
+            reduce_dtype = plan.plan.reduce_dtype
+            works = [C.all_reduce_start(comm.stats, comm.replicate, self._grads[b], reduce_dtype)
+                     for b in self._boundary_buckets]
             loss_buf = loss_sum.reshape(1)
-            works.append(dist.all_reduce(loss_buf, group=comm.world.group, async_op=True))
-            comm.stats.record(C.ALL_REDUCE, comm.world, loss_buf.numel() * loss_buf.element_size())
+            works.append(C.all_reduce_start(comm.stats, comm.world, loss_buf, torch.float32))
             for w in works:
-                w.wait()
+                C.collective_wait(comm, w)
             for acc in self._grads:
                 acc.mul_(self._scale)
         if self.track_memory:
@@ -296,10 +293,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
         if not_fp32:
-            raise PlanError(f"parameters must be float32 (fp32 master weights; low-precision compute via "
-                            f"param_dtype comes later), got {not_fp32[:3]}")
+            raise PlanError(f"parameters must be float32 (the fp32 master weights; compute in low precision "
+                            f"with Plan.param_dtype), got {not_fp32[:3]}")
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
-        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs)
+        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype)
         check_initializable(model, init_fn)
         state_keys = list(model.state_dict(keep_vars=True).keys())
         if rp.stages > 1:

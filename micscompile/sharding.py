@@ -42,6 +42,19 @@ class BucketLayout:
     row_numel: int
     """Elements of the bucket per rank (its shard): ceil(numel / p)."""
     dtype: torch.dtype
+    """The shards' (master weights') dtype."""
+    param_dtype: torch.dtype | None = None
+    """dtype of the gathered bucket (Plan.param_dtype); None: ``dtype``."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype of the packed gradients and their reduction (Plan.reduce_dtype); None: ``dtype``."""
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.dtype
 
     @property
     def numel(self) -> int:
@@ -53,12 +66,23 @@ class BucketLayout:
 
     @property
     def shard_bytes(self) -> int:
+        """Bytes of one master shard (and of its gradient accumulator)."""
         return self.row_numel * self.dtype.itemsize
 
     @property
     def full_bytes(self) -> int:
-        """Bytes of the gathered bucket (padding included)."""
-        return self.padded_numel * self.dtype.itemsize
+        """Bytes of the gathered bucket (padding included), in ``gather_dtype``."""
+        return self.padded_numel * self.gather_dtype.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the packed gradient bucket, in ``grad_dtype``."""
+        return self.padded_numel * self.grad_dtype.itemsize
+
+    @property
+    def grad_shard_bytes(self) -> int:
+        """Bytes of one reduced gradient shard, in ``grad_dtype``."""
+        return self.row_numel * self.grad_dtype.itemsize
 
     def local_range(self, slot: ParamSlot, shard_rank: int) -> tuple[int, int]:
         """[lo, hi) of ``slot``'s flattened elements that ``shard_rank`` owns (lo == hi: none)."""
@@ -77,8 +101,12 @@ def build_layouts(
     shapes: dict[str, torch.Size],
     partition_size: int,
     dtype: torch.dtype = torch.float32,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> list[BucketLayout]:
-    """Layouts for ``buckets`` = [(bucket name, [canonical param names])] in bucket order."""
+    """Layouts for ``buckets`` = [(bucket name, [canonical param names])] in bucket order; the
+    shards in ``dtype``, gathered in ``param_dtype`` and reduced in ``reduce_dtype`` (None: ``dtype``)."""
+    same = {None, dtype}.__contains__
     layouts = []
     for index, (name, params) in enumerate(buckets):
         slots, offset = [], 0
@@ -87,7 +115,9 @@ def build_layouts(
             slots.append(ParamSlot(pname, tuple(shapes[pname]), numel, offset))
             offset += numel
         row = -(-offset // partition_size)
-        layouts.append(BucketLayout(index, name, tuple(slots), partition_size, row, dtype))
+        layouts.append(BucketLayout(index, name, tuple(slots), partition_size, row, dtype,
+                                    None if same(param_dtype) else param_dtype,
+                                    None if same(reduce_dtype) else reduce_dtype))
     return layouts
 
 
@@ -134,16 +164,17 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
 def pack_grads(
     layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer (None = zero); into ``out`` when
-    given (each gradient copied into its slot: no temporary, whatever its strides)."""
+    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer in ``grad_dtype`` (None = zero);
+    into ``out`` when given (each gradient copied, and cast, into its slot: no temporary, whatever
+    its strides)."""
     if out is None:
         parts = [
-            g.reshape(-1) if g is not None else like.new_zeros(slot.numel, dtype=layout.dtype)
+            g.reshape(-1).to(layout.grad_dtype) if g is not None else like.new_zeros(slot.numel, dtype=layout.grad_dtype)
             for slot, g in zip(layout.slots, grads)
         ]
         pad = layout.padded_numel - layout.numel
         if pad:
-            parts.append(like.new_zeros(pad, dtype=layout.dtype))
+            parts.append(like.new_zeros(pad, dtype=layout.grad_dtype))
         return torch.cat(parts)
     for slot, g in zip(layout.slots, grads):
         dst = out[slot.offset : slot.offset + slot.numel]

@@ -75,6 +75,9 @@ class TrainGraph:
     num_model_inputs: int
     blocks: list[str]
     """FQNs of the model's blocks (passes.buckets.find_blocks): the default gather units."""
+    compute_dtype: torch.dtype | None = None
+    """Mixed precision (``trace(param_dtype=...)``): the dtype the graph's floating parameters and
+    batch inputs have (the graph casts the inputs itself); None: the model's own dtypes."""
 
     @property
     def num_params(self) -> int:
@@ -117,8 +120,9 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(t, device="meta")
+def _to_meta(t: torch.Tensor, floating: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on meta (a leaf); ``floating``: the dtype a floating ``t`` gets."""
+    out = torch.empty_like(t, device="meta", dtype=floating if floating is not None and t.is_floating_point() else None)
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
 
 
@@ -167,6 +171,7 @@ def trace(
     loss_fn: Callable[..., torch.Tensor],
     *,
     num_model_inputs: int = 1,
+    param_dtype: torch.dtype | None = None,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -174,6 +179,11 @@ def trace(
     ``loss_fn(output, *example_inputs[num_model_inputs:])`` and must be a scalar.
     Works for models built under ``torch.device("meta")`` and for real models (their
     values are not read). Needs no process group.
+
+    ``param_dtype`` (mixed precision, ``Plan.param_dtype``): the graph computes with its
+    floating parameters in this dtype (they arrive gathered in it) and casts the floating
+    buffers and batch inputs to it as its first ops; gradients come out in it. The result is
+    what ``model.to(param_dtype)`` computes on inputs cast the same way.
     """
     example_inputs = tuple(example_inputs)
     if not 1 <= num_model_inputs <= len(example_inputs):
@@ -191,7 +201,12 @@ def trace(
     # new fake mode (and a Python stack capture) per op, ~45% of the time on large models; and
     # ops whose output shape depends on data fail where they happen, not at a later guard.
     fake_mode = FakeTensorMode()  # no ShapeEnv: dynamic output shapes raise at their op
-    params = {name: fake_mode.from_tensor(_to_meta(p)) for name, p in model.named_parameters()}
+    low = param_dtype if param_dtype is not None and param_dtype != torch.float32 else None
+
+    def compute(t: torch.Tensor) -> torch.Tensor:
+        return t.to(low) if low is not None and t.is_floating_point() else t
+
+    params = {name: fake_mode.from_tensor(_to_meta(p, low)) for name, p in model.named_parameters()}
     buffers = {name: fake_mode.from_tensor(_to_meta(b)) for name, b in model.named_buffers()}
     inputs = [fake_mode.from_tensor(_to_meta(x).requires_grad_(False)) for x in example_inputs]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -231,6 +246,9 @@ def trace(
             todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
     def joint(params, buffers, *inputs):
+        # traced: the graph casts the batch and the buffers itself (they stay in their dtype outside it)
+        inputs = [compute(x) for x in inputs]
+        buffers = {n: compute(b) for n, b in buffers.items()}
         # the traced tensors stand in for the module's own while the forward AND the loss run:
         # a loss_fn that reads a parameter (a temperature, a regulariser) must see the traced one
         with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
@@ -289,12 +307,13 @@ def trace(
         param_names=list(params),
         param_aliases=aliases,
         param_shapes={n: p.shape for n, p in params.items()},
-        param_dtypes={n: p.dtype for n, p in params.items()},
+        param_dtypes={n: p.dtype for n, p in model.named_parameters()},
         trainable=trainable,
         buffer_names=list(buffers),
         input_specs=[(x.shape, x.dtype) for x in inputs],
         num_model_inputs=num_model_inputs,
         blocks=find_blocks(model),
+        compute_dtype=low,
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from micscompile.passes.buckets import param_derived, plan_buckets
-from micscompile.plan import ResolvedPlan
+from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.sharding import BucketLayout, build_layouts
 from micscompile.trace import TrainGraph
 
@@ -71,12 +71,23 @@ def first_uses(tg: TrainGraph) -> dict[str, int]:
     return first
 
 
+def check_precision(tg: TrainGraph, plan: ResolvedPlan) -> None:
+    """The trace must compute in the Plan's param_dtype (``trace(param_dtype=...)``)."""
+    want = None if plan.plan.param_dtype == torch.float32 else plan.plan.param_dtype
+    if tg.compute_dtype != want:
+        raise PlanError(f"Plan.param_dtype={plan.plan.param_dtype} but the trace computes in "
+                        f"{tg.compute_dtype or 'the model dtypes'}: trace with mc.trace(..., param_dtype="
+                        f"{plan.plan.param_dtype})")
+
+
 def make_context(
     tg: TrainGraph, plan: ResolvedPlan, device: torch.device = CPU, prefetch: Prefetch = Prefetch(),
 ) -> PassContext:
     """Buckets and layouts for ``plan``: needs no process group."""
+    check_precision(tg, plan)
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
     buckets, block_bucket = plan_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)
-    layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size))
+    dtypes = plan.plan.param_dtype, plan.plan.reduce_dtype
+    layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size, torch.float32, *dtypes))
     return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device,
                        prefetch=prefetch)

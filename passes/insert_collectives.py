@@ -35,8 +35,9 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
   after the gradients (the chunk's sends) pass through.
 * Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
   reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
-* p = 1: no gathers (parameters are views of the local shard) and ``pack_local``
-  instead of a reduce-scatter.
+* p = 1: no gathers (parameters are views of the local shard; with mixed precision,
+  of a cast copy made where the gather would be) and ``pack_local`` instead of a
+  reduce-scatter.
 
 Invariants: every consumer of a parameter sits inside an interval of its bucket;
 intervals of one bucket are disjoint; every rank gets the same graph, so every rank
@@ -125,6 +126,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     tg = ctx.graph
     p = ctx.plan.partition_size
     layouts = ctx.layouts
+    gathers = p > 1 or any(lay.gather_dtype != lay.dtype for lay in layouts)  # p = 1: a cast still "gathers"
     bucket_of = {slot.name: lay.index for lay in layouts for slot in lay.slots}
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -152,7 +154,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             iv.params |= {name for name in used if bucket_of[name] == b}
             active[(c, b)] = iv
     intervals.sort(key=lambda iv: (order[iv.first], iv.bucket))
-    if p > 1 and ctx.prefetch.keep_live:
+    if gathers and ctx.prefetch.keep_live:
         intervals = _keep_live(intervals, active, order, ctx.prefetch.keep_live)
 
     # ---- new signature: comm, one shard per bucket -----------------------------------
@@ -176,7 +178,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     last_at_cut = None
     for k, iv in enumerate(intervals):
         lay = layouts[iv.bucket]
-        if p == 1:
+        if not gathers:
             src = shards[iv.bucket]
             anchor = iv.first
         else:
@@ -209,7 +211,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 args = (src, slot.offset, slot.numel, slot.shape)
                 with graph.inserting_before(anchor):
                     iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
-        if p > 1:
+        if gathers:
             with graph.inserting_after(iv.last):
                 rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
             _tag(rel, iv.last, iv.bucket)

@@ -19,7 +19,7 @@ import torch
 
 import micscompile as mc
 from micscompile.materialize import initialize
-from micscompile.parity import rel_error, state_error, train_reference
+from micscompile.parity import rel_error, state_error, train_reference, train_reference_mixed
 from micscompile.sharding import shard_of
 from harness import run_cases
 from models import MODELS
@@ -49,6 +49,13 @@ class Case:
     checkpoint: bool | str = False
     checkpoint_every: int = 1
     offload: bool = False
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    """Mixed precision: compared with ``train_reference_mixed`` instead of fp32 eager."""
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32
 
     @property
     def id(self) -> str:
@@ -58,6 +65,8 @@ class Case:
         if self.checkpoint:
             extra += f"-ckpt{'sel' if self.checkpoint == 'selective' else ''}{self.checkpoint_every}"
             extra += "-offload" if self.offload else ""
+        if self.mixed:
+            extra += f"-{str(self.param_dtype)[6:]}-reduce_{str(self.reduce_dtype)[6:]}"
         if self.prefetch is not None:
             pf = self.prefetch
             extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
@@ -81,7 +90,10 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     batches = make_batches(STEPS, LOCAL_BATCH * world)
     opt = optimizer(case.opt)
     ref = copy.deepcopy(model)
-    ref_losses, ref_state = train_reference(ref, make_loss(ref), opt, batches, copy_model=False)
+    if case.mixed:  # fp32 masters, each rank's micro-batch a slice computed in param_dtype
+        ref_losses, ref_state = train_reference_mixed(ref, make_loss, opt, batches, world * case.s, case.param_dtype)
+    else:
+        ref_losses, ref_state = train_reference(ref, make_loss(ref), opt, batches, copy_model=False)
 
     if case.meta:
         with torch.device("meta"):
@@ -90,7 +102,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
                    hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every,
-                   offload_activations=case.offload)
+                   offload_activations=case.offload, param_dtype=case.param_dtype, reduce_dtype=case.reduce_dtype)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
                       prefetch=None if case.prefetch is None else (case.prefetch,), arena=case.arena)
@@ -113,7 +125,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
         "own_shard_err": own_err,
         "state_err": state_error(state, ref_state),
-        "state": state if case.meta or case in REAL_TWINS or case in ARENA_PAIRS or case in CKPT_TWINS or case in CKPT_TWINS.values() else None,
+        "state": state if case in KEEP_STATE else None,
         "memory": (memory.arena_bytes, memory.arena_buffers, memory.outside_planned_peak_bytes,
                    memory.outside_measured_peak_bytes),
         "measured": {k: r.bytes for k, r in stats.rows.items()},
@@ -176,7 +188,22 @@ CKPT = [
     Case("tied_lm", 2, 3, "sgd", checkpoint=True, offload=True), Case("convnet", 4, 4, "adamw", checkpoint=True, offload=True),
 ]
 CKPT_TWINS = {c: dataclasses.replace(c, checkpoint=False, checkpoint_every=1, offload=False) for c in CKPT}
-CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS + ARENA_OFF + CKPT
+# mixed precision: gathers and compute in bf16 / fp16, fp32 masters, reduction in fp32 or low precision
+BF16, FP16 = torch.bfloat16, torch.float16
+MIXED = [
+    Case("tied_lm", 2, 3, "sgd", param_dtype=BF16), Case("convnet", 4, 4, "adamw", param_dtype=BF16),
+    Case("convnet", 1, 3, "sgd", param_dtype=BF16),  # p = 1: the cast without a gather
+    Case("tied_lm", 4, 1, "sgd", param_dtype=BF16, reduce_dtype=BF16),
+    Case("convnet", 4, 4, "sgd", param_dtype=FP16, reduce_dtype=FP16),
+    Case("tied_lm", 4, 3, "adamw", k=2, hierarchical=True, param_dtype=BF16),
+    Case("convnet", 2, 2, "sgd", k=2, param_dtype=BF16, reduce_dtype=BF16),  # low-precision boundary all-reduce
+    Case("tied_lm", 2, 3, "sgd", checkpoint=True, offload=True, param_dtype=BF16),
+]
+MIXED_TWINS = {c: dataclasses.replace(c, param_dtype=torch.float32, reduce_dtype=torch.float32) for c in MIXED}
+CASES = PARITY + EXTRA + REAL_TWINS + FLAT_TWINS + ARENA_OFF + CKPT + MIXED
+KEEP_STATE = {c for c in EXTRA if c.meta}.union(
+    REAL_TWINS, ARENA_PAIRS, CKPT_TWINS, CKPT_TWINS.values(), MIXED_TWINS, MIXED_TWINS.values())
+"""The cases whose full state is compared value for value with a twin's."""
 
 
 def _expect_error(kind, fn) -> str:

@@ -80,17 +80,61 @@ def test_random_ops_are_refused(gpt):
         _lowered(tg, checkpoint=True)
 
 
-def test_offload_moves_the_checkpointed_outputs_to_host_and_lowers_the_device_peak(gpt):
+# activation-heavy: long sequences, a narrow model, bf16 (what checkpointing and offload are for)
+DEEP = GPTConfig(vocab_size=256, seq_len=256, layers=8, hidden=64, heads=4)
+DEEP_BATCH = 8
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def deep_bf16():
+    with torch.device("meta"):
+        model = GPT(DEEP)
+    x = torch.zeros(DEEP_BATCH, DEEP.seq_len, dtype=torch.long)
+    return mc.trace(model, (x, x), lm_loss, param_dtype=BF16)
+
+
+def _device_buffers(tg, **plan):
     from micscompile.lifetimes import on_device
 
-    ckpt = step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=True), WORLD)
-    off = step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=True, offload_activations=True), WORLD)
-    host = [b for b in off if b.kind == "host"]
-    b, s, h = 4, CFG.seq_len, CFG.hidden
+    return on_device(step_buffers_of(tg, mc.Plan(partition_size=2, param_dtype=BF16, **plan), WORLD))
+
+
+def _peak(buffers) -> int:
+    return mc.plan_memory(buffers).lower_bound_bytes
+
+
+def test_planned_peak_falls_by_the_activations_the_formula_says_checkpointing_drops(deep_bf16):
+    """design.md: a checkpointed layer keeps b*s*h*2 bytes; without checkpointing it keeps
+    sbh(32 + 2as/h) (Korthikanti et al., dropout-free). The planned peak per rank falls by at least
+    the difference, for every layer: all layers' activations are live at the end of forward without
+    checkpointing, one layer's recomputed ones at a time with it."""
+    b, s, h, a, layers = DEEP_BATCH, DEEP.seq_len, DEEP.hidden, DEEP.heads, DEEP.layers
+    full = mc.activation_bytes_per_layer(b, s, h, a, itemsize=2)
+    kept = mc.activation_bytes_per_layer(b, s, h, a, itemsize=2, checkpoint=True)
+    no, ckpt = _peak(_device_buffers(deep_bf16)), _peak(_device_buffers(deep_bf16, checkpoint=True))
+    assert no - ckpt >= layers * (full - kept), (no, ckpt, layers * (full - kept))
+
+
+def test_offload_moves_the_checkpointed_outputs_to_host_and_lowers_the_device_peak(deep_bf16):
+    """The checkpointed outputs (design.md's b*s*h*2 bytes per layer) go to host memory: the
+    device keeps at most two of them (the one its backward reads and the one reloaded ahead), so
+    the peak of saved activations falls by the other layers' outputs, and the planned peak falls."""
+    ckpt = _device_buffers(deep_bf16, checkpoint=True)
+    off = step_buffers_of(deep_bf16, mc.Plan(partition_size=2, param_dtype=BF16, checkpoint=True,
+                                             offload_activations=True), WORLD)
+    kept = mc.activation_bytes_per_layer(DEEP_BATCH, DEEP.seq_len, DEEP.hidden, DEEP.heads, checkpoint=True)
+    host = [x for x in off if x.kind == "host"]
     # one host copy per segment output the backward reads (each block's b x s x h output)
-    assert len(host) >= CFG.layers and all(x.size == b * s * h * 4 for x in host[:CFG.layers])
-    L = lambda bufs: mc.plan_memory(on_device(bufs)).lower_bound_bytes  # noqa: E731
-    assert L(off) < L(ckpt)
+    assert len(host) >= DEEP.layers - 1 and all(x.size == kept for x in host[:DEEP.layers - 1])
+    off = [x for x in off if x.kind != "host"]
+    saved = lambda bufs: _peak([x for x in bufs if x.kind == "activation"])  # noqa: E731
+    assert saved(ckpt) - saved(off) >= (DEEP.layers - 2) * kept, (saved(ckpt), saved(off), kept)
+    assert _peak(off) < _peak(ckpt)
+    # reloads are issued in reverse forward order, each one segment before its wait
+    reloads = [x for x in off if x.name.startswith("reload_issue")]
+    assert len(reloads) == len(host)
+    assert max(sum(1 for r in reloads if r.start <= t < r.end) for t in range(max(r.end for r in reloads))) == 2
     # the same collectives: offload only adds copies
-    base = _lowered(gpt, checkpoint=True).program.collective_order()
-    assert _lowered(gpt, checkpoint=True, offload_activations=True).program.collective_order() == base
+    base = _lowered(deep_bf16, checkpoint=True, param_dtype=BF16).program.collective_order()
+    assert _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16).program.collective_order() == base

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from dist_cases import ARENA_OFF, ARENA_PAIRS, CKPT, CKPT_TWINS, CASES, EXTRA, REAL_TWINS, STEPS, Case, run_all
+from dist_cases import (ARENA_OFF, ARENA_PAIRS, CKPT, CKPT_TWINS, CASES, EXTRA, MIXED, MIXED_TWINS, REAL_TWINS, STEPS,
+                        Case, run_all)
 from harness import assert_parity, launch
-from micscompile.parity import TOLERANCE
+from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error
 
 WORLD = 4
 pytestmark = pytest.mark.multiproc
@@ -22,9 +23,33 @@ def results() -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity_with_single_process_eager(results, case: Case):
-    assert_parity(results, case, TOLERANCE)
+    """fp32 plans against fp32 eager; mixed-precision plans against ``train_reference_mixed`` (eager
+    ``model.to(param_dtype)`` on each rank's micro-batch, fp32 master weights)."""
+    tolerance = LOW_PRECISION_TOLERANCE if case.reduce_dtype != torch.float32 else TOLERANCE
+    assert_parity(results, case, tolerance)
     for rank, res in enumerate(results):
-        assert res[case]["own_shard_err"] <= TOLERANCE, (rank, res[case]["own_shard_err"])
+        assert res[case]["own_shard_err"] <= tolerance, (rank, res[case]["own_shard_err"])
+
+
+@pytest.mark.parametrize("case", MIXED, ids=lambda c: c.id)
+def test_mixed_precision_moves_low_precision_on_the_wire(results, case: Case):
+    """The cast is folded into the gather: every all-gather carries param_dtype (half the bytes of
+    the fp32 twin in bf16), every reduce-scatter and all-reduce of gradients reduce_dtype; the
+    collectives are the same calls. And the low-precision run really computes in low precision:
+    its parameters differ from the fp32 twin's by far more than the fp32 tolerance."""
+    twin = MIXED_TWINS[case]
+    for rank, res in enumerate(results):
+        mixed, fp32 = res[case], res[twin]
+        assert mixed["calls"] == fp32["calls"], rank
+        for (kind, group), nbytes in fp32["measured"].items():
+            if group == "world" and kind == "all_reduce" and case.grad_sync == "2hop":
+                continue  # the loss: fp32 either way
+            dtype = case.param_dtype if kind == "all_gather" else case.reduce_dtype
+            assert mixed["measured"][(kind, group)] * 4 == nbytes * dtype.itemsize, (rank, kind, group)
+        assert mixed["measured"] == mixed["predicted"], rank
+    if case.param_dtype != torch.float32:
+        err = max(rel_error(results[0][case]["state"][k], v) for k, v in results[0][twin]["state"].items())
+        assert err > 10 * TOLERANCE, err
 
 
 @pytest.mark.parametrize("case", [c for c in EXTRA if c.meta], ids=lambda c: c.id)
@@ -82,8 +107,8 @@ def test_checkpointing_changes_no_numbers(results, case: Case):
         assert gathers == base if case.checkpoint_every == 1 else gathers > base, (rank, gathers, base)
 
 
-def _padded_model_bytes(layouts, p: int) -> int:
-    return sum(p * row * 4 for row, _, _ in layouts)
+def _padded_model_elements(layouts, p: int) -> int:
+    return sum(p * row for row, _, _ in layouts)
 
 
 @pytest.mark.parametrize(
@@ -95,23 +120,24 @@ def test_comm_volume_matches_design_formulas(results, case: Case):
     r = results[0][case]
     p, s, n = case.p, case.s, WORLD
     keep = case.prefetch.keep_live if case.prefetch else 0
-    kept = sum(p * row * 4 for row, _, _ in r["layouts"][len(r["layouts"]) - keep:])
+    kept = sum(p * row for row, _, _ in r["layouts"][len(r["layouts"]) - keep:])
     d = n // p
-    m_pad = _padded_model_bytes(r["layouts"], p)
-    m = sum(numel * 4 for _, numel, _ in r["layouts"])
-    assert 0 <= m_pad - m <= 4 * (p - 1) * len(r["layouts"])  # padding only: < p elements per bucket
+    m_pad = _padded_model_elements(r["layouts"], p)  # elements; gathered in param_dtype, reduced in reduce_dtype
+    m = sum(numel for _, numel, _ in r["layouts"])
+    assert 0 <= m_pad - m <= (p - 1) * len(r["layouts"])  # padding only: < p elements per bucket
+    a, g = case.param_dtype.itemsize, case.reduce_dtype.itemsize
     loss = STEPS * 2 * 4 * (n - 1) // n
     expected = {}
     if p > 1:
-        expected[("all_gather", "shard")] = STEPS * s * (2 * m_pad - kept) * (p - 1) // p
+        expected[("all_gather", "shard")] = STEPS * s * (2 * m_pad - kept) * a * (p - 1) // p
     if case.grad_sync == "2hop":
         if p > 1:
-            expected[("reduce_scatter", "shard")] = STEPS * s * (p - 1) * m_pad // p
+            expected[("reduce_scatter", "shard")] = STEPS * s * (p - 1) * m_pad * g // p
         if d > 1:
-            expected[("all_reduce", "replicate")] = STEPS * 2 * (d - 1) * (m_pad // p) // d
+            expected[("all_reduce", "replicate")] = STEPS * 2 * (d - 1) * (m_pad // p) * g // d
         expected[("all_reduce", "world")] = loss
     else:
-        expected[("all_reduce", "world")] = STEPS * s * 2 * (n - 1) * m_pad // n + loss
+        expected[("all_reduce", "world")] = STEPS * s * 2 * (n - 1) * m_pad * g // n + loss
     for res in results:
         assert res[case]["measured"] == expected
 
@@ -181,7 +207,7 @@ def test_runtime_peak_of_gathered_bytes_is_the_programs(results, case: Case):
         assert measured == planned
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.hierarchical is True and c.arena], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.hierarchical is True and c.arena and not c.mixed], ids=lambda c: c.id)
 def test_hierarchical_plan_moves_less_across_nodes(results, case: Case):
     """Same model and plan, gathered flat: the hierarchical run's inter-node bytes per gather are
     (p-k)/(p-1) of the flat run's."""

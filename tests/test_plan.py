@@ -31,7 +31,8 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True or 'selective'"),
         ({"checkpoint_every": 0}, "Plan.checkpoint_every must be a positive int"),
         ({"offload_activations": True}, "set checkpoint=True"),
-        ({"param_dtype": torch.bfloat16}, "not implemented yet: param_dtype"),
+        ({"param_dtype": torch.int8}, "Plan.param_dtype must be one of torch.float32, torch.bfloat16"),
+        ({"reduce_dtype": "bf16"}, "Plan.reduce_dtype must be one of"),
     ],
 )
 def test_bad_fields_are_refused_with_what_would_work(kwargs, message):
