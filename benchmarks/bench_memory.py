@@ -17,6 +17,13 @@ receives, activations, temporaries). Columns:
 * arena: what ``mc.compile`` actually puts in its runtime arena (the collectives'
   buffers) and its ratio to that subset's L.
 
+Then checkpointing and offload on the GPT in bf16 (``Plan.param_dtype``) against the
+formulas (design.md: a checkpointed layer keeps b*s*h*2 bytes; Korthikanti et al.'s
+dropout-free sbh(32 + 2as/h) without it; ``mc.activation_bytes_per_layer``): the device L
+and the peak of saved activations per option, and whether each drop is at least what the
+formula predicts (checkpointing: every layer's full activations less its kept input;
+offload: all kept inputs but the two the backward holds, one in use and one reloaded ahead).
+
 No GPU and no process group needed.
 """
 
@@ -30,7 +37,7 @@ import torch
 
 import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
-from micscompile.lifetimes import arena_plan
+from micscompile.lifetimes import arena_plan, on_device
 from micscompile.models import GPT, GPTConfig, lm_loss
 from micscompile.predict import step_buffers_of
 
@@ -38,12 +45,46 @@ MIB = 1 << 20
 WORLD = 4
 
 
-def gpt_trace(causal: bool, batch: int = 8):
-    cfg = GPTConfig(vocab_size=8192, seq_len=512, layers=8, hidden=512, heads=8, causal=causal)
+GPT_CFG = GPTConfig(vocab_size=8192, seq_len=512, layers=8, hidden=512, heads=8)
+
+
+def gpt_trace(causal: bool, batch: int = 8, param_dtype=None):
+    cfg = GPTConfig(**{**GPT_CFG.__dict__, "causal": causal})
     with torch.device("meta"):
         model = GPT(cfg)
     x = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss)
+    return mc.trace(model, (x, x), lm_loss, param_dtype=param_dtype)
+
+
+def checkpoint_report(batch: int = 8) -> bool:
+    """Device L and saved-activation peak for no checkpointing / checkpointing / + offload, bf16 GPT,
+    against the formulas; True when every drop is at least the predicted one."""
+    bf16 = torch.bfloat16
+    trace = gpt_trace(True, batch, bf16)
+    c = GPT_CFG
+    full = mc.activation_bytes_per_layer(batch, c.seq_len, c.hidden, c.heads)
+    kept = mc.activation_bytes_per_layer(batch, c.seq_len, c.hidden, c.heads, checkpoint=True)
+    options = {"none": {}, "checkpoint": {"checkpoint": True},
+               "checkpoint + offload": {"checkpoint": True, "offload_activations": True}}
+    L, saved = {}, {}
+    for name, extra in options.items():
+        buffers = on_device(step_buffers_of(trace, mc.Plan(partition_size=2, param_dtype=bf16, **extra), WORLD))
+        L[name] = mc.plan_memory(buffers).lower_bound_bytes
+        saved[name] = mc.plan_memory([b for b in buffers if b.kind == "activation"]).lower_bound_bytes
+    print(f"\nGPT {c.layers} x h{c.hidden}, seq {c.seq_len}, batch {batch}, bf16, p=2 (4 ranks): per layer the formula "
+          f"keeps {full / MIB:.1f} MiB without checkpointing, {kept / MIB:.1f} MiB with it")
+    head = f"{'option':<22}{'device L MiB':>13}{'saved peak MiB':>16}"
+    print(head + "\n" + "-" * len(head))
+    for name in options:
+        print(f"{name:<22}{L[name] / MIB:>13.1f}{saved[name] / MIB:>16.1f}")
+    ckpt_drop, want_ckpt = L["none"] - L["checkpoint"], c.layers * (full - kept)
+    off_drop, want_off = saved["checkpoint"] - saved["checkpoint + offload"], (c.layers - 2) * kept
+    print(f"checkpointing lowers L by {ckpt_drop / MIB:.1f} MiB; formula: >= layers * (full - kept) = "
+          f"{want_ckpt / MIB:.1f} MiB  [{'ok' if ckpt_drop >= want_ckpt else 'FAIL'}]")
+    print(f"offload lowers the saved peak by {off_drop / MIB:.1f} MiB; formula: >= (layers - 2) * kept = "
+          f"{want_off / MIB:.1f} MiB  [{'ok' if off_drop >= want_off else 'FAIL'}]; device L by "
+          f"{(L['checkpoint'] - L['checkpoint + offload']) / MIB:.1f} MiB")
+    return ckpt_drop >= want_ckpt and off_drop >= want_off
 
 
 def cnn_trace(batch: int = 64):
@@ -107,6 +148,7 @@ def main() -> None:
                   f"{r['rt_arena'] / max(r['rt_L'], 1):>9.4f}{r['solve_s']:>9.2f}  {r['method']}", flush=True)
     print(f"\nworst plan / L: {worst_l:.4f} (goal <= 1.01); smallest PyTorch reserved / plan: {worst_pt:.2f}x "
           f"(goal >= 1)")
+    checkpoint_report()
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ class GraphLifetimes:
                 add(n.args[1].meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "host")
             elif n.target is reload_issue:  # allocated at the issue, read through its wait
                 wait = next(u for u in self.users[n] if u.target is reload_wait)
-                add(n.meta.get(META_BYTES, 0), t, last_use(wait) + 1, n.name, "activation")
+                add(wait.meta.get(META_BYTES, 0), t, last_use(wait) + 1, n.name, "activation")
             elif n.target is arena_out:
                 size = math.prod(n.args[2]) * n.args[3].itemsize
                 add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary")

@@ -115,9 +115,11 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
             issue = graph.call_function(reload_issue, (comm, off))
         with graph.inserting_before(first_use):
             back = graph.call_function(reload_wait, (comm, issue))
-        issue.meta = {**v.meta, META_REGION: REGION_BWD}
-        issue.meta.pop(META_OFFLOAD)
-        back.meta = {**issue.meta, META_BYTES: 0}  # the issue allocated it
+        # the bytes sit on the wait, whose value the backward reads (node_cost.activation_bytes counts
+        # them from there); the lifetimes allocate them at the issue
+        back.meta = {**v.meta, META_REGION: REGION_BWD}
+        back.meta.pop(META_OFFLOAD)
+        issue.meta = {**back.meta, META_BYTES: 0}
         for u in [u for u in v.users if u.meta.get(META_REGION) == REGION_BWD]:
             u.replace_input_with(v, back)
         issue_at = back
