@@ -251,12 +251,18 @@ def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
     comm.stats.gathered(-comm.layouts[bucket].full_bytes)
 
 
+def _packed(comm: Comm, bucket: int, like: torch.Tensor, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """The bucket's gradients packed, in ``grad_dtype``, into its flat buffer (the arena's, planned)."""
+    layout = comm.layouts[bucket]
+    return pack_grads(layout, grads, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
+
+
 def reduce_scatter_issue(
     comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None, hierarchical: bool = False,
 ) -> Pending:
     """Start summing a bucket's gradients over the partition group; result = own shard."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
+    flat = _packed(comm, bucket, like, grads)
     if hierarchical:
         return _hierarchical_reduce_scatter(comm, layout, flat, f"RS{bucket}")
     out = comm.alloc(f"RS{bucket}", layout.row_numel, flat)
@@ -268,7 +274,7 @@ def reduce_scatter_issue(
 def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
     """grad_sync="every_step": sum full gradients over all ranks; result = own shard's row."""
     layout = comm.layouts[bucket]
-    flat = pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
+    flat = _packed(comm, bucket, like, grads)
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
     comm.stats.record(ALL_REDUCE, comm.world, layout.grad_bytes)
     return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank])
@@ -276,8 +282,7 @@ def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
 
 def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
     """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
-    layout = comm.layouts[bucket]
-    return pack_grads(layout, grads, like, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
+    return _packed(comm, bucket, like, grads)
 
 
 

@@ -87,19 +87,18 @@ def train_reference_mixed(
         with torch.no_grad():
             for lp, mp in zip(low.parameters(), masters):
                 lp.copy_(mp)
-        low.zero_grad(set_to_none=True)
-        totals = [torch.zeros_like(mp) for mp in masters]
+        totals: list[torch.Tensor | None] = [None] * len(masters)  # None: no slice reached the parameter
         loss_sum = 0.0
         for piece in zip(*(x.chunk(chunks) for x in batch)):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
             loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
             grads = torch.autograd.grad(loss, list(low.parameters()), allow_unused=True)
-            for total, g in zip(totals, grads):
+            for i, g in enumerate(grads):
                 if g is not None:
-                    total += g.float()
+                    totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
             loss_sum += float(loss.detach().float())
-        for mp, total, g in zip(masters, totals, grads):
-            mp.grad = None if g is None else total / chunks
+        for mp, total in zip(masters, totals):
+            mp.grad = None if total is None else total / chunks
         opt.step()
         losses.append(loss_sum / chunks)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -161,21 +161,9 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
     return gathered[offset : offset + numel].view(shape)
 
 
-def pack_grads(
-    layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], like: torch.Tensor, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer in ``grad_dtype`` (None = zero);
-    into ``out`` when given (each gradient copied, and cast, into its slot: no temporary, whatever
-    its strides)."""
-    if out is None:
-        parts = [
-            g.reshape(-1).to(layout.grad_dtype) if g is not None else like.new_zeros(slot.numel, dtype=layout.grad_dtype)
-            for slot, g in zip(layout.slots, grads)
-        ]
-        pad = layout.padded_numel - layout.numel
-        if pad:
-            parts.append(like.new_zeros(pad, dtype=layout.grad_dtype))
-        return torch.cat(parts)
+def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> torch.Tensor:
+    """Full gradients -> the bucket's flat ``[padded_numel]`` buffer ``out`` (in ``grad_dtype``; None =
+    zero): each gradient copied, and cast, into its slot, whatever its strides; the padding zeroed."""
     for slot, g in zip(layout.slots, grads):
         dst = out[slot.offset : slot.offset + slot.numel]
         dst.zero_() if g is None else dst.view(g.shape).copy_(g)

@@ -57,7 +57,7 @@ def test_packed_gradients_scatter_to_each_ranks_pieces(shapes, p, seed, drop):
     grads = [torch.randn(s, generator=g) for s in shapes]
     if drop < len(grads):
         grads[drop] = None  # unused parameter: zero gradient
-    flat = pack_grads(lay, tuple(grads), torch.empty(0))
+    flat = pack_grads(lay, tuple(grads), torch.full((lay.padded_numel,), float("nan")))  # stale bytes: all overwritten
     full = {n: (gr if gr is not None else torch.zeros(s)) for n, gr, s in zip(names, grads, shapes)}
     for r, want in enumerate(shards_of(full, lay, p)):  # what reduce_scatter hands rank r (one contributor)
         assert torch.equal(flat.view(p, lay.row_numel)[r], want)
