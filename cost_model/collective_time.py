@@ -22,6 +22,8 @@ Assumptions (design.md "Ring collectives", thesis 3.2.3 and its footnote on [110
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Sequence
 
@@ -35,6 +37,13 @@ P2P = "p2p"
 
 
 def nodes_spanned(ranks: Sequence[int], gpus_per_node: int) -> int:
+    if isinstance(ranks, tuple):  # a process group's ranks: asked once per collective priced
+        return _nodes_spanned(ranks, gpus_per_node)
+    return len({r // gpus_per_node for r in ranks})
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodes_spanned(ranks: tuple[int, ...], gpus_per_node: int) -> int:
     return len({r // gpus_per_node for r in ranks})
 
 

@@ -115,7 +115,8 @@ def node_flops(node: torch.fx.Node) -> int:
         return 0
     rule = FLOP_RULES.get(node.target)
     if rule is not None:
-        return int(rule(node))
+        flops = rule(node)
+        return flops if isinstance(flops, torch.SymInt) else int(flops)  # symbolic batch: kept unguarded
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0  # getitem and other Python-level glue
     return output_numel(node)

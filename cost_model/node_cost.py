@@ -46,8 +46,14 @@ def mutates_first(node: torch.fx.Node) -> bool:
                 and schema.returns[0].alias_info.is_write)
 
 
+def is_shape_arithmetic(node: torch.fx.Node) -> bool:
+    """A node computing a size, not a tensor (``sym_size``, ``mul`` of sizes): a symbolic-batch trace
+    derives view sizes from the batch size with them; free in the cost model."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
 def node_work(node: torch.fx.Node) -> NodeWork:
-    if node.op != "call_function":
+    if node.op != "call_function" or is_shape_arithmetic(node):
         return NodeWork()
     if node.target in FLOP_RULES:  # FLOPs recorded at trace time (rewrites may have changed the inputs)
         return NodeWork(matmul_flops=node.meta.get(META_FLOPS, 0), ops=1)
@@ -77,11 +83,11 @@ def activation_bytes(graph: torch.fx.Graph, exclude: set[torch.fx.Node] = frozen
     counted: set[torch.fx.Node] = set()
     for i, n in enumerate(nodes):
         if root[n] is n and n.op == "call_function" and n not in exclude and n.users:
-            live += n.meta.get(META_BYTES, 0)
+            live = live + n.meta.get(META_BYTES, 0)  # not +=: numpy arrays (mc.autotune) would alias
             counted.add(n)
         for r in dies_at.get(i, ()):
             if r in counted:
-                live -= r.meta.get(META_BYTES, 0)
+                live = live - r.meta.get(META_BYTES, 0)
                 counted.discard(r)
         out[n] = live
     return out

@@ -149,7 +149,10 @@ def simulate_program(
     ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
     element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
     ``compute_dtype`` prices matmuls at that dtype's peak (default: the Plan's param_dtype;
-    a what-if such as fp16 peak for an fp32 Program otherwise).
+    a what-if such as fp16 peak for an fp32 Program otherwise). ``record=False`` (no timeline):
+    once a middle micro-step starts in the state the previous one started in (times relative to
+    its start), the remaining middle ones repeat it and are skipped ahead in one go, so a step of
+    many micro-batches costs about four (equal to simulating each one up to float rounding).
     """
     gpu = cluster.gpu
     compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
@@ -181,6 +184,9 @@ def simulate_program(
         t += duration
         busy["compute"] += duration
 
+    priced: dict[tuple, tuple[float, float, float]] = {}
+    slowing = [0]  # collectives in flight that slow compute down
+
     def issue(a: Action, frees_bytes: int = 0) -> _InFlight:
         """Enqueue ``a`` on its stream and charge compute its exposed share. A hierarchical
         collective's inter-node stage is what runs on the stream; its reorder and intra-node
@@ -189,14 +195,17 @@ def simulate_program(
         group = groups[a.group]
         cost = cluster.collective_interference.get(str(group.size))
         finish_s = 0.0
+        key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
+        if key not in priced:  # (a step repeats few distinct collectives)
+            priced[key] = (hierarchical_stages_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
+                           if a.hierarchical else
+                           (collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster), 0.0, 0.0))
+        duration, reorder, intra = priced[key]
         if a.hierarchical:
-            duration, reorder, intra = hierarchical_stages_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
             if a.kind is Kind.REDUCE_SCATTER:
-                run_compute(reorder + intra, f"intra-node {a}")
+                run_compute(reorder + intra, (f"intra-node {a}" if record else ""))
             else:
                 finish_s = reorder + intra
-        else:
-            duration = collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
         stream = f"comm:{a.group}"
         if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
@@ -209,17 +218,18 @@ def simulate_program(
         if duration <= 0:
             return flight
         if cost is None:
-            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, f"comm cpu {a}")
+            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, (f"comm cpu {a}" if record else ""))
             return flight
-        run_compute(cost["exposed_fraction"] * duration, f"comm cpu {a}")
+        run_compute(cost["exposed_fraction"] * duration, (f"comm cpu {a}" if record else ""))
         flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
+        slowing[0] += flight.slowdown > 0
         return flight
 
     def run_compute_beside_collectives(duration: float, name: str) -> None:
         """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
         collective's maximum."""
         extra = 0.0
-        for queue in pending.values():
+        for queue in pending.values() if slowing[0] else ():  # (none slow compute on an uncalibrated cluster)
             for c in queue:
                 take = min(c.slowdown * duration, c.slowdown_left_s)
                 c.slowdown_left_s -= take
@@ -241,7 +251,40 @@ def simulate_program(
         if record:
             spans.append((start, end, static + dynamic + activations))
 
-    for mb in range(program.plan.micro_batches):
+    def relative_state() -> tuple:
+        """Everything the rest of the step depends on, relative to now (``fast_forward``)."""
+        flights = tuple((key, tuple((round(f.end_s - t, 12), f.group, f.frees_bytes, f.finish_s, f.slowdown,
+                                     round(f.slowdown_left_s, 12)) for f in q))
+                        for key, q in sorted(pending.items(), key=str) if q)
+        streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(stream_free.items()))
+        return dynamic, activations, flights, streams
+
+    def fast_forward(steps: int, before: tuple) -> None:
+        """Every middle micro-step repeats the one just simulated (it started in the same relative
+        state): advance the clocks, streams and counters by ``steps`` more of it."""
+        nonlocal t, exposed
+        t0, busy0, exposed0 = before
+        period = t - t0
+        t += steps * period
+        exposed += steps * (exposed - exposed0)
+        for k in list(busy):
+            busy[k] += steps * (busy[k] - busy0.get(k, 0.0))
+        for k in stream_free:
+            stream_free[k] += steps * period
+        for queue in pending.values():
+            for f in queue:
+                f.end_s += steps * period
+
+    micro_batches = program.plan.micro_batches
+    mb, seen = 0, None
+    while mb < micro_batches:
+        if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
+            state = relative_state()
+            if seen is not None and seen[0] == state:
+                fast_forward(micro_batches - 1 - mb, seen[1])
+                mb, seen = micro_batches - 1, None
+                continue
+            seen = state, (t, dict(busy), exposed)
         for a in program.issued_in(mb):
             start, end = t, None
             if a.kind is Kind.COMPUTE:
@@ -255,7 +298,7 @@ def simulate_program(
                 pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
                 end = flight.end_s
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
-                run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), f"pack {a}")
+                run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), (f"pack {a}" if record else ""))
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 if a.kind is Kind.PACK:
@@ -266,10 +309,11 @@ def simulate_program(
                     end = flight.end_s
             elif a.kind is Kind.WAIT:
                 flight = pending[(a.waits_for, a.bucket)].popleft()
+                slowing[0] -= flight.slowdown > 0
                 wait_until(flight.end_s)
                 dynamic -= flight.frees_bytes
                 if flight.finish_s > 0:
-                    run_compute(flight.finish_s, f"intra-node {a}")
+                    run_compute(flight.finish_s, (f"intra-node {a}" if record else ""))
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)
@@ -278,6 +322,7 @@ def simulate_program(
         # gradient accumulation into the shard accumulators
         if accumulate:  # (not for a pipeline chunk's forward half)
             run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
+        mb += 1
 
     ends = []
     for a in program.boundary:

@@ -6,6 +6,7 @@
     loss = step(x, y)
 """
 
+from micscompile.autotune import Candidate, autotune
 from micscompile.collectives import CommStats
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
@@ -19,7 +20,7 @@ from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
-    "Action", "Buffer", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
+    "Action", "Buffer", "Candidate", "autotune", "Cluster", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
     "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile", "plan_memory", "simulate", "step_memory", "trace",
     "transformer_flops",

@@ -109,7 +109,14 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
         off.meta.pop(META_OFFLOAD)
         moved.append((min(bwd, key=position.__getitem__), v, off))
     moved.sort(key=lambda m: position[m[0]])
-    issue_at = next((n for n in graph.nodes if n.meta.get(META_REGION) == REGION_BWD), None)
+    # backward starts at the first backward node after every offload (a pipeline chunk may hold
+    # backward nodes that read no forward value, e.g. a received gradient's, before its forward ends)
+    offs, seen, issue_at = {off for _, _, off in moved}, 0, None
+    for n in graph.nodes:
+        seen += n in offs
+        if seen == len(offs) and n not in offs and n.meta.get(META_REGION) == REGION_BWD:
+            issue_at = n
+            break
     for first_use, v, off in moved:
         with graph.inserting_before(issue_at):  # the start of backward, then the previous reload's wait
             issue = graph.call_function(reload_issue, (comm, off))

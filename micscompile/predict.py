@@ -44,6 +44,11 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
     return groups
 
 
+def concrete(trace: TrainGraph) -> TrainGraph:
+    """A symbolic-batch trace at its example batch (its shape arithmetic folded); others as they are."""
+    return trace.at_batch(trace.batch_size) if trace.batch_symbols else trace
+
+
 def lower(
     trace: TrainGraph, rp: ResolvedPlan, rank: int = 0, cluster: Cluster | None = None,
     prefetch: Sequence[Prefetch | int] | None = None, **costs,
@@ -82,6 +87,7 @@ def simulate(
     ``mc.compile`` schedules it (``passes.schedule``; ``prefetch`` as there).
     """
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
+    trace = concrete(trace)
     if rp.stages > 1:  # MiCS-Pipe: every chunk lowered, the schedule simulated with its bubbles
         pp = lower_pipeline(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs)
         pred = pp.predict(cluster, **costs)
@@ -110,6 +116,7 @@ def step_buffers_of(
     """The buffers one step of ``plan`` allocates on ``rank`` (``lifetimes``), lowered as
     ``mc.compile`` lowers it (``arena`` as there), without a process group."""
     rp = plan.resolve(world_size, gpus_per_node)
+    trace = concrete(trace)
     groups = planned_groups(rp, rank)
     if rp.stages > 1:
         return buffers_as_run(lower_pipeline(trace, rp, cluster, groups, rank, prefetch=prefetch), arena)

@@ -17,10 +17,12 @@ all-reduce, ``OPT`` optimizer step.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch.fx
 
 from micscompile import collectives as C
@@ -289,6 +291,12 @@ class Program:
         return "\n".join(lines)
 
 
+def _peak(values):
+    """The most of ``values`` (ints, or numpy arrays over micro-batch sizes: elementwise)."""
+    most = functools.reduce(np.maximum, values)
+    return int(most) if np.ndim(most) == 0 else most
+
+
 def build_program(
     graph: torch.fx.Graph, plan: ResolvedPlan, layouts: tuple[BucketLayout, ...],
     groups: dict[str, GroupInfo], rank: int,
@@ -309,7 +317,7 @@ def build_program(
             actions.append(Action(
                 Kind.COMPUTE, ops=work.ops, flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
                 matmul_flops=work.matmul_flops, mem_bytes=work.mem_bytes, activation_bytes=live[run[-1]],
-                activation_peak_bytes=max(live[n] for n in run), region=region,
+                activation_peak_bytes=_peak(live[n] for n in run), region=region,
                 measured_s=sum(timed) if timed else None,
             ))
             run.clear()
@@ -337,11 +345,15 @@ def build_program(
                 flush()  # forward and backward never share a compute action (a pipeline runs them apart)
             run.append(node)
     flush()
+    return Program(rank, plan, layouts, groups, actions, boundary_actions(plan, layouts, actions))
 
+
+def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:
+    """What runs once per step after the micro-steps: the replication all-reduce of every reduced
+    bucket (2-hop, d > 1), the loss all-reduce and the optimizer step."""
     boundary = []
     if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
-        reduced = sorted({a.bucket for a in actions if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
+        reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
         boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
                      for b in reduced]
-    boundary += [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]
-    return Program(rank, plan, layouts, groups, actions, boundary)
+    return boundary + [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]

@@ -16,22 +16,27 @@ stack traces into backward.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import sympy
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, optimization_hint
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.cost_model.flops import node_flops
+from micscompile.cost_model.node_cost import is_shape_arithmetic
 from micscompile.passes.buckets import find_blocks
 
 META_FQN = "mc_fqn"
@@ -46,6 +51,10 @@ META_BYTES = "mc_bytes"
 """Bytes of all tensor outputs."""
 META_FLOPS = "mc_flops"
 """Estimated FLOPs (cost_model.flops)."""
+_SIZE = "size"
+META_BATCH_EXPR = "mc_batch_expr"
+"""Symbolic-batch traces: {META_BYTES / META_FLOPS / META_SHAPE: sympy expression(s) in the batch
+symbol} for the node's values that depend on the micro-batch size."""
 
 REGION_FWD = "fwd"
 REGION_BWD = "bwd"
@@ -78,6 +87,58 @@ class TrainGraph:
     compute_dtype: torch.dtype | None = None
     """Mixed precision (``trace(param_dtype=...)``): the dtype the graph's floating parameters and
     batch inputs have (the graph casts the inputs itself); None: the model's own dtypes."""
+    batch_symbols: tuple = ()
+    """``trace(symbolic_batch=True)``: the sympy symbol(s) of the batch dimension (empty: concrete)."""
+    batch_guards: tuple = ()
+    """The conditions on the batch size the trace assumed (e.g. it is >= 2)."""
+
+    @property
+    def batch_size(self) -> int:
+        """The micro-batch size the recorded values are for."""
+        return self.input_specs[0][0][0]
+
+    def at_batch(self, batch):
+        """This trace with every node's bytes, FLOPs and shape evaluated at micro-batch size ``batch``
+        (a symbolic-batch trace; the graph is copied, its shape arithmetic folded to constants). At
+        ``batch=1`` the values are those of the batch-generic graph (a trace made at size 1 records a
+        few views where this one copies). ``batch`` may also be a sequence of sizes:
+        then every batch-dependent value is a numpy array over them (what ``mc.autotune`` lowers
+        once per plan structure and prices per size)."""
+        if not self.batch_symbols:
+            raise TraceError("at_batch needs a trace made with mc.trace(..., symbolic_batch=True)")
+        sizes = [batch] if isinstance(batch, int) else list(batch)
+        for b in sizes:
+            env = dict.fromkeys(self.batch_symbols, b)
+            bad = [g for g in self.batch_guards if g.xreplace(env) is sympy.false]
+            if b < 1 or bad:
+                raise TraceError(f"micro-batch size {b} breaks what the trace assumed of the batch size "
+                                 f"({bad or ['a size of at least 1']}); trace that size on its own")
+        cache: dict = {}
+
+        def value(expr):
+            if expr not in cache:
+                vals = [int(expr.xreplace(dict.fromkeys(self.batch_symbols, b))) for b in sizes]
+                cache[expr] = vals[0] if isinstance(batch, int) else np.array(vals, dtype=np.int64)
+            return cache[expr]
+
+        graph = self.graph_copy()
+        for node in list(graph.nodes):
+            exprs = node.meta.get(META_BATCH_EXPR) or {}
+            if _SIZE in exprs or is_shape_arithmetic(node):  # folded: the graph a trace at this size records
+                size = value(exprs[_SIZE]) if _SIZE in exprs else node.meta["val"]
+                for user in list(node.users):
+                    user.args = torch.fx.node.map_arg(user.args, lambda a, node=node, size=size: size if a is node else a)
+                    user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a, node=node, size=size: size if a is node else a)
+                graph.erase_node(node)
+                continue
+            for key, expr in exprs.items():
+                node.meta[key] = (tuple(value(d) if isinstance(d, sympy.Expr) else d for d in expr)
+                                  if key == META_SHAPE else value(expr))
+        with _use_lazy_graph_module(True):
+            gm = torch.fx.GraphModule(self.gm, graph)
+        specs = [(torch.Size((batch if isinstance(batch, int) else sizes[0], *shape[1:])), dtype)
+                 for shape, dtype in self.input_specs]
+        return dataclasses.replace(self, gm=gm, input_specs=specs)
 
     @property
     def num_params(self) -> int:
@@ -134,13 +195,35 @@ def _user_frame(exc: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown location"
 
 
-def _tensor_meta(node: torch.fx.Node) -> None:
+def _tensor_meta(node: torch.fx.Node, shape_env: ShapeEnv | None = None) -> None:
+    """The node's shape, dtype, bytes and FLOPs; with ``shape_env`` (symbolic batch) their values at
+    the example batch, and the sympy expressions of those that depend on it (META_BATCH_EXPR)."""
     val = node.meta.get("val")
     vals = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-    node.meta[META_SHAPE] = tuple(vals[0].shape) if vals else None
+    exprs: dict[str, object] = {}
+
+    def concrete(key: str, v):
+        if not isinstance(v, torch.SymInt):
+            return int(v)
+        expr = shape_env.replace(v.node.expr)
+        if expr.free_symbols:
+            exprs[key] = expr
+        return optimization_hint(v)
+
+    if isinstance(val, torch.SymInt):  # shape arithmetic (symbolic batch): at_batch folds it to a constant
+        exprs[_SIZE] = shape_env.replace(val.node.expr)
+    shape = tuple(vals[0].shape) if vals else None
     node.meta[META_DTYPE] = vals[0].dtype if vals else None
-    node.meta[META_BYTES] = sum(v.numel() * v.element_size() for v in vals)
-    node.meta[META_FLOPS] = node_flops(node)
+    node.meta[META_BYTES] = concrete(META_BYTES, sum(v.numel() * v.element_size() for v in vals))
+    node.meta[META_FLOPS] = concrete(META_FLOPS, node_flops(node))
+    if shape is not None and shape_env is not None and any(isinstance(d, torch.SymInt) for d in shape):
+        dims = [shape_env.replace(d.node.expr) if isinstance(d, torch.SymInt) else d for d in shape]
+        if any(getattr(d, "free_symbols", None) for d in dims):
+            exprs[META_SHAPE] = tuple(dims)
+        shape = tuple(optimization_hint(d) if isinstance(d, torch.SymInt) else d for d in shape)
+    node.meta[META_SHAPE] = shape
+    if exprs:
+        node.meta[META_BATCH_EXPR] = exprs
 
 
 def _check_no_mutation(gm: torch.fx.GraphModule, graph_inputs: dict[torch.fx.Node, str]) -> None:
@@ -172,6 +255,7 @@ def trace(
     *,
     num_model_inputs: int = 1,
     param_dtype: torch.dtype | None = None,
+    symbolic_batch: bool = False,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -184,6 +268,14 @@ def trace(
     floating parameters in this dtype (they arrive gathered in it) and casts the floating
     buffers and batch inputs to it as its first ops; gradients come out in it. The result is
     what ``model.to(param_dtype)`` computes on inputs cast the same way.
+
+    ``symbolic_batch``: the batch dimension (dim 0 of every input) is a symbol while tracing, so
+    every node's bytes, FLOPs and shape are also recorded as sympy expressions in it
+    (META_BATCH_EXPR); ``TrainGraph.at_batch(b)`` evaluates them for any micro-batch size b >= 2
+    without tracing again (``mc.autotune`` searches micro-batch sizes this way). The recorded
+    values are those of the example batch, which must be at least 2 (PyTorch specializes size-1
+    dimensions). The graph then also holds the shape arithmetic (``sym_size``, ``mul``) that
+    derives view sizes from the batch; it costs nothing in the cost model.
     """
     example_inputs = tuple(example_inputs)
     if not 1 <= num_model_inputs <= len(example_inputs):
@@ -200,25 +292,40 @@ def trace(
     # One fake mode for the whole trace, over meta tensors: "real" tracing of meta tensors makes a
     # new fake mode (and a Python stack capture) per op, ~45% of the time on large models; and
     # ops whose output shape depends on data fail where they happen, not at a later guard.
-    fake_mode = FakeTensorMode()  # no ShapeEnv: dynamic output shapes raise at their op
+    # no ShapeEnv: dynamic output shapes raise at their op; symbolic_batch: one that guards, with the
+    # batch dimension of the inputs dynamic and every other dimension static
+    shape_env = ShapeEnv() if symbolic_batch else None
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    if symbolic_batch and any(x.dim() == 0 or x.shape[0] < 2 for x in example_inputs):
+        raise TraceError("symbolic_batch=True needs example inputs with a batch dimension of at least 2 "
+                         f"(got shapes {[tuple(x.shape) for x in example_inputs]}): PyTorch specializes size-1 "
+                         "dimensions")
+
+    def fake(x: torch.Tensor, batch: bool = False) -> torch.Tensor:
+        if shape_env is None:
+            return fake_mode.from_tensor(x)
+        dims = [DimDynamic.DYNAMIC if batch and i == 0 else DimDynamic.STATIC for i in range(x.dim())]
+        return fake_mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
     low = param_dtype if param_dtype is not None and param_dtype != torch.float32 else None
 
     def compute(t: torch.Tensor) -> torch.Tensor:
         return t.to(low) if low is not None and t.is_floating_point() else t
 
-    params = {name: fake_mode.from_tensor(_to_meta(p, low)) for name, p in model.named_parameters()}
-    buffers = {name: fake_mode.from_tensor(_to_meta(b)) for name, b in model.named_buffers()}
-    inputs = [fake_mode.from_tensor(_to_meta(x).requires_grad_(False)) for x in example_inputs]
+    params = {name: fake(_to_meta(p, low)) for name, p in model.named_parameters()}
+    buffers = {name: fake(_to_meta(b)) for name, b in model.named_buffers()}
+    inputs = [fake(_to_meta(x).requires_grad_(False), batch=True) for x in example_inputs]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
     # (node index where it starts, fqn) marks, forward from module hooks, backward from autograd prehooks
-    fwd_marks: list[tuple[int, str]] = []
-    bwd_marks: list[tuple[int, int]] = []
+    fwd_marks: list[tuple[torch.fx.Node, str]] = []
+    bwd_marks: list[tuple[torch.fx.Node, int]] = []
     stack: list[str] = []
-    bwd_start = [0]
+    bwd_start: list[torch.fx.Node | None] = [None]
 
-    def node_count() -> int:
-        return len(get_proxy_mode().tracer.graph.nodes)
+    def node_count() -> torch.fx.Node:
+        """The graph's last node so far: marks what follows (a node, not a count, because make_fx
+        later drops the unused shape arithmetic of a symbolic-batch trace)."""
+        return get_proxy_mode().tracer.graph._root._prev
 
     def enter(fqn: str) -> None:
         stack.append(fqn)
@@ -282,7 +389,7 @@ def trace(
         where = stack[-1] if stack else "<root>"
         mod = model.get_submodule(where) if where and where != LOSS_FQN and stack else model
         kind = "the loss function" if where == LOSS_FQN else f"module '{where or '<root>'}' ({type(mod).__name__})"
-        if bwd_start[0]:
+        if bwd_start[0] is not None:
             kind = "the backward pass (autograd)"
         hint = ""
         if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
@@ -297,7 +404,15 @@ def trace(
 
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat signature: (*params, *buffers, *inputs)
     gm.recompile()  # lazy (see above): marks the code stale
-    _annotate(gm, fwd_marks, bwd_marks, bwd_start[0])
+    _annotate(gm, fwd_marks, bwd_marks, bwd_start[0], shape_env)
+    batch_symbols, guards = (), ()
+    if shape_env is not None:
+        batch_symbols = tuple(sorted({s for x in inputs for s in shape_env.replace(x.shape[0].node.expr).free_symbols},
+                                     key=str))
+        if not batch_symbols:
+            raise TraceError("symbolic_batch=True, but the model fixes the batch size (a shape check or a "
+                             "reshape to a constant specialized it); trace one batch size at a time instead")
+        guards = tuple(shape_env.replace(g.expr) for g in shape_env.guards)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [f"parameter '{n}'" for n in params] + [f"buffer '{n}'" for n in buffers]
     names += [f"input {i}" for i in range(len(inputs))]
@@ -310,15 +425,26 @@ def trace(
         param_dtypes={n: p.dtype for n, p in model.named_parameters()},
         trainable=trainable,
         buffer_names=list(buffers),
-        input_specs=[(x.shape, x.dtype) for x in inputs],
+        input_specs=[(x.shape, x.dtype) for x in example_inputs],
         num_model_inputs=num_model_inputs,
         blocks=find_blocks(model),
         compute_dtype=low,
+        batch_symbols=batch_symbols,
+        batch_guards=guards,
     )
 
 
-def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: int) -> None:
-    fwd_marks = sorted(fwd_marks, key=lambda m: m[0])  # stable: keeps hook order at equal counts
+def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: torch.fx.Node, shape_env: ShapeEnv | None) -> None:
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def count(mark: torch.fx.Node) -> int:  # nodes before the mark in the final graph
+        while mark not in index and mark.op != "root":
+            mark = mark._prev  # erased since: its predecessor when it was erased
+        return 0 if mark.op == "root" else index[mark] + 1
+
+    fwd_marks = sorted(((count(m), fqn) for m, fqn in fwd_marks), key=lambda m: m[0])  # stable: keeps hook order
+    bwd_marks = [(count(m), seq) for m, seq in bwd_marks]
+    bwd_start = count(bwd_start)
     seq_fqn: dict[int, str] = {}
     fi = bi = 0
     fqn, bwd_fqn = "", LOSS_FQN
@@ -326,7 +452,7 @@ def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: int) ->
         while fi < len(fwd_marks) and fwd_marks[fi][0] <= i:
             fqn = fwd_marks[fi][1]
             fi += 1
-        _tensor_meta(node)
+        _tensor_meta(node, shape_env)
         if i < bwd_start:
             node.meta[META_REGION] = REGION_FWD
             node.meta[META_FQN] = fqn

@@ -30,6 +30,7 @@ it receives; its output is ``(loss or None, *grads, *activations sent, *gradient
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ from micscompile.passes.stage_balance import balance
 from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Action, Kind
-from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, REGION_BWD, REGION_FWD, TrainGraph
+from micscompile.trace import LOSS_FQN, META_BYTES, META_DTYPE, META_FQN, META_REGION, META_SHAPE, REGION_BWD, REGION_FWD, TrainGraph
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -59,7 +60,7 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # (an array over micro-batch sizes: mc.autotune)
 
 
 @dataclass(frozen=True)
@@ -136,14 +137,39 @@ def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[
         work[i] += node_work(n)
         if n.meta.get(META_REGION) == REGION_FWD and any(u.meta.get(META_REGION) == REGION_BWD for u in n.users):
             saved[i] += n.meta.get(META_BYTES, 0)
+    seconds = [compute_time_s(Action(Kind.COMPUTE, ops=w.ops, matmul_flops=w.matmul_flops, mem_bytes=w.mem_bytes), gpu)
+               for w in work]
+    return seconds, unit_state(tg, units, t), saved
+
+
+def unit_state(tg: TrainGraph, units: list[str], t: int) -> list[float]:
+    """Model-state bytes per unit on one of ``t`` ranks: fp32 weights, gradients, Adam m and v, sharded."""
+    index = {u: i for i, u in enumerate(units)}
     state = [0.0] * len(units)
     for name in tg.param_names:
         i = index.get(block_of(name.rpartition(".")[0], tg.blocks))
         if i is not None:
-            state[i] += 16 * tg.param_bytes(name) / 4 / t  # fp32 weights, gradients, Adam m and v, sharded
-    seconds = [compute_time_s(Action(Kind.COMPUTE, ops=w.ops, matmul_flops=w.matmul_flops, mem_bytes=w.mem_bytes), gpu)
-               for w in work]
-    return seconds, state, [float(a) for a in saved]
+            state[i] += 16 * tg.param_bytes(name) / 4 / t
+    return state
+
+
+def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved: list[float],
+               gpu: GpuSpec | None) -> tuple[int, ...]:
+    """Where the S * v chunks start: time balanced among the cuts whose chunks fit the device (each
+    keeps its model states and the activations of its rank's most micro-batches in flight)."""
+    plan = rp.plan
+    chunks = rp.stages * plan.pipeline_chunks
+    # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
+    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+    in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
+    memory = [s + a * in_flight for s, a in zip(state, saved)]
+    capacity = (gpu or A100_40GB).memory_bytes
+    try:
+        return tuple(balance(seconds, chunks, memory, lambda c: capacity))
+    except PlanError:
+        if chunks > len(seconds):
+            raise
+        return tuple(balance(seconds, chunks))  # nothing fits: balance time alone (the prediction shows the peak)
 
 
 def assign_chunks(tg: TrainGraph, chunk_of_block: dict[str, int], last: int) -> dict[torch.fx.Node, int]:
@@ -200,17 +226,7 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
     units = forward_units(tg)
     seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
     if starts is None:
-        # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
-        sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
-        memory = [s + a * in_flight for s, a in zip(state, saved)]
-        capacity = (gpu or A100_40GB).memory_bytes
-        try:
-            starts = balance(seconds, chunks, memory, lambda c: capacity)
-        except PlanError:
-            if chunks > len(units):
-                raise
-            starts = balance(seconds, chunks)  # nothing fits: balance time alone (the prediction shows the peak)
+        starts = cut_points(rp, seconds, state, saved, gpu)
     if len(starts) != chunks or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(units):
         raise PlanError(f"bad pipeline cut points {starts} for {chunks} chunks of {len(units)} blocks")
     chunk_of_block = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}
@@ -283,7 +299,7 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             holders.setdefault(name, set()).add(c)
 
     def transfers(values: set) -> tuple[Transfer, ...]:
-        return tuple(Transfer(v.name, tuple(v.meta["val"].shape), v.meta["val"].dtype)
+        return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE])
                      for v in sorted(values, key=order.__getitem__))
 
     stages = []
@@ -348,4 +364,5 @@ def _sum(graph: torch.fx.Graph, terms: list[torch.fx.Node]) -> torch.fx.Node:
     return total
 
 
-__all__ = ["PipelineSplit", "StageGraph", "Transfer", "split", "forward_units", "unit_costs", "assign_chunks"]
+__all__ = ["PipelineSplit", "StageGraph", "Transfer", "split", "forward_units", "unit_costs", "unit_state",
+           "cut_points", "assign_chunks"]

@@ -139,6 +139,12 @@ def with_keep_live(program: Program, keep: int) -> Program:
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 
 
+def with_schedule(program: Program, pf: Prefetch) -> Program:
+    """``program`` (lowered at distance 0) scheduled as ``pf`` says."""
+    program = with_prefetch(with_keep_live(program, pf.keep_live), pf.distance, pf.across_micro_steps)
+    return dataclasses.replace(program, prefetch=pf)
+
+
 def hierarchical_buckets(rp: ResolvedPlan, layouts, cluster: Cluster | None, groups: dict) -> frozenset[int]:
     """Plan.hierarchical: True / False for every bucket; "auto": the buckets whose all-gather the
     cost model prices faster in stages on ``cluster`` (none without a cluster). Only when the
@@ -217,8 +223,7 @@ def schedule(
     def consider(pf: Prefetch) -> bool:
         """Price ``pf``; True when it fits and is strictly faster than the best so far."""
         nonlocal best
-        program = with_prefetch(with_keep_live(base[3], pf.keep_live), pf.distance, pf.across_micro_steps)
-        program = dataclasses.replace(program, prefetch=pf)
+        program = with_schedule(base[3], pf)
         pred = simulate_program(program, cluster, record=False, **(costs or {})) if cluster is not None else None
         cand = Candidate(pf, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
         candidates.append(cand)

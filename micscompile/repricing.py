@@ -1,0 +1,179 @@
+"""Lower once per plan structure, price every partition size and micro-batch size from it.
+
+What ``mc.autotune`` runs per candidate. A plan's *structure* is what changes the rewritten
+graph: pipeline stages S (and where the cuts go), checkpointing, offload and whether
+parameters are gathered at all (p = 1 without a cast gathers nothing). Within one structure:
+
+* the micro-batch size b changes only the numbers on the nodes: the trace is evaluated at
+  every searched b at once (``TrainGraph.at_batch(sizes)``: every batch-dependent byte and
+  FLOP count a numpy array over the sizes), lowered once, and ``at_index`` picks one size's
+  Program out of it;
+* the partition size p changes only the buckets' sizes and groups: ``for_partition`` puts the
+  layouts, groups, hierarchical choice and replication all-reduces of p into the Program
+  lowered for another p (tests: equal to lowering p directly).
+
+Each candidate then costs one ``passes.schedule.with_schedule`` and one simulation. Predictions
+equal ``mc.simulate(trace.at_batch(b), plan, cluster, prefetch=[pf], scaling=False)`` (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.passes.context import Prefetch, make_context
+from micscompile.passes.manager import build_pass_list, run_passes
+from micscompile.passes.pipeline_split import PipelineSplit, Transfer, cut_points, forward_units, unit_costs, unit_state
+from micscompile.passes.schedule import Schedule, hierarchical_buckets, with_schedule
+from micscompile.pipeline_program import PipelineProgram, lower_pipeline, simulate_pipeline
+from micscompile.pipeline_schedule import make_schedule
+from micscompile.plan import Plan, ResolvedPlan
+from micscompile.predict import planned_groups
+from micscompile.program import Action, Kind, Program, boundary_actions, build_program
+from micscompile.trace import META_FLOPS, TrainGraph
+
+_PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
+"""The Action fields that depend on the micro-batch size."""
+
+
+def _pick(value, i: int):
+    return int(value[i]) if isinstance(value, np.ndarray) else value
+
+
+def at_index(program: Program, i: int) -> Program:
+    """The Program of the ``i``-th micro-batch size of a Program lowered over several."""
+    def one(a: Action) -> Action:
+        if a.kind is not Kind.COMPUTE:
+            return a
+        return a._replace(**{f: _pick(getattr(a, f), i) for f in _PER_SIZE})
+    return dataclasses.replace(program, micro_step=[one(a) for a in program.micro_step])
+
+
+def for_partition(program: Program, trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster, layouts=None) -> Program:
+    """``program`` (lowered for another partition size > 1) as ``rp`` lowers it: the layouts (``trace``'s
+    under ``rp``, unless given), groups, bucket sizes, hierarchical choice ("auto": the cost model's on
+    ``cluster``) and boundary of ``rp``."""
+    layouts = layouts or make_context(trace, rp).layouts
+    groups = planned_groups(rp)
+    hier = hierarchical_buckets(rp, layouts, cluster, groups)
+
+    def one(a: Action) -> Action:
+        if a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+            return a._replace(tensor_bytes=layouts[a.bucket].full_bytes, hierarchical=a.bucket in hier)
+        if a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
+            return a._replace(tensor_bytes=layouts[a.bucket].grad_bytes,
+                              hierarchical=a.kind is Kind.REDUCE_SCATTER and a.bucket in hier)
+        return a
+
+    micro_step = [one(a) for a in program.micro_step]
+    return Program(0, rp, layouts, groups, micro_step, boundary_actions(rp, layouts, micro_step), cluster)
+
+
+def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
+    """The split's transfers at the ``i``-th micro-batch size."""
+    def sizes(ts: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+        return tuple(dataclasses.replace(t, shape=tuple(_pick(d, i) for d in t.shape)) for t in ts)
+    stages = tuple(dataclasses.replace(st, recv_act=sizes(st.recv_act), recv_grad=sizes(st.recv_grad),
+                                       send_act=sizes(st.send_act), send_grad=sizes(st.send_grad))
+                   for st in sp.stages)
+    return dataclasses.replace(sp, stages=stages)
+
+
+def _structure(plan: Plan) -> tuple:
+    return plan.pipeline_stages, plan.checkpoint, plan.checkpoint_every, plan.offload_activations
+
+
+class Pricer:
+    """Predictions for any plan and micro-batch size in ``sizes`` from one symbolic-batch trace."""
+
+    def __init__(self, trace: TrainGraph, cluster: Cluster, sizes: Sequence[int], **costs) -> None:
+        self.cluster, self.costs = cluster, costs
+        self.sizes = list(sizes)
+        self.trace = trace.at_batch(self.sizes) if trace.batch_symbols else trace
+        if not trace.batch_symbols and self.sizes != [trace.batch_size]:
+            raise ValueError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
+                             "mc.trace(..., symbolic_batch=True) to search micro-batch sizes")
+        ph = list(self.trace.gm.graph.nodes)[self.trace.num_params: self.trace.num_params + len(self.trace.buffer_names)]
+        self.buffer_bytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in ph)
+        self._bases: dict[tuple, object] = {}
+        self._sized_cache: dict[tuple, Program] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self._flops: dict[int, int] = {}
+        self._units = None
+
+    def graph_flops(self, b: int) -> int:
+        """FLOPs of one micro-batch of size ``b`` as traced (no recomputation)."""
+        if b not in self._flops:
+            i = self._index(b)
+            self._flops[b] = sum(_pick(n.meta.get(META_FLOPS, 0), i) for n in self.trace.gm.graph.nodes)
+        return self._flops[b]
+
+    def _index(self, b: int) -> int:
+        return self.sizes.index(b)
+
+    def _base_flat(self, rp: ResolvedPlan) -> Program:
+        """The structure's Program at distance 0, lowered over every size (cached)."""
+        key = (*_structure(rp.plan), rp.partition_size == 1)
+        if key not in self._bases:
+            ctx = make_context(self.trace, rp, prefetch=Prefetch(distance=0))  # every gather at its use
+            graph, _ = run_passes(self.trace.graph_copy(), ctx, build_pass_list(rp.plan))
+            self._bases[key] = build_program(graph, rp, ctx.layouts, planned_groups(rp), 0)
+        return self._bases[key]
+
+    def _sized(self, program: Program, tg: TrainGraph, rp: ResolvedPlan, i: int) -> Program:
+        """``program`` (a structure's, at distance 0) for ``rp`` at the ``i``-th size (cached: many
+        candidates differ only in the micro-batch count and the prefetch)."""
+        key = (id(program), rp.partition_size, rp.replicas, rp.plan.hierarchical, i)
+        if key not in self._sized_cache:
+            if rp.partition_size > 1:
+                lkey = (id(tg), rp.partition_size)
+                if lkey not in self._layouts:
+                    self._layouts[lkey] = make_context(tg, rp).layouts
+                out = for_partition(program, tg, rp, self.cluster, self._layouts[lkey])
+            else:
+                out = dataclasses.replace(program, plan=rp, groups=planned_groups(rp), cluster=self.cluster,
+                                          boundary=boundary_actions(rp, program.layouts, program.micro_step))
+            self._sized_cache[key] = at_index(out, i)
+        return dataclasses.replace(self._sized_cache[key], plan=rp)
+
+    def flat(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        """What ``mc.simulate`` predicts for ``plan`` (S = 1) at micro-batch size ``b`` with ``prefetch``."""
+        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
+        program = with_schedule(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
+        return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
+
+    def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
+        """Where ``passes.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
+        if self._units is None:
+            units = forward_units(self.trace)
+            seconds, _, saved = unit_costs(self.trace, units, self.cluster.gpu, 1)
+            self._units = units, seconds, saved, {}
+        units, seconds, saved, states = self._units
+        t = rp.partition_size
+        if t not in states:
+            states[t] = unit_state(self.trace, units, t)
+        return cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
+                          states[t], [_pick(a, i) for a in saved], self.cluster.gpu)
+
+    def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``."""
+        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
+        i = self._index(b)
+        starts = self._cuts(rp, i)
+        key = (*_structure(plan), rp.partition_size == 1, starts)
+        if key not in self._bases:
+            self._bases[key] = lower_pipeline(self.trace, rp, None, planned_groups(rp), prefetch=[Prefetch(0)],
+                                              starts=starts)
+        base: PipelineProgram = self._bases[key]
+        chunks = [Schedule(with_schedule(self._sized(base.program(c), st.graph, rp, i), prefetch), (), prefetch)
+                  for c, st in enumerate(base.split.stages)]
+        sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        pp = PipelineProgram(rp, _split_at(base.split, i), sched, chunks, 0, self.cluster)
+        return simulate_pipeline(pp, self.cluster, **self.costs)
+
+    def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)

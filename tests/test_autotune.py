@@ -1,0 +1,148 @@
+"""mc.autotune: symbolic-batch traces, repricing equal to mc.simulate, brute-force optimality and
+measure mode on 4 gloo ranks (the thesis's paper-scale cases: benchmarks/bench_autotune.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import micscompile as mc
+from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.repricing import Pricer
+from micscompile.search_space import configs, prefetches
+from harness import launch
+from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
+
+CFG = GPTConfig(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=2)
+
+
+def _batch(b: int, cfg: GPTConfig = CFG) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(b)
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=g)
+    return x, torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=g)
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    with torch.device("meta"):
+        return GPT(CFG)
+
+
+@pytest.fixture(scope="module")
+def symbolic(model) -> mc.TrainGraph:
+    return mc.trace(model, _batch(2), lm_loss, symbolic_batch=True)
+
+
+def _small_cluster(memory_bytes: int) -> mc.Cluster:
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    return dataclasses.replace(cl, gpu=dataclasses.replace(cl.gpu, memory_bytes=memory_bytes))
+
+
+@pytest.mark.parametrize("b", [3, 5])
+def test_symbolic_trace_evaluates_to_the_concrete_trace(model, symbolic, b):
+    """at_batch(b) of one symbolic trace is, node for node, what tracing at b records."""
+    got = [n for n in symbolic.at_batch(b).gm.graph.nodes]
+    want = [n for n in mc.trace(model, _batch(b), lm_loss).gm.graph.nodes]
+    assert len(got) == len(want)
+    for a, w in zip(got, want):
+        assert a.target == w.target
+        assert (a.meta[META_BYTES], a.meta[META_FLOPS], a.meta[META_SHAPE]) == \
+               (w.meta[META_BYTES], w.meta[META_FLOPS], w.meta[META_SHAPE]), a.format_node()
+    assert symbolic.batch_size == 2 and symbolic.at_batch(b).batch_size == b
+
+
+def test_symbolic_trace_refuses_size_one_examples(model):
+    with pytest.raises(mc.TraceError, match="at least 2"):
+        mc.trace(model, _batch(1), lm_loss, symbolic_batch=True)
+    with pytest.raises(mc.TraceError, match="symbolic_batch=True"):
+        mc.trace(model, _batch(2), lm_loss).at_batch(4)
+
+
+PLANS = [
+    mc.Plan(partition_size=1, micro_batches=3),
+    mc.Plan(partition_size=4, micro_batches=4),
+    mc.Plan(partition_size=16, micro_batches=2, hierarchical=False),
+    mc.Plan(partition_size=16, micro_batches=5, checkpoint=True, offload_activations=True),
+    mc.Plan(partition_size=8, micro_batches=2, checkpoint="selective"),
+    mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4),
+    mc.Plan(partition_size=1, pipeline_stages=4, micro_batches=4, checkpoint=True),
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"S{p.pipeline_stages}-p{p.partition_size}-ck{p.checkpoint}")
+def test_repricing_equals_simulate(symbolic, plan):
+    """Lowered once per structure over all sizes, re-priced per p and b: mc.simulate's prediction."""
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    pricer = Pricer(symbolic, cl, [1, 2, 8])
+    for b, pf in itertools.product((1, 8), (mc.Prefetch(distance=1), mc.Prefetch(distance=2))):
+        got = pricer.predict(plan, b, pf)
+        want = mc.simulate(symbolic.at_batch(b), plan, cl, prefetch=[pf], scaling=False)
+        assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+        assert got.exposed_comm_s == pytest.approx(want.exposed_comm_s, rel=1e-9, abs=1e-12)
+        assert got.peak_memory_bytes == want.peak_memory_bytes
+
+
+def test_autotune_best_equals_brute_force(symbolic):
+    """On a small space the best candidate is the brute-force minimum of mc.simulate over every
+    (plan, micro-batch size, prefetch) that fits; a device of the median peak makes half not fit."""
+    opts = dict(partition_sizes=(1, 2, 8), pipeline_stages=(1, 2), micro_batch_sizes=(1, 4), checkpoint=(False, True),
+                offload=(False,))
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    space = configs(cl.world_size, cl.gpus_per_node, 32, len(symbolic.blocks), hierarchical=("auto", False), **opts)
+    brute = []
+    for cfg in space:
+        plan = cfg.plan(mc.Plan(gpus_per_node=cl.gpus_per_node))
+        for pf in prefetches(cfg):
+            pred = mc.simulate(symbolic.at_batch(cfg.micro_batch), plan, cl, prefetch=[pf], scaling=False)
+            brute.append((pred.step_time_s, pred.peak_memory_bytes, plan, cfg.micro_batch, pf))
+    capacity = sorted(x[1] for x in brute)[len(brute) // 2]
+    cl = _small_cluster(capacity)
+    ranked = mc.autotune(symbolic, cl, global_batch_size=32, verbose=False, progress=False, **opts)
+    assert len(ranked) == len(brute)
+    feasible = [x for x in brute if x[1] <= capacity]
+    assert 0 < len(feasible) < len(brute)
+    best = min(feasible, key=lambda x: x[0])
+    top = ranked[0]
+    assert top.feasible and top.step_time_s == pytest.approx(best[0], rel=1e-9)
+    assert (top.plan, top.micro_batch_size, top.prefetch) == best[2:] or \
+        ranked[1].step_time_s == pytest.approx(top.step_time_s, rel=1e-9)  # a tie
+    assert sum(c.feasible for c in ranked) == len(feasible)
+    # feasible first by predicted time, then the infeasible ones with their reason
+    times = [c.step_time_s for c in ranked if c.feasible]
+    assert times == sorted(times)
+    assert all(c.feasible for c in ranked[:len(feasible)])
+    assert all("exceeds" in c.reason or "model states" in c.reason for c in ranked[len(feasible):])
+    assert all(c.why for c in ranked[:len(feasible) - 1])
+
+
+def test_autotune_rejects_an_impossible_batch(symbolic):
+    with pytest.raises(mc.PlanError, match="global batch"):
+        mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2), global_batch_size=3,
+                    micro_batch_sizes=(2,), verbose=False, progress=False)
+
+
+def _measure_worker(rank: int, world: int) -> list[tuple]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    trace = mc.trace(model, _batch(2), lm_loss, symbolic_batch=True)
+    cluster = mc.Cluster.preset("local")  # local_cluster.json: this machine, 4 ranks
+    ranked = mc.autotune(trace, cluster, global_batch_size=16, micro_batch_sizes=(2, 4), pipeline_stages=(1,),
+                         checkpoint=(False,), offload=(False,), verbose=rank == 0, progress=False,
+                         measure=True, model=model, loss_fn=lm_loss, make_batch=lambda n: _batch(n), top_k=3, steps=2)
+    return [(c.label(), c.step_time_s, c.measured_step_s) for c in ranked[:4]]
+
+
+@pytest.mark.multiproc
+def test_measure_mode_reranks_the_top_candidates_on_4_gloo_ranks():
+    """measure=True runs the top 3 for real on 4 gloo ranks and ranks them by measured time."""
+    results = launch(_measure_worker, 4)
+    assert all(r == results[0] for r in results[1:]) or all(
+        [x[0] for x in r] == [x[0] for x in results[0]] for r in results)  # every rank agrees on the order
+    top = results[0]
+    measured = [m for _, _, m in top[:3]]
+    assert all(m is not None and m > 0 for m in measured)
+    assert measured == sorted(measured)
+    assert top[3][2] is None  # the rest keep their predicted order, unmeasured
