@@ -128,7 +128,7 @@ def _measure_worker(rank: int, world: int) -> list[tuple]:
     torch.manual_seed(0)
     model = GPT(CFG)
     trace = mc.trace(model, _batch(2), lm_loss, symbolic_batch=True)
-    cluster = mc.Cluster.preset("local")  # local_cluster.json: this machine, 4 ranks
+    cluster = dataclasses.replace(mc.Cluster.preset("p4d.24xlarge"), nodes=1, gpus_per_node=world)  # 4 ranks
     ranked = mc.autotune(trace, cluster, global_batch_size=16, micro_batch_sizes=(2, 4), pipeline_stages=(1,),
                          checkpoint=(False,), offload=(False,), verbose=rank == 0, progress=False,
                          measure=True, model=model, loss_fn=lm_loss, make_batch=lambda n: _batch(n), top_k=3, steps=2)
