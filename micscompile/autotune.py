@@ -188,6 +188,7 @@ def autotune(
     for cfg in space:
         plan = cfg.plan(base)
         floor = state_floor_bytes(num_params, cfg)
+        per_sample = flops_per_sample or pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
         for pf in prefetches(cfg):
             bar.update()
             if floor > capacity:
@@ -196,7 +197,6 @@ def autotune(
                                      f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
                 continue
             pred = pricer.predict(plan, cfg.micro_batch, pf)
-            per_sample = flops_per_sample or pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
             pred.flops_per_step = per_sample * global_batch_size / n
             feasible = pred.peak_memory_bytes <= capacity
             reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "

@@ -49,6 +49,12 @@ def concrete(trace: TrainGraph) -> TrainGraph:
     return trace.at_batch(trace.batch_size) if trace.batch_symbols else trace
 
 
+def model_buffer_bytes(trace: TrainGraph) -> int:
+    """Bytes of the model's buffers (every rank holds them whole)."""
+    nodes = list(trace.gm.graph.nodes)[trace.num_params: trace.num_params + len(trace.buffer_names)]
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+
+
 def lower(
     trace: TrainGraph, rp: ResolvedPlan, rank: int = 0, cluster: Cluster | None = None,
     prefetch: Sequence[Prefetch | int] | None = None, **costs,
@@ -95,10 +101,7 @@ def simulate(
             pred.flops_per_step = flops_per_step
         return pred
     program = lower(trace, rp, cluster=cluster, prefetch=prefetch, **costs)
-    buffer_bytes = sum(
-        n.meta["val"].numel() * n.meta["val"].element_size()
-        for n in list(trace.gm.graph.nodes)[trace.num_params : trace.num_params + len(trace.buffer_names)]
-    )
+    buffer_bytes = model_buffer_bytes(trace)
     pred = simulate_program(program, cluster, buffer_bytes=buffer_bytes, flops_per_step=flops_per_step, **costs)
     if scaling and rp.replicas > 1:
         base_program, base_cluster = _one_group(program, cluster)

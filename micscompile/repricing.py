@@ -32,7 +32,7 @@ from micscompile.passes.schedule import Schedule, hierarchical_buckets, with_sch
 from micscompile.pipeline_program import PipelineProgram, lower_pipeline, simulate_pipeline
 from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import Plan, ResolvedPlan
-from micscompile.predict import planned_groups
+from micscompile.predict import model_buffer_bytes, planned_groups
 from micscompile.program import Action, Kind, Program, boundary_actions, build_program
 from micscompile.trace import META_FLOPS, TrainGraph
 
@@ -97,8 +97,7 @@ class Pricer:
         if not trace.batch_symbols and self.sizes != [trace.batch_size]:
             raise ValueError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
                              "mc.trace(..., symbolic_batch=True) to search micro-batch sizes")
-        ph = list(self.trace.gm.graph.nodes)[self.trace.num_params: self.trace.num_params + len(self.trace.buffer_names)]
-        self.buffer_bytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in ph)
+        self.buffer_bytes = model_buffer_bytes(self.trace)
         self._bases: dict[tuple, object] = {}
         self._sized_cache: dict[tuple, Program] = {}
         self._layouts: dict[tuple, tuple] = {}
