@@ -71,7 +71,8 @@ class Candidate:
 
     def label(self) -> str:
         p = self.plan
-        parts = [f"S={p.pipeline_stages} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
+        pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
+        parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
                  f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
         if p.checkpoint:
             parts.append("ckpt" if p.checkpoint is True else "sel-ckpt")
@@ -115,7 +116,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
     """The top feasible candidates, the columns users compare."""
     rows = [c for c in cands if c.feasible][:top]
     measured = any(c.measured_step_s is not None for c in rows)
-    head = (f"{'#':>3} {'S':>3} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} "
+    head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} "
             f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
     head += f" {'measured s':>10}" if measured else ""
     print(head, file=file)
@@ -125,7 +126,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         d = pred.world_size // (p.pipeline_stages * p.partition_size)
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
         ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
-        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
+        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
                 f"{short(c.prefetch):<9} {pred.step_time_s:>8.4f} {pred.tflops_per_gpu:>8.1f} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
@@ -145,6 +146,7 @@ def autotune(
     checkpoint: Sequence = (False, True, "selective"),
     offload: Sequence[bool] = (False, True),
     hierarchical: Sequence = ("auto", False),
+    pipeline_chunks: Sequence[int] = (1, 2),
     flops_per_sample: float | None = None,
     progress: bool = True,
     top: int = 10,
@@ -157,10 +159,10 @@ def autotune(
     with their reasons.
 
     ``trace``: ``mc.trace(..., symbolic_batch=True)`` searches ``micro_batch_sizes`` (default: every
-    size up to 32 that splits the batch);
-    a concrete trace searches only its own micro-batch size. ``base_plan`` holds the fields not
-    searched (dtypes, bucket_bytes, budget; default: the trace's compute dtype). The other sequences
-    narrow the search. ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
+    size up to 32 that splits the batch); a concrete trace searches only its own micro-batch size.
+    ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
+    compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
+    where v > 1). ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
@@ -172,7 +174,7 @@ def autotune(
     sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
     space = configs(n, k, global_batch_size, len(trace.blocks), partition_sizes=partition_sizes,
                     pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint,
-                    offload=offload, hierarchical=hierarchical)
+                    offload=offload, hierarchical=hierarchical, chunks=pipeline_chunks)
     if not space:
         raise PlanError(f"no plan splits a global batch of {global_batch_size} over {n} ranks with micro-batch sizes "
                         f"{list(sizes or [])  or 'up to 32'}: choose a global batch divisible by n / S for some "
@@ -207,9 +209,10 @@ def autotune(
     if measure:
         ranked = measure_top(ranked, **measure_kwargs)
     if verbose:
-        good = sum(c.feasible for c in ranked)
+        good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
-              f"{global_batch_size}: {good} feasible")
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced} ruled out by their model states "
+              f"alone), {good} feasible")
         print_table(ranked, top)
     return ranked
 

@@ -30,7 +30,7 @@ from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.passes.schedule import Schedule, schedule
 from micscompile.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
-from micscompile.program import Program, backward_start, digest
+from micscompile.program import Kind, Program, backward_start, digest
 from micscompile.trace import TrainGraph
 
 DEFAULT_DISTANCES = (1, 2, 3)
@@ -151,6 +151,14 @@ def _halves(program: Program) -> tuple[Program, Program, Program]:
     return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
 
 
+def _carried_bytes(forward: Program) -> int:
+    """What a chunk's forward leaves live for its backward (saved activations and the outputs it
+    sends): the live bytes after its last computation, not its transient peak (gathered weights,
+    attention scores), which it frees before the next micro-batch."""
+    last = next((a for a in reversed(forward.micro_step) if a.kind is Kind.COMPUTE), None)
+    return max(int(last.activation_bytes), 0) if last is not None else 0
+
+
 def chunk_in_flight(sched: PipeSchedule) -> list[int]:
     """Per chunk: the most micro-batches whose forward ran and backward did not (saved activations)."""
     most = [0] * (sched.stages * sched.chunks)
@@ -171,17 +179,23 @@ def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Predict
     ``bubble_fraction``)."""
     rp, sp, sched = pp.plan, pp.split, pp.schedule
     m = rp.micro_batches
-    fwd, bwd, edge, exposed, static, acts = [], [], [], [], [], []
+    fwd, bwd, edge, exposed, static, acts, saved = [], [], [], [], [], [], []
+    halves: dict[int, tuple] = {}  # chunks of one shape share their Program (mc.autotune): priced once
     for c in range(len(pp.chunks)):
-        f_half, b_half, boundary = _halves(pp.program(c))
-        f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
-        b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half, boundary))
+        program = pp.program(c)
+        if id(program) not in halves:
+            f_half, b_half, boundary = _halves(program)
+            f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
+            b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half, boundary))
+            halves[id(program)] = f, b, e, _carried_bytes(f_half)
+        f, b, e, carried = halves[id(program)]
         fwd.append(f.step_time_s)
         bwd.append(b.step_time_s)
         edge.append(e.step_time_s)
         exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s) + e.step_time_s)
         static.append(f.static_memory_bytes)
         acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
+        saved.append(carried)
     # the activations of one micro-batch crossing a cut, t chains sharing the node link when it crosses nodes
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
     hops = []
@@ -193,7 +207,6 @@ def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Predict
     in_flight = chunk_in_flight(sched)
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
     # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
-    saved = [max(fa, 0) for fa, _ in acts]
     peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
              for cs in ranks]
     compute = [sum(m * (fwd[c] + bwd[c]) for c in cs) for cs in ranks]

@@ -29,6 +29,7 @@ can batch into one batch_isend_irecv.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -254,8 +255,13 @@ class PipeSchedule:
         if len(forward_s) != n or len(backward_s) != n:
             raise ValueError(f"need {n} forward and backward times (one per chunk), "
                              f"got {len(forward_s)} and {len(backward_s)}")
-        self._check_structure()
+        self._checked  # noqa: B018 (once per schedule: it is immutable)
         return self._execute(forward_s, backward_s, p2p_s)
+
+    @functools.cached_property
+    def _checked(self) -> bool:
+        self._check_structure()
+        return True
 
     def bubble_fraction(self, forward_s: float = 1.0, backward_s: float = 2.0) -> float:
         """Bubble with a uniform model: each of a rank's v chunks takes 1/v of its forward/backward."""
@@ -335,8 +341,9 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
     return _build("interleaved", stages, micro_batches, chunks, order)
 
 
+@functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
-    """The named schedule; only "interleaved" takes chunks > 1."""
+    """The named schedule; only "interleaved" takes chunks > 1 (cached: schedules are immutable)."""
     if kind == "interleaved":
         return interleaved_1f1b(stages, micro_batches, chunks)
     if kind not in ("gpipe", "1f1b"):

@@ -23,13 +23,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from micscompile.chunk_keys import ChunkKeys
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch, make_context
 from micscompile.passes.manager import build_pass_list, run_passes
-from micscompile.passes.pipeline_split import PipelineSplit, Transfer, cut_points, forward_units, unit_costs, unit_state
-from micscompile.passes.schedule import Schedule, hierarchical_buckets, with_schedule
-from micscompile.pipeline_program import PipelineProgram, lower_pipeline, simulate_pipeline
+from micscompile.passes.pipeline_split import (
+    PipelineSplit, Transfer, cut_points, forward_units, split, unit_costs, unit_state)
+from micscompile.passes.schedule import Schedule, hierarchical_buckets, schedule, with_schedule
+from micscompile.pipeline_program import PipelineProgram, simulate_pipeline
 from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import Plan, ResolvedPlan
 from micscompile.predict import model_buffer_bytes, planned_groups
@@ -84,7 +86,7 @@ def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
 
 
 def _structure(plan: Plan) -> tuple:
-    return plan.pipeline_stages, plan.checkpoint, plan.checkpoint_every, plan.offload_activations
+    return plan.pipeline_stages, plan.pipeline_chunks, plan.checkpoint, plan.checkpoint_every, plan.offload_activations
 
 
 class Pricer:
@@ -102,6 +104,8 @@ class Pricer:
         self._sized_cache: dict[tuple, Program] = {}
         self._layouts: dict[tuple, tuple] = {}
         self._flops: dict[int, int] = {}
+        self._stages: dict = {}
+        self._cut_cache: dict[tuple, tuple[int, ...]] = {}
         self._units = None
 
     def graph_flops(self, b: int) -> int:
@@ -145,33 +149,64 @@ class Pricer:
         program = with_schedule(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
         return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
 
-    def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
-        """Where ``passes.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
+    def _unit_analysis(self) -> tuple:
+        """(units, seconds per size, saved bytes per size, states by t, chunk keys), once."""
         if self._units is None:
             units = forward_units(self.trace)
             seconds, _, saved = unit_costs(self.trace, units, self.cluster.gpu, 1)
-            self._units = units, seconds, saved, {}
-        units, seconds, saved, states = self._units
-        t = rp.partition_size
-        if t not in states:
-            states[t] = unit_state(self.trace, units, t)
-        return cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
-                          states[t], [_pick(a, i) for a in saved], self.cluster.gpu)
+            self._units = units, seconds, saved, {}, ChunkKeys(self.trace, units)
+        return self._units
+
+    def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
+        """Where ``passes.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
+        units, seconds, saved, states, _ = self._unit_analysis()
+        plan, t = rp.plan, rp.partition_size
+        key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
+        if key not in self._cut_cache:  # (the same for every checkpointing, offload and prefetch choice)
+            if t not in states:
+                states[t] = unit_state(self.trace, units, t)
+            self._cut_cache[key] = cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
+                                              states[t], [_pick(a, i) for a in saved], self.cluster.gpu)
+        return self._cut_cache[key]
+
+    def _split(self, rp: ResolvedPlan, starts: tuple[int, ...]) -> tuple[list, PipelineSplit]:
+        """(each chunk's key, the split at ``starts``): only the chunks of a new shape are split for real."""
+        keys = self._unit_analysis()[4].of(starts)
+        first = {k: c for c, k in reversed(list(enumerate(keys)))}
+        new = {c for c, k in enumerate(keys) if k not in self._stages and (k is None or first[k] == c)}
+        sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=new) if new else None
+        stages = []
+        for c, k in enumerate(keys):
+            if c in new:
+                stages.append(sp.stages[c])
+                if k is not None:
+                    self._stages[k] = sp.stages[c]
+            else:
+                stages.append(dataclasses.replace(self._stages[k], chunk=c))
+        return keys, PipelineSplit(tuple(stages), (), starts, (), {})
 
     def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
-        """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``."""
+        """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``: each chunk
+        shape (``chunk_keys``) lowered once per structure and priced once per candidate."""
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         i = self._index(b)
         starts = self._cuts(rp, i)
-        key = (*_structure(plan), rp.partition_size == 1, starts)
-        if key not in self._bases:
-            self._bases[key] = lower_pipeline(self.trace, rp, None, planned_groups(rp), prefetch=[Prefetch(0)],
-                                              starts=starts)
-        base: PipelineProgram = self._bases[key]
-        chunks = [Schedule(with_schedule(self._sized(base.program(c), st.graph, rp, i), prefetch), (), prefetch)
-                  for c, st in enumerate(base.split.stages)]
+        keys, sp = self._split(rp, starts)
+        # a chunk's lowering does not depend on how many stages or chunks the pipeline has
+        structure = (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1)
+        groups = planned_groups(rp)
+        chunks, priced = [], {}
+        for c, (key, st) in enumerate(zip(keys, sp.stages)):
+            key = (structure, key if key is not None else (starts, c))
+            if key not in self._bases:
+                lowered = schedule(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
+                self._bases[key] = lowered.program, st.graph
+            if key not in priced:
+                base, graph = self._bases[key]
+                priced[key] = Schedule(with_schedule(self._sized(base, graph, rp, i), prefetch), (), prefetch)
+            chunks.append(priced[key])
         sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        pp = PipelineProgram(rp, _split_at(base.split, i), sched, chunks, 0, self.cluster)
+        pp = PipelineProgram(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return simulate_pipeline(pp, self.cluster, **self.costs)
 
     def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:

@@ -3,13 +3,15 @@
 A point of the space is a :class:`Config`: pipeline stages S, partition size p (the intra-stage
 t when S > 1), micro-batch size b (the micro-batch count follows from the global batch: every
 rank of a stage trains on its own samples, so s = G / (b d p) = G S / (b n), design.md's
-m = G / (b d t)), checkpointing, offload and hierarchical collectives. Each is
-priced with every prefetch choice (``passes.context.Prefetch``) that applies to it.
+m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing, offload
+and hierarchical collectives. Each is priced with every prefetch choice
+(``passes.context.Prefetch``) that applies to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ FLAT_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2), Prefetch(distance=1
                  Prefetch(distance=1, keep_live=2))
 """FSDP's one-ahead, deeper, across micro-steps, keeping the last forward buckets live."""
 PIPELINE_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2))
+CHUNKS = (1, 2)
+"""v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
 """Inside a pipeline chunk gathers are neither kept live nor issued across micro-steps."""
 
 
@@ -36,25 +40,30 @@ class Config:
     checkpoint: bool | str
     offload: bool
     hierarchical: bool | str
+    chunks: int = 1
 
     def plan(self, base: Plan) -> Plan:
         return dataclasses.replace(
             base, partition_size=self.partition, pipeline_stages=self.stages, micro_batches=self.micro_batches,
-            checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical)
+            checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical,
+            pipeline_chunks=self.chunks, pipeline_schedule="interleaved" if self.chunks > 1 else base.pipeline_schedule)
 
     @property
     def structure(self) -> tuple:
-        """What the rewritten graph depends on (``micscompile.repricing``): one lowering each."""
-        return self.stages, self.checkpoint, self.offload, self.partition == 1
+        """The Programs a candidate's pricing shares with others (``micscompile.repricing``)."""
+        return self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1
 
 
 def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
             partition_sizes: Sequence[int] | None = None, pipeline_stages: Sequence[int] | None = None,
             micro_batch_sizes: Sequence[int] | None = None, checkpoint: Sequence = CHECKPOINT,
-            offload: Sequence[bool] = OFFLOAD, hierarchical: Sequence = HIERARCHICAL) -> list[Config]:
+            offload: Sequence[bool] = OFFLOAD, hierarchical: Sequence = HIERARCHICAL,
+            chunks: Sequence[int] = CHUNKS) -> list[Config]:
     """Every valid point: S * p divides the world, b * n / S divides the global batch (default b: every
-    such size up to MAX_MICRO_BATCH), a pipeline has at least S micro-batches (1F1B fills it) and a stage's partition group inside one node, two of the ``units`` blocks per stage, offload only with
-    checkpointing, hierarchical variants only where a partition group spans whole nodes."""
+    such size up to MAX_MICRO_BATCH), a stage's partition group inside one node, at least two of the
+    ``units`` blocks per chunk, interleaving (v > 1) where m is a multiple of S, offload only with
+    checkpointing, hierarchical variants only where a partition group spans whole nodes. Fewer
+    micro-batches than stages is allowed (the pipeline never fills; its bubble prices it)."""
     stages = pipeline_stages or [s for s in divisors(world) if 2 * s <= units]
     out = []
     for S in stages:
@@ -69,14 +78,12 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                 if global_batch % (b * ways):
                     continue
                 s = global_batch // (b * ways)
-                if S > 1 and s < S:
-                    continue
-                for ck in checkpoint:
-                    for off in offload:
-                        if off and not ck:
-                            continue
-                        for hier in (hierarchical if spans else hierarchical[:1]):
-                            out.append(Config(S, p, b, s, ck, off, hier))
+                vs = [v for v in chunks if v == 1 or (S > 1 and s % S == 0 and 2 * S * v <= units)]
+                for v, ck, off in itertools.product(vs, checkpoint, offload):
+                    if off and not ck:
+                        continue
+                    for hier in (hierarchical if spans else hierarchical[:1]):
+                        out.append(Config(S, p, b, s, ck, off, hier, v))
     return out
 
 

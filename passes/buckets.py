@@ -11,6 +11,9 @@ Pure functions: no graph is modified here.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 import torch.fx
 from torch import nn
@@ -35,9 +38,14 @@ def find_blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
-def block_of(fqn: str, blocks: list[str]) -> str:
+def block_of(fqn: str, blocks: Sequence[str]) -> str:
     """The block that contains module (or parameter) ``fqn``; ROOT_BLOCK if none does."""
-    best = ROOT_BLOCK
+    return _block_of(fqn, tuple(blocks))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_of(fqn: str, blocks: tuple[str, ...]) -> str:
+    best = ROOT_BLOCK  # (cached: the pipeline split asks for every node of a graph, often)
     for b in blocks:
         if (fqn == b or fqn.startswith(b + ".")) and len(b) > len(best):
             best = b

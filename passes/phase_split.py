@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from micscompile import collectives as C
 from micscompile.program import ProgramError
@@ -43,10 +44,9 @@ def flat_module(root: torch.nn.Module, graph: torch.fx.Graph, boxed: bool = Fals
     """A GraphModule over ``graph`` called with flat positional arguments, like the trace's; ``boxed``:
     called with one list that it empties (FX's boxed convention, as AOTAutograd's compiled
     backward), so an input dies at its last use instead of when the call returns."""
-    gm = torch.fx.GraphModule(root, graph)
-    gm.graph._codegen = torch.fx.graph._BoxedCodeGen() if boxed else torch.fx.graph.CodeGen()
-    gm.recompile()
-    return gm
+    graph._codegen = torch.fx.graph._BoxedCodeGen() if boxed else torch.fx.graph.CodeGen()
+    # its Python code is generated at the first call: a chunk that is only priced (mc.autotune) never is
+    return _LazyGraphModule(root, graph)
 
 
 def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases:

@@ -106,7 +106,7 @@ def _placeholders(tg: TrainGraph) -> tuple[list, list, list]:
     return ph[: tg.num_params], ph[tg.num_params : tg.num_params + nb], ph[tg.num_params + nb :]
 
 
-def _block(node: torch.fx.Node, blocks: list[str]) -> str | None:
+def node_block(node: torch.fx.Node, blocks: list[str]) -> str | None:
     fqn = node.meta.get(META_FQN, "")
     if fqn == LOSS_FQN:
         return LOSS_FQN
@@ -119,7 +119,7 @@ def forward_units(tg: TrainGraph) -> list[str]:
     seen: dict[str, None] = {}
     for n in tg.gm.graph.nodes:
         if n.op == "call_function" and n.meta.get(META_REGION) == REGION_FWD:
-            b = _block(n, tg.blocks)
+            b = node_block(n, tg.blocks)
             if b is not None and b != LOSS_FQN:
                 seen.setdefault(b)
     return list(seen)
@@ -131,7 +131,7 @@ def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[
     work = [NodeWork() for _ in units]
     saved = [0] * len(units)
     for n in tg.gm.graph.nodes:
-        i = index.get(_block(n, tg.blocks))
+        i = index.get(node_block(n, tg.blocks))
         if i is None:
             continue
         work[i] += node_work(n)
@@ -179,7 +179,7 @@ def assign_chunks(tg: TrainGraph, chunk_of_block: dict[str, int], last: int) -> 
     for n in tg.gm.graph.nodes:
         if n.op != "call_function":
             continue
-        block = _block(n, tg.blocks)
+        block = node_block(n, tg.blocks)
         pref = last if block == LOSS_FQN else chunk_of_block.get(block)
         ins = [i for i in n.all_input_nodes if i in chunk]
         if n.meta.get(META_REGION) == REGION_FWD:
@@ -197,9 +197,9 @@ def assign_chunks(tg: TrainGraph, chunk_of_block: dict[str, int], last: int) -> 
     return chunk
 
 
-def _grad_parts(grad: torch.fx.Node, chunk: dict) -> tuple[dict[int, list[torch.fx.Node]], list[torch.fx.Node]]:
-    """A parameter gradient as partial sums per chunk: (chunk -> addends, the adds dissolved).
-    Only a sum whose addends lie in different chunks is split."""
+def grad_sum(grad: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """A parameter gradient as (addends, the adds summing them): autograd sums the gradient of a
+    parameter used more than once (tied embeddings)."""
     leaves, adds, todo = [], [], [grad]
     while todo:
         n = todo.pop()
@@ -210,6 +210,13 @@ def _grad_parts(grad: torch.fx.Node, chunk: dict) -> tuple[dict[int, list[torch.
             todo.extend(reversed(n.args))
         else:
             leaves.append(n)
+    return leaves, adds
+
+
+def _grad_parts(grad: torch.fx.Node, chunk: dict) -> tuple[dict[int, list[torch.fx.Node]], list[torch.fx.Node]]:
+    """A parameter gradient as partial sums per chunk: (chunk -> addends, the adds dissolved).
+    Only a sum whose addends lie in different chunks is split."""
+    leaves, adds = grad_sum(grad)
     parts: dict[int, list[torch.fx.Node]] = {}
     for leaf in leaves:
         parts.setdefault(chunk.get(leaf, chunk.get(grad, 0)), []).append(leaf)
@@ -219,8 +226,9 @@ def _grad_parts(grad: torch.fx.Node, chunk: dict) -> tuple[dict[int, list[torch.
 
 
 def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
-          starts: tuple[int, ...] | None = None) -> PipelineSplit:
-    """Cut ``tg`` into ``S * v`` chunks for ``rp`` (``starts`` forces the cut points)."""
+          starts: tuple[int, ...] | None = None, only: set[int] | None = None) -> PipelineSplit:
+    """Cut ``tg`` into ``S * v`` chunks for ``rp`` (``starts`` forces the cut points). ``only``: build
+    the graphs of these chunks alone (``mc.autotune`` has the others' shapes); the rest are None."""
     plan = rp.plan
     chunks = rp.stages * plan.pipeline_chunks
     units = forward_units(tg)
@@ -231,11 +239,11 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
         raise PlanError(f"bad pipeline cut points {starts} for {chunks} chunks of {len(units)} blocks")
     chunk_of_block = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}
     chunk = assign_chunks(tg, chunk_of_block, chunks - 1)
-    return _build(tg, chunk, chunks, units, tuple(starts), seconds)
+    return _build(tg, chunk, chunks, units, tuple(starts), seconds, only)
 
 
 def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: tuple[int, ...],
-           seconds: list[float]) -> PipelineSplit:
+           seconds: list[float], only: set[int] | None = None) -> PipelineSplit:
     graph = tg.gm.graph
     params, buffers, inputs = _placeholders(tg)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -304,6 +312,9 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
 
     stages = []
     for c in range(chunks):
+        if only is not None and c not in only:
+            stages.append(None)
+            continue
         recv_act = acts[c - 1] if c > 0 else set()
         recv_grad = grads_back[c + 1] if c + 1 < chunks else set()
         stage_params = [n for n in tg.param_names if c in holders.get(n, ())]

@@ -182,3 +182,23 @@ def test_a_tied_weight_sharded_differently_in_its_chunks_is_refused_before_any_c
     with pytest.raises(mc.PlanError, match="tied parameter emb.weight is sharded differently in chunks"):
         lower_pipeline(tg, rp, None, planned_groups(rp))
     lower_pipeline(tg, dataclasses.replace(rp, plan=rp.plan.replace(bucket_bytes=None)), None, planned_groups(rp))
+
+
+def test_micro_batches_in_flight_cost_only_what_their_forward_keeps():
+    """1F1B keeps up to S micro-batches in flight on the first stage. Each costs the activations
+    its chunk's forward leaves for the backward (here the two Linear inputs), not the forward's
+    transient peak with the gathered weights: the predicted peak grows by at most (S-1) of them
+    from m = 1 to m = 8."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
+    x = torch.zeros(64, 256)
+    tg = mc.trace(model, (x, x), torch.nn.functional.mse_loss)
+    cluster = dataclasses.replace(mc.Cluster.preset("p4d.24xlarge", nodes=1), gpus_per_node=8)
+    plans = {m: mc.Plan(partition_size=2, pipeline_stages=4, micro_batches=m) for m in (1, 8)}
+    peak = {m: mc.simulate(tg, plan, cluster).peak_memory_bytes for m, plan in plans.items()}
+    kept = 2 * 64 * 256 * 4  # per micro-batch: the inputs of the chunk's two Linear layers
+    rp = plans[8].resolve(8, 8)
+    forward = _halves(lower_pipeline(tg, rp, cluster, planned_groups(rp)).program(0))[0]
+    transient = simulate_program(forward, cluster, record=False, accumulate=False)
+    assert transient.peak_memory_bytes - transient.static_memory_bytes > 2 * kept  # gathered weights on top
+    assert 0 < peak[8] - peak[1] <= 3 * kept
