@@ -13,6 +13,7 @@ wins) and seq 1024 with a global batch of 1024 (pure MiCS wins).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -32,7 +33,7 @@ CASES = {
 }
 
 
-def run(name: str) -> None:
+def run(name: str, nic_efficiency: float = 1.0) -> None:
     cfg, dtype, preset, nodes, batch, opts = CASES[name]
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -41,7 +42,11 @@ def run(name: str) -> None:
     trace = mc.trace(model, (x, x), lm_loss, param_dtype=dtype, symbolic_batch=True)
     t1 = time.perf_counter()
     cluster = mc.Cluster.preset(preset, nodes=nodes)
-    print(f"\n== {name}: {trace.summary()}\n   on {cluster.world_size} x {cluster.gpu.name}, global batch {batch}; "
+    if nic_efficiency != 1.0:  # what the NICs achieve in collectives, of their line rate (presets: 1.0)
+        inter = dataclasses.replace(cluster.inter, bandwidth_bps=cluster.inter.bandwidth_bps * nic_efficiency)
+        cluster = dataclasses.replace(cluster, inter=inter)
+    print(f"\n== {name}: {trace.summary()}\n   on {cluster.world_size} x {cluster.gpu.name} (NICs at "
+          f"{nic_efficiency:.0%} of line rate), global batch {batch}; "
           f"traced in {t1 - t0:.1f} s")
     ranked = mc.autotune(trace, cluster, global_batch_size=batch, **opts)
     t2 = time.perf_counter()
@@ -55,9 +60,11 @@ def run(name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=list(CASES), action="append")
+    ap.add_argument("--nic-efficiency", type=float, default=1.0,
+                    help="inter-node bandwidth collectives achieve, as a fraction of the NICs' line rate")
     args = ap.parse_args()
     for name in args.case or CASES:
-        run(name)
+        run(name, args.nic_efficiency)
 
 
 if __name__ == "__main__":
