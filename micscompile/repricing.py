@@ -171,19 +171,16 @@ class Pricer:
 
     def _split(self, rp: ResolvedPlan, starts: tuple[int, ...]) -> tuple[list, PipelineSplit]:
         """(each chunk's key, the split at ``starts``): only the chunks of a new shape are split for real."""
-        keys = self._unit_analysis()[4].of(starts)
+        # a chunk without a key (chunk_keys: it may differ from others) is known by its cut alone
+        keys = [k if k is not None else ("cut", starts, c)
+                for c, k in enumerate(self._unit_analysis()[4].of(starts))]
         first = {k: c for c, k in reversed(list(enumerate(keys)))}
-        new = {c for c, k in enumerate(keys) if k not in self._stages and (k is None or first[k] == c)}
+        new = {c for c, k in enumerate(keys) if k not in self._stages and first[k] == c}
         sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=new) if new else None
-        stages = []
-        for c, k in enumerate(keys):
-            if c in new:
-                stages.append(sp.stages[c])
-                if k is not None:
-                    self._stages[k] = sp.stages[c]
-            else:
-                stages.append(dataclasses.replace(self._stages[k], chunk=c))
-        return keys, PipelineSplit(tuple(stages), (), starts, (), {})
+        for c in new:
+            self._stages[keys[c]] = sp.stages[c]
+        stages = tuple(dataclasses.replace(self._stages[k], chunk=c) for c, k in enumerate(keys))
+        return keys, PipelineSplit(stages, (), starts, (), {})
 
     def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
         """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``: each chunk
@@ -196,8 +193,8 @@ class Pricer:
         structure = (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1)
         groups = planned_groups(rp)
         chunks, priced = [], {}
-        for c, (key, st) in enumerate(zip(keys, sp.stages)):
-            key = (structure, key if key is not None else (starts, c))
+        for key, st in zip(keys, sp.stages):
+            key = (structure, key)
             if key not in self._bases:
                 lowered = schedule(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
                 self._bases[key] = lowered.program, st.graph

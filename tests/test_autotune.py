@@ -186,3 +186,36 @@ def test_measure_mode_reranks_the_top_candidates_on_4_gloo_ranks():
     assert all(m is not None and m > 0 for m in measured)
     assert measured == sorted(measured)
     assert top[3][2] is None  # the rest keep their predicted order, unmeasured
+
+
+class _LongSkip(torch.nn.Module):
+    """Six blocks; the first block's output skips to the end (an edge over four blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = h = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            h = torch.relu(block(h))
+        return h + first
+
+
+def test_a_skip_connection_turns_chunk_keys_off_and_pipelines_still_price_exactly():
+    """The skip's add runs outside every block, where its chunk depends on the cuts: no chunk gets a
+    key (each is split and lowered for its own cut), and predictions stay mc.simulate's."""
+    with torch.device("meta"):
+        model = _LongSkip()
+    x = torch.zeros(4, 16)
+    symbolic = mc.trace(model, (x, x), torch.nn.functional.mse_loss, symbolic_batch=True)
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    pricer = Pricer(symbolic, cl, [2, 4])
+    keys = pricer._unit_analysis()[4]
+    assert not keys.usable and keys.of((0, 3)) == [None, None]
+    plan = mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4)
+    for b in (2, 4):
+        want = mc.simulate(symbolic.at_batch(b), plan, cl, prefetch=[mc.Prefetch(distance=1)], scaling=False)
+        got = pricer.predict(plan, b, mc.Prefetch(distance=1))
+        assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+        assert got.peak_memory_bytes == want.peak_memory_bytes
