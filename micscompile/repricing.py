@@ -1,8 +1,9 @@
 """Lower once per plan structure, price every partition size and micro-batch size from it.
 
 What ``mc.autotune`` runs per candidate. A plan's *structure* is what changes the rewritten
-graph: pipeline stages S (and where the cuts go), checkpointing, offload and whether
-parameters are gathered at all (p = 1 without a cast gathers nothing). Within one structure:
+graph: checkpointing, offload and whether parameters are gathered at all (p = 1 without a cast
+gathers nothing); a pipeline is lowered chunk by chunk, once per chunk shape (``chunk_keys``) and
+structure, whatever its depth. Within one structure:
 
 * the micro-batch size b changes only the numbers on the nodes: the trace is evaluated at
   every searched b at once (``TrainGraph.at_batch(sizes)``: every batch-dependent byte and
@@ -85,8 +86,11 @@ def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
     return dataclasses.replace(sp, stages=stages)
 
 
-def _structure(plan: Plan) -> tuple:
-    return plan.pipeline_stages, plan.pipeline_chunks, plan.checkpoint, plan.checkpoint_every, plan.offload_activations
+def _structure(rp: ResolvedPlan) -> tuple:
+    """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph: not the
+    partition size (``for_partition``), the micro-batch size (``at_index``) or the pipeline's depth."""
+    plan = rp.plan
+    return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1
 
 
 class Pricer:
@@ -120,7 +124,7 @@ class Pricer:
 
     def _base_flat(self, rp: ResolvedPlan) -> Program:
         """The structure's Program at distance 0, lowered over every size (cached)."""
-        key = (*_structure(rp.plan), rp.partition_size == 1)
+        key = _structure(rp)
         if key not in self._bases:
             ctx = make_context(self.trace, rp, prefetch=Prefetch(distance=0))  # every gather at its use
             graph, _ = run_passes(self.trace.graph_copy(), ctx, build_pass_list(rp.plan))
@@ -189,9 +193,7 @@ class Pricer:
         i = self._index(b)
         starts = self._cuts(rp, i)
         keys, sp = self._split(rp, starts)
-        # a chunk's lowering does not depend on how many stages or chunks the pipeline has
-        structure = (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1)
-        groups = planned_groups(rp)
+        structure, groups = _structure(rp), planned_groups(rp)
         chunks, priced = [], {}
         for key, st in zip(keys, sp.stages):
             key = (structure, key)

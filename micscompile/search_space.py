@@ -26,9 +26,9 @@ FLAT_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2), Prefetch(distance=1
                  Prefetch(distance=1, keep_live=2))
 """FSDP's one-ahead, deeper, across micro-steps, keeping the last forward buckets live."""
 PIPELINE_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2))
+"""Inside a pipeline chunk gathers are neither kept live nor issued across micro-steps."""
 CHUNKS = (1, 2)
 """v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
-"""Inside a pipeline chunk gathers are neither kept live nor issued across micro-steps."""
 
 
 @dataclass(frozen=True)
