@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 examples/gpt.py \
-		--partition-size 2 --micro-batches 4 --steps 5 --check
+	OMP_NUM_THREADS=1 .venv/bin/micscompile demo
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -258,7 +258,8 @@ def _as_triple(item: Any) -> tuple[int, int, int | None]:
     return int(size), int(start), None if end is None else int(end)
 
 
-def replay_buffers(buffers: Iterable[Any], *, capacity_bytes: int | None = None) -> AllocatorStats:
+def replay_buffers(buffers: Iterable[Any], *, capacity_bytes: int | None = None,
+                   timeline: list[tuple[int, int, int]] | None = None) -> AllocatorStats:
     """Replay buffers (``.size/.start/.end`` objects or ``(size, start, end)`` tuples).
 
     Each buffer of ``size`` bytes is live over the half-open step interval [start, end);
@@ -267,6 +268,8 @@ def replay_buffers(buffers: Iterable[Any], *, capacity_bytes: int | None = None)
     with ``start == end`` is still allocated at its step and freed right after that
     step's mallocs (a tensor produced and dropped at once still touches the allocator).
     Zero-size buffers get a null handle and never touch the pools.  Streams: all on 0.
+    ``timeline``: a list that receives (step, reserved bytes, allocated bytes) after each step's
+    mallocs (the memory-over-time picture).
     """
     items = [_as_triple(b) for b in buffers]
     starts: dict[int, list[int]] = {}
@@ -287,6 +290,8 @@ def replay_buffers(buffers: Iterable[Any], *, capacity_bytes: int | None = None)
             alloc.free(handles.pop(i))
         for i in starts.get(t, ()):
             handles[i] = alloc.malloc(items[i][0])
+        if timeline is not None:
+            timeline.append((t, alloc.reserved_bytes, alloc.allocated_bytes))
         for i in instant.get(t, ()):
             alloc.free(handles.pop(i))
     return alloc.stats()

@@ -55,7 +55,10 @@ class GroupInfo:
         return len(self.ranks)
 
     def label(self) -> str:
-        return f"{self.name}{list(self.ranks)}"
+        if len(self.ranks) <= 6:
+            return f"{self.name}{list(self.ranks)}"
+        r = self.ranks
+        return f"{self.name}[{r[0]}, {r[1]}, ..., {r[-1]}]"
 
 
 @dataclass

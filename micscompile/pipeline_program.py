@@ -23,7 +23,7 @@ import torch
 
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.collective_time import P2P, collective_time_s
-from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.simulator import Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import CPU, Prefetch
 from micscompile.passes.pipeline_split import PipelineSplit, split
@@ -173,10 +173,11 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
     return most
 
 
-def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Prediction:
+def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, *, record: bool = True, **costs) -> Prediction:
     """One optimizer step of the pipeline on ``cluster`` (see the module docstring). ``exposed_comm_s``
     is the busiest rank's communication not hidden behind its compute (bubbles are
-    ``bubble_fraction``)."""
+    ``bubble_fraction``). ``record``: keep every stage's forward and backward spans as events (one
+    track per stage: what the timeline picture draws)."""
     rp, sp, sched = pp.plan, pp.split, pp.schedule
     m = rp.micro_batches
     fwd, bwd, edge, exposed, static, acts, saved = [], [], [], [], [], [], []
@@ -219,4 +220,7 @@ def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, **costs) -> Predict
         flops_per_step=m * flops / rp.stages, world_size=rp.world_size,
     )
     pred.bubble_fraction = timeline.bubble_fraction
+    if record:
+        pred.events = [Event(f"stage {r}", str(a), start, end)
+                       for r, spans in enumerate(timeline.spans) for a, start, end in spans]
     return pred

@@ -26,7 +26,7 @@ import numpy as np
 import torch.fx
 
 from micscompile import collectives as C
-from micscompile.collectives import GroupInfo, fmt_bytes, ring_wire_bytes
+from micscompile.collectives import CommStats, GroupInfo, fmt_bytes
 from micscompile.cost_model.node_cost import NodeWork, activation_bytes, node_work
 from micscompile.cost_model.profile import META_TIME_S
 from micscompile.passes.context import Prefetch
@@ -237,14 +237,18 @@ class Program:
     def collective_fingerprint(self) -> str:
         return digest("|".join(self.collective_order()))
 
+    def comm_stats(self) -> CommStats:
+        """One step's collectives as ``step.comm_stats()`` counts them once run: calls and wire
+        bytes per (collective, group), intra- and inter-node (predicted, no process group)."""
+        stats = CommStats()
+        for a in self.collectives():
+            rings = self.groups["intra"].size if a.group == "inter" else 1  # k rings share the node's NICs
+            stats.record(COLLECTIVE_OF_KIND[a.kind], self.groups[a.group], a.tensor_bytes, parallel_rings=rings)
+        return stats
+
     def wire_bytes(self) -> dict[tuple[str, str], int]:
         """Predicted per-rank wire bytes per (collective, group) for one step."""
-        out: dict[tuple[str, str], int] = {}
-        for a in self.collectives():
-            name = COLLECTIVE_OF_KIND[a.kind]
-            key = (name, a.group)
-            out[key] = out.get(key, 0) + ring_wire_bytes(name, a.tensor_bytes, self.groups[a.group].size)
-        return out
+        return {key: row.bytes for key, row in self.comm_stats().rows.items()}
 
     def predict(self, cluster: Cluster | None = None, **costs):
         """Simulate this Program on ``cluster`` (default: the one it was scheduled for)."""

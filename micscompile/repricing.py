@@ -206,7 +206,7 @@ class Pricer:
             chunks.append(priced[key])
         sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
         pp = PipelineProgram(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
-        return simulate_pipeline(pp, self.cluster, **self.costs)
+        return simulate_pipeline(pp, self.cluster, record=False, **self.costs)
 
     def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
         return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
 
 from micscompile.cost_model.flops import node_flops
 from micscompile.cost_model.node_cost import is_shape_arithmetic
@@ -256,6 +258,7 @@ def trace(
     num_model_inputs: int = 1,
     param_dtype: torch.dtype | None = None,
     symbolic_batch: bool = False,
+    progress: bool = False,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -276,6 +279,8 @@ def trace(
     values are those of the example batch, which must be at least 2 (PyTorch specializes size-1
     dimensions). The graph then also holds the shape arithmetic (``sym_size``, ``mul``) that
     derives view sizes from the batch; it costs nothing in the cost model.
+
+    ``progress``: a progress bar (blocks traced forward, then autograd nodes backward).
     """
     example_inputs = tuple(example_inputs)
     if not 1 <= num_model_inputs <= len(example_inputs):
@@ -327,9 +332,15 @@ def trace(
         later drops the unused shape arithmetic of a symbolic-batch trace)."""
         return get_proxy_mode().tracer.graph._root._prev
 
+    blocks = find_blocks(model)
+    bar = tqdm(total=len(blocks), desc="trace forward", unit="block", disable=not progress, leave=False)
+    block_set = set(blocks)
+
     def enter(fqn: str) -> None:
         stack.append(fqn)
         fwd_marks.append((node_count(), fqn))
+        if fqn in block_set:
+            bar.update()
 
     def leave() -> None:
         stack.pop()
@@ -341,6 +352,10 @@ def trace(
         # no always_call: on an exception the stack must still name the failing module
         handles.append(mod.register_forward_hook(lambda m, a, o: leave()))
 
+    def backward_mark(seq: int, grads) -> None:
+        bwd_marks.append((node_count(), seq))
+        bar.update()
+
     def hook_autograd_graph(root) -> None:
         seen, todo = set(), [root]
         while todo:
@@ -349,8 +364,11 @@ def trace(
                 continue
             seen.add(fn)
             seq = fn._sequence_nr()
-            fn.register_prehook(lambda grads, seq=seq: bwd_marks.append((node_count(), seq)))
+            fn.register_prehook(functools.partial(backward_mark, seq))
             todo.extend(next_fn for next_fn, _ in fn.next_functions)
+        bar.reset(total=len(seen))
+        bar.set_description("trace backward")
+        bar.unit = "node"
 
     def joint(params, buffers, *inputs):
         # traced: the graph casts the batch and the buffers itself (they stay in their dtype outside it)
@@ -394,11 +412,14 @@ def trace(
         hint = ""
         if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
             hint = " — data-dependent control flow or .item() on a tensor cannot be traced"
+        elif getattr(getattr(model, "config", None), "use_cache", False):  # a transformers model's KV cache
+            hint = " — the model builds a KV cache (config.use_cache=True); training needs none: set it to False"
         raise TraceError(
             f"cannot trace {type(model).__name__}: failed in {kind} at op {recorder.last_op} "
             f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
+        bar.close()
         for h in handles:
             h.remove()
 
@@ -427,7 +448,7 @@ def trace(
         buffer_names=list(buffers),
         input_specs=[(x.shape, x.dtype) for x in example_inputs],
         num_model_inputs=num_model_inputs,
-        blocks=find_blocks(model),
+        blocks=blocks,
         compute_dtype=low,
         batch_symbols=batch_symbols,
         batch_guards=guards,

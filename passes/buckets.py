@@ -1,10 +1,15 @@
 """Analyses that decide the gather units (buckets) and the region of every node.
 
-A block is a direct child of the model, or of a container (ModuleList, ModuleDict,
-Sequential) reached from the model through containers only: the transformer layers
-of ``model.layers[i]`` are blocks, ``model.layers`` is not. Parameters held directly
-by the model (or a container) belong to the root block "". A node's region is the
-block of the module that produced it; the loss function is its own region.
+A block is a direct child of the model, or of a module reached from the model through
+containers (ModuleList, ModuleDict, Sequential) and wrappers only: the transformer
+layers of ``model.layers[i]`` are blocks, ``model.layers`` is not. A wrapper is a
+module that holds a layer stack somewhere below it, as Hugging Face models hold theirs
+(``GPT2LMHeadModel.transformer.h[i]``, ``LlamaForCausalLM.model.layers[i]``): its
+children are blocks, not it. A layer stack is a container with two or more children of
+one class that have children of their own (an MLP's ``Sequential(Linear, GELU, Linear)``
+is not one). Parameters held directly by the model (or a container or wrapper) belong
+to the root block "". A node's region is the block of the module that produced it; the
+loss function is its own region.
 
 Pure functions: no graph is modified here.
 """
@@ -29,13 +34,27 @@ def find_blocks(model: nn.Module) -> list[str]:
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             fqn = f"{prefix}{name}"
-            if isinstance(child, CONTAINERS):
+            if isinstance(child, CONTAINERS) or _holds_layer_stack(child):
                 visit(child, fqn + ".")
             else:
                 blocks.append(fqn)
 
     visit(model, "")
     return blocks
+
+
+def _is_layer_stack(module: nn.Module) -> bool:
+    if not isinstance(module, CONTAINERS):
+        return False
+    kinds: dict[type, int] = {}
+    for child in module.children():
+        if next(child.children(), None) is not None:
+            kinds[type(child)] = kinds.get(type(child), 0) + 1
+    return any(n >= 2 for n in kinds.values())
+
+
+def _holds_layer_stack(module: nn.Module) -> bool:
+    return any(_is_layer_stack(m) for m in module.modules())
 
 
 def block_of(fqn: str, blocks: Sequence[str]) -> str:

@@ -305,6 +305,10 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
     for name, by_chunk in parts.items():
         for c in by_chunk:
             holders.setdefault(name, set()).add(c)
+    tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
+    # a tied parameter's module is a block of its own in every chunk: its bucket then holds it
+    # alone and is sharded alike wherever it is (its gradient is summed piece by piece)
+    blocks = [*tg.blocks, *(n.rpartition(".")[0] for n in tied if n.rpartition(".")[0] not in tg.blocks)]
 
     def transfers(values: set) -> tuple[Transfer, ...]:
         return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE])
@@ -355,7 +359,7 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             param_dtypes={n: tg.param_dtypes[n] for n in stage_params},
             trainable=stage_trainable, buffer_names=[name for _, name in stage_buffers],
             input_specs=[tg.input_specs[i] for i in batch], num_model_inputs=tg.num_model_inputs,
-            blocks=tg.blocks, compute_dtype=tg.compute_dtype,
+            blocks=blocks, compute_dtype=tg.compute_dtype,
         )
         ends = (*starts[1:], len(units))
         stages.append(StageGraph(
@@ -363,7 +367,6 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             recv_act=transfers(recv_act), recv_grad=transfers(recv_grad), send_act=transfers(acts[c]),
             send_grad=transfers(grads_back[c]), has_loss=c == chunks - 1,
         ))
-    tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
     return PipelineSplit(tuple(stages), tuple(units), starts, tuple(seconds), tied)
 
 

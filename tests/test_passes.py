@@ -194,3 +194,26 @@ def test_unused_parameter_gets_no_reduction():
     assert tg.unused_params == {"m.unused.weight", "m.unused.bias"}
     graph, ctx = rewrite(tg, 2)
     assert sum(1 for n in graph.nodes if n.target is C.reduce_scatter_issue) == 1
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+
+
+class _Body(torch.nn.Module):  # a wrapper as Hugging Face models have (GPT2Model, LlamaModel)
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+        self.norm = torch.nn.LayerNorm(4)
+
+
+def test_layers_under_a_wrapper_are_blocks():
+    from micscompile.passes.buckets import find_blocks
+
+    model = torch.nn.Module()
+    model.body, model.head = _Body(), torch.nn.Linear(4, 5)
+    # each layer's Sequential(Linear, GELU, Linear) holds leaves: not a layer stack, the layer stays a block
+    assert find_blocks(model) == ["body.emb", "body.layers.0", "body.layers.1", "body.layers.2", "body.norm", "head"]

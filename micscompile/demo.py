@@ -1,6 +1,7 @@
-"""Train a small GPT with micscompile under torchrun.
+"""Train a small GPT with micscompile under torchrun: what ``micscompile demo`` (``make demo``) runs.
 
-    torchrun --standalone --nproc-per-node 4 examples/gpt.py --partition-size 2 --micro-batches 4 --check
+    micscompile demo                                   # 4 gloo ranks, p=2, 4 micro-batches, --check
+    torchrun --standalone --nproc-per-node 4 -m micscompile.demo --partition-size 2 --micro-batches 4 --check
 
 Every rank draws the same global batches from one seed and trains on its slice;
 with --check, rank 0 also trains the single-process eager reference on the whole
@@ -24,7 +25,7 @@ from micscompile.models import GPT, GPTConfig, gpt_params, lm_batch, lm_loss
 from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, state_error, train_reference, train_reference_mixed
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--partition-size", type=int, default=2, help="p: ranks that shard one replica")
     ap.add_argument("--micro-batches", type=int, default=4, help="s: gradient-accumulation steps")
@@ -47,11 +48,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device (no full weights)")
     ap.add_argument("--check", action="store_true", help="compare with single-process eager PyTorch")
     ap.add_argument("--program", action="store_true", help="print the whole per-rank Program")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
                             timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()

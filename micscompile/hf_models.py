@@ -1,0 +1,83 @@
+"""Hugging Face ``transformers`` models, built from a config with random weights (no downloads).
+
+    model = build("llama", "tiny")                    # or "gpt2" (tied embeddings), "bert"
+    step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=..., example_inputs=(ids, targets))
+
+What micscompile supports in these models, and what anything else gets:
+
+* training without a KV cache: ``build`` sets ``use_cache=False``; a model that still builds one
+  is refused by ``mc.trace`` with a message saying to turn it off;
+* dropout: ``build`` sets it to 0 so that runs compare with single-process eager; with it on,
+  each rank draws its own masks (as under DDP), and checkpointing refuses it (recomputing a
+  random op would draw again);
+* the eager attention path (``attn_implementation="eager"``), which is plain tensor ops on
+  every device; "sdpa" traces too (a single fused op the cost model prices as attention);
+* tied input/output embeddings (GPT-2), grouped-query attention and rotary embeddings (Llama),
+  learned positions and token types (BERT);
+* outputs: a ``ModelOutput`` whose ``logits`` the loss reads (``lm_loss``).
+
+``transformers`` is an optional dependency (the ``dev`` and ``hf`` extras).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FAMILIES = ("gpt2", "llama", "bert")
+SIZES = {
+    # tiny: the test suite's (seconds on gloo); the rest: published shapes, for plan / simulate
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=128),
+    "124m": dict(hidden=768, layers=12, heads=12, kv_heads=12, ffn=3072, vocab=50257),
+    "1.5b": dict(hidden=1600, layers=48, heads=25, kv_heads=25, ffn=6400, vocab=50257),
+    "7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+}
+
+
+def config(family: str, size: str = "tiny", *, seq_len: int = 16):
+    """The ``transformers`` config of ``family`` at ``size`` (see ``SIZES``), dropout off, no cache."""
+    import transformers as hf
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown Hugging Face family {family!r}; known: {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for {family}; known: {', '.join(SIZES)}")
+    s = SIZES[size]
+    if family == "gpt2":
+        return hf.GPT2Config(vocab_size=s["vocab"], n_positions=seq_len, n_embd=s["hidden"], n_layer=s["layers"],
+                             n_head=s["heads"], n_inner=s["ffn"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="eager")
+    if family == "llama":
+        return hf.LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                              num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                              num_key_value_heads=s["kv_heads"], max_position_embeddings=seq_len,
+                              use_cache=False, attn_implementation="eager")
+    return hf.BertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                         max_position_embeddings=seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         attn_implementation="eager")
+
+
+def build(family: str, size: str = "tiny", *, seq_len: int = 16) -> nn.Module:
+    """A language-model head model (GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM) with random
+    weights from the current device and seed (build it under ``torch.device("meta")`` for plans)."""
+    import transformers as hf
+
+    cls = {"gpt2": hf.GPT2LMHeadModel, "llama": hf.LlamaForCausalLM, "bert": hf.BertForMaskedLM}
+    cfg = config(family, size, seq_len=seq_len)
+    return cls[family](cfg)
+
+
+def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of a ``transformers`` output's logits against ``targets``."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def lm_batch(model: nn.Module, batch: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and targets for ``model``'s vocabulary."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    return ids, torch.randint(0, vocab, (batch, seq_len), generator=generator)
