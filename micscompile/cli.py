@@ -115,12 +115,7 @@ def _pipeline_comm(pp):
 
     total = CommStats()
     for c in pp.my_chunks():
-        stats = pp.program(c).comm_stats()
-        total.groups.update(stats.groups)
-        for key, row in stats.rows.items():
-            mine = total.rows.setdefault(key, type(row)())
-            for field in vars(row):
-                setattr(mine, field, getattr(mine, field) + getattr(row, field))
+        pp.program(c).comm_stats(total)
     return total
 
 

@@ -237,10 +237,11 @@ class Program:
     def collective_fingerprint(self) -> str:
         return digest("|".join(self.collective_order()))
 
-    def comm_stats(self) -> CommStats:
+    def comm_stats(self, stats: CommStats | None = None) -> CommStats:
         """One step's collectives as ``step.comm_stats()`` counts them once run: calls and wire
-        bytes per (collective, group), intra- and inter-node (predicted, no process group)."""
-        stats = CommStats()
+        bytes per (collective, group), intra- and inter-node (predicted, no process group).
+        ``stats``: add them to these (a pipeline rank's chunks together)."""
+        stats = CommStats() if stats is None else stats
         for a in self.collectives():
             rings = self.groups["intra"].size if a.group == "inter" else 1  # k rings share the node's NICs
             stats.record(COLLECTIVE_OF_KIND[a.kind], self.groups[a.group], a.tensor_bytes, parallel_rings=rings)
