@@ -24,7 +24,8 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 benchmarks/bench_step.py
+	$(PIP) install -q -e ".[bench]"
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 benchmarks/bench_peers.py
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -57,6 +57,18 @@ class Arena:
         return self.storage[offset : offset + nbytes].view(dtype)
 
 
+def _storage(t) -> torch.UntypedStorage | None:
+    """A plain tensor's real storage; None for anything else (meta, a subclass, a freed storage)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
+        return None
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:
+        return None
+    return storage
+
+
 class OutsideArena(TorchDispatchMode):
     """Counts the bytes that ops allocate outside the arena while active: every op output whose
     storage is new (not one of its inputs', not seen before) adds its bytes until it is freed."""
@@ -72,11 +84,11 @@ class OutsideArena(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {s.data_ptr() for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+            storage = _storage(t)
+            if storage is None:
                 continue
-            storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes and ptr not in inputs and ptr not in self._live:
                 self._live[ptr] = nbytes

@@ -15,8 +15,10 @@ counted as inter-node (the ring's slowest hop carries all of it), otherwise intr
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -168,6 +170,52 @@ class Comm:
         return self.arena.take(name, numel, dtype)
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out in the middle of a step: another rank died, hung or left
+    the step. Raised instead of the backend's error, naming the collective and its group."""
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Turn the backend's error from a collective (gloo: the peer closed its connection, or the
+    process group's timeout passed) into a ``CollectiveError`` that names ``what`` was waited for."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveError(f"{what} failed: {first}") from exc
+
+
+def step_failure(exc: CollectiveError, rank: int, step: int, timeout: datetime.timedelta | None) -> CollectiveError:
+    """The error a step raises when one of its collectives failed: which rank, which step, what."""
+    limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's"
+    return CollectiveError(f"rank {rank}, step {step}: {exc}. Another rank died, hung or left the step "
+                           f"(collectives give up after {limit}: mc.compile(timeout=...)); this rank stops here")
+
+
+def default_timeout() -> datetime.timedelta:
+    """The default process group's timeout (what ``init_process_group`` was given)."""
+    pg = dist.group.WORLD
+    for device in getattr(pg, "_device_types", ()):
+        with contextlib.suppress(Exception):
+            return pg._get_backend(device).options._timeout
+    return dist.default_pg_timeout
+
+
+def set_timeout(groups, timeout: datetime.timedelta) -> None:
+    """Every collective on these groups gives up after ``timeout`` (c10d's per-group timeout: on gloo
+    the waiting ranks raise, on NCCL the watchdog aborts). A DeviceMesh's groups otherwise get the
+    backend's default (30 min on gloo, 10 on NCCL), whatever ``init_process_group`` was given."""
+    seen = set()
+    for g in groups:
+        pg = g.group if g.group is not None else dist.group.WORLD
+        if id(pg) not in seen:
+            seen.add(id(pg))
+            dist.distributed_c10d._set_pg_timeout(timeout, pg)
+
+
 class Pending(NamedTuple):
     work: Any
     """The async Work handle (None when nothing was sent)."""
@@ -175,6 +223,8 @@ class Pending(NamedTuple):
     """Valid after the wait."""
     finish: Callable[[], torch.Tensor] | None = None
     """Run at the wait, after ``work``: the rest of a chained collective; returns the result."""
+    what: str = "collective"
+    """What is waited for, e.g. "all_gather of bucket 3 over shard[0, 1]" (for errors)."""
 
 
 def gather_full(layouts, shards: list[torch.Tensor], shard: GroupInfo, aliases: dict[str, list[str]]) -> dict:
@@ -220,7 +270,7 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical:
         if layout.partition_size > 1:
             work = dist.all_gather_single(out, src, group=comm.shard.group, async_op=True)
             comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
-        pending = Pending(work, out)
+        pending = Pending(work, out, what=_what(ALL_GATHER, bucket, comm.shard))
     comm.stats.gathered(layout.full_bytes)
     return pending
 
@@ -242,11 +292,16 @@ def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor, hierarchica
     return pending
 
 
+def _what(kind: str, bucket: int, group: GroupInfo) -> str:
+    return f"{kind} of bucket {bucket} over {group.label()}"
+
+
 def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
     """Block (the current stream) until the collective is done; return its result."""
-    if pending.work is not None:
-        pending.work.wait()
-    return pending.finish() if pending.finish is not None else pending.result
+    with guarded(pending.what):
+        if pending.work is not None:
+            pending.work.wait()
+        return pending.finish() if pending.finish is not None else pending.result
 
 
 def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
@@ -271,7 +326,7 @@ def reduce_scatter_issue(
     out = comm.alloc(f"RS{bucket}", layout.row_numel, flat)
     work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, comm.shard, layout.grad_bytes)
-    return Pending(work, out)
+    return Pending(work, out, what=_what(REDUCE_SCATTER, bucket, comm.shard))
 
 
 def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
@@ -280,7 +335,8 @@ def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
     flat = _packed(comm, bucket, like, grads)
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
     comm.stats.record(ALL_REDUCE, comm.world, layout.grad_bytes)
-    return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank])
+    return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank],
+                   what=_what(ALL_REDUCE, bucket, comm.world))
 
 
 def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
@@ -296,7 +352,8 @@ def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtyp
     buf = acc if acc.dtype == dtype else acc.to(dtype)
     work = dist.all_reduce(buf, group=group.group, async_op=True)
     stats.record(ALL_REDUCE, group, buf.numel() * buf.element_size())
-    return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf))
+    return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf),
+                   what=f"boundary all_reduce over {group.label()}")
 
 
 # ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------
@@ -324,7 +381,7 @@ def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tens
         result.view(m, k, row).copy_(inside.view(k, m, row).transpose(0, 1))
         return result
 
-    return Pending(work, None, finish)
+    return Pending(work, None, finish, what=f"hierarchical {_what(ALL_GATHER, layout.index, comm.shard)}")
 
 
 def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.Tensor, name: str) -> Pending:
@@ -337,9 +394,10 @@ def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.T
     by_local = comm.alloc(name, k * m * row, flat)
     by_local.view(k, m, row).copy_(flat.view(m, k, row).transpose(0, 1))
     partial = comm.alloc(name, m * row, flat)
-    dist.reduce_scatter_single(partial, by_local, op=dist.ReduceOp.SUM, group=intra.group)
+    with guarded(f"hierarchical {_what(REDUCE_SCATTER, layout.index, intra)}"):
+        dist.reduce_scatter_single(partial, by_local, op=dist.ReduceOp.SUM, group=intra.group)
     comm.stats.record(REDUCE_SCATTER, intra, by_local.numel() * by_local.element_size())
     out = comm.alloc(name, row, flat)
     work = dist.reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=inter.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, inter, partial.numel() * partial.element_size(), parallel_rings=k)
-    return Pending(work, out)
+    return Pending(work, out, what=f"hierarchical {_what(REDUCE_SCATTER, layout.index, inter)}")

@@ -41,6 +41,7 @@ from micscompile.pipeline_schedule import Op
 from micscompile.plan import ResolvedPlan
 from micscompile.program import Kind, ProgramError
 from micscompile.sharding import local_piece, local_pieces, shard_parameters
+from micscompile.state_dict import Checkpointable, Home
 from micscompile.trace import TrainGraph, check_batch, split_batch
 
 _P2P = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
@@ -109,13 +110,13 @@ def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, Group
     return out
 
 
-class PipelineStep:
+class PipelineStep(Checkpointable):
     """One optimizer step of a pipeline plan; call it with this rank's local batch (the same on
     every rank of one pipeline chain)."""
 
     def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
                  optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
-                 arena: bool = True) -> None:
+                 arena: bool = True, timeout=None) -> None:
         self.program = pp
         self.graph = graph
         self.device = device
@@ -134,6 +135,7 @@ class PipelineStep:
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
         self._outside_peak_bytes: int | None = None
         self.params: dict[str, nn.Parameter] = {}
+        self._chunk_params: dict[int, dict[str, nn.Parameter]] = {}
         params: list[nn.Parameter] = []
         unused = graph.unused_params
         shard_rank = groups["shard"].rank
@@ -152,12 +154,18 @@ class PipelineStep:
             self._chunks[c] = _Chunk(c, phases, comm, shards, grads, [buffers[n] for n in st.graph.buffer_names],
                                      st.batch_inputs, len(st.send_act), _used(phases.forward),
                                      _used(phases.backward), boundary)
+            self._chunk_params[c] = {}
             for name, p in shard_parameters(layouts, shards, grads, shard_rank, set(st.graph.trainable), unused):
+                self._chunk_params[c][name] = p
                 self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
                 params.append(p)
         self._tied = _tied_groups(pp, pp.rank, cache)
         self.optimizer = optimizer_factory(params)
         self.steps = 0
+        self.timeout = timeout
+        """How long any collective of the step may take (None: the process groups' own)."""
+        if timeout is not None:
+            C.set_timeout([*groups.values(), *self._tied.values()], timeout)
 
     # ---- tied parameters -----------------------------------------------------------------
     def _tied_pieces(self, name: str) -> list[torch.Tensor]:
@@ -198,9 +206,10 @@ class PipelineStep:
                     ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
                                           self._tag(a.mb, src, backward, i)))
                     recvs.add(len(ops) - 1)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        for i, w in enumerate(works):
-            (w.wait() if i in recvs else sends.append(w))
+        with C.guarded(f"pipeline P2P over {self._pipe.label()} ({', '.join(str(a) for a in actions)})"):
+            works = dist.batch_isend_irecv(ops) if ops else []
+            for i, w in enumerate(works):
+                (w.wait() if i in recvs else sends.append(w))
 
     def _recv_buffer(self, name: str, spec) -> torch.Tensor:
         if self._arena is None:
@@ -208,7 +217,14 @@ class PipelineStep:
         return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype).view(spec.shape)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One optimizer step (raises ``CollectiveError`` as ``TrainStep`` does)."""
         check_batch(batch, self.graph.input_specs, self._rp.micro_batches, "this pipeline chain's")
+        try:
+            return self._step(batch)
+        except C.CollectiveError as exc:
+            raise C.step_failure(exc, self.program.rank, self.steps + 1, self.timeout) from exc
+
+    def _step(self, batch) -> torch.Tensor:
         rp, pp = self._rp, self.program
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
         outbox: dict = {}
@@ -264,14 +280,16 @@ class PipelineStep:
                 elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
                     raise ProgramError(f"unknown pipeline action {a}")
                 i += 1
-            for w in sends:
-                w.wait()
+            with C.guarded(f"pipeline sends over {self._pipe.label()}"):
+                for w in sends:
+                    w.wait()
         if self._arena is not None:
             self._arena.end_step()
         with torch.no_grad():
             loss_buf = self._boundary(loss_sum)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
+        self._drop_provisional_state()
         self.optimizer.step()
         self.steps += 1
         return (loss_buf[0] * self._scale).detach()
@@ -292,7 +310,8 @@ class PipelineStep:
             total = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
             if name in self._tied:
                 tied = self._tied[name]
-                dist.all_reduce(total, group=tied.group)
+                with C.guarded(f"all_reduce of tied {name} over {tied.label()}"):
+                    dist.all_reduce(total, group=tied.group)
                 self._stats.record(C.ALL_REDUCE, tied, total.numel() * total.element_size())
             for piece in pieces:
                 piece.copy_(total)
@@ -313,6 +332,18 @@ class PipelineStep:
         """This rank's piece of every parameter its chunks hold (1-D, possibly empty)."""
         rank = self._groups["shard"].rank
         return {k: v for ch in self._chunks.values() for k, v in local_pieces(ch.comm.layouts, ch.shards, rank).items()}
+
+    def _homes(self) -> list[Home]:
+        """A tied weight is saved from the lowest chunk holding it and loaded into every one."""
+        r, tied = self._groups["shard"].rank, self.program.split.tied
+        return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
+                     self._chunk_params[ch.index].get(slot.name), ch.index == min(tied.get(slot.name, [ch.index])))
+                for ch in self._chunks.values() for lay, shard in zip(ch.comm.layouts, ch.shards) for slot in lay.slots]
+
+    def _state_buffers(self) -> dict[str, torch.Tensor]:
+        stages = self.program.split.stages
+        return {n: b for ch in self._chunks.values() for n, b in zip(stages[ch.index].graph.buffer_names, ch.buffers)
+                if n in self._state_keys}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank

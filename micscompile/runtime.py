@@ -3,8 +3,10 @@
 Order of work in ``compile`` (everything that can fail on bad input fails before the
 first collective): resolve the Plan against the world, split the example batch,
 trace one micro-batch on meta, plan buckets and layouts, run the passes, lower to a
-Program, check the memory budget; then the first collective: every rank checks that
-all ranks compiled the same Program; then the DeviceMesh ("replicate", "shard") and
+Program, check the memory budget, probe the optimizer (``optim_check``); then the first
+collective: the ranks exchange fingerprints of the Plan, the trace, the Program (and its
+collective order) and the starting weights, and all refuse if any differ, naming the ranks
+on each side; then the DeviceMesh ("replicate", "shard") and
 this rank's shards.
 
 ``TrainStep.__call__`` runs the rewritten graph once per micro-batch (its
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -32,6 +36,7 @@ from micscompile.arena import Arena, OutsideArena
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory_stats import MemoryStats
+from micscompile.optim_check import check_elementwise
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
@@ -42,19 +47,21 @@ from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
 from micscompile.program import Kind, Program, ProgramError
-from micscompile.sharding import BucketLayout, local_pieces, shard_parameters
+from micscompile.sharding import BucketLayout, local_piece, local_pieces, shard_parameters
+from micscompile.state_dict import Checkpointable, Home
 from micscompile.trace import TrainGraph, check_batch, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-class TrainStep:
+class TrainStep(Checkpointable):
     """One optimizer step of a compiled plan; call it with this rank's local batch."""
 
     def __init__(
         self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, graph: TrainGraph,
         shards: list[torch.Tensor], buffers: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
         state_keys: list[str], pass_records: list[PassRecord], device: torch.device, step_buffers=(),
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         self.gm = gm
         self.program = program
@@ -79,6 +86,10 @@ class TrainStep:
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
         self._outside_peak_bytes: int | None = None
+        self.timeout = timeout
+        """How long any collective of the step may take (None: the process groups' own)."""
+        if timeout is not None:
+            C.set_timeout([g for g in (comm.shard, comm.replicate, comm.world, comm.inter, comm.intra) if g], timeout)
 
     @property
     def layouts(self) -> tuple[BucketLayout, ...]:
@@ -89,8 +100,17 @@ class TrainStep:
         return local_pieces(self.layouts, self._shards, self._comm.shard.rank)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over this rank's local batch; returns the global mean loss."""
+        """One optimizer step over this rank's local batch; returns the global mean loss.
+
+        Raises ``CollectiveError`` (naming the collective, its group and this rank) when a collective
+        fails or times out: another rank died, hung or left the step."""
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches)
+        try:
+            return self._step(batch)
+        except C.CollectiveError as exc:
+            raise C.step_failure(exc, dist.get_rank(), self.steps + 1, self.timeout) from exc
+
+    def _step(self, batch) -> torch.Tensor:
         comm, plan = self._comm, self.program.plan
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
@@ -123,6 +143,7 @@ class TrainStep:
                 acc.mul_(self._scale)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
+        self._drop_provisional_state()
         self.optimizer.step()
         self.steps += 1
         return (loss_buf[0] * self._scale).detach()
@@ -136,6 +157,15 @@ class TrainStep:
     def comm_stats(self) -> CommStats:
         """Calls and bytes per collective kind and group since compile (or the last reset)."""
         return self._comm.stats
+
+    def _homes(self) -> list[Home]:
+        r = self._comm.shard.rank
+        return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
+                     self.params.get(slot.name))
+                for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots]
+
+    def _state_buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b for n, b in self._buffer_map.items() if n in self._state_keys}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and persistent buffers on CPU, keyed like ``model.state_dict()``.
@@ -157,11 +187,38 @@ def _device() -> torch.device:
 
 
 AGREEMENT_HINTS = {
+    "plan": "ranks were given different Plans",
+    "trace": "ranks traced different graphs (model code, parameter shapes, or batch shapes and dtypes differ)",
     "collectives": "ranks would issue different collectives (model, plan or batch differ), a deadlock",
     "program": "ranks compiled different programs (model, plan or batch differ)",
     "weights": "ranks start from different weights (seed every rank the same, e.g. torch.manual_seed, "
                "or load the same checkpoint)",
 }
+
+
+def _plan_fingerprint(plan: Plan) -> tuple:
+    """The Plan's fields as (name, repr) pairs: compared across ranks, the differing fields are named."""
+    return tuple((f.name, repr(getattr(plan, f.name))) for f in dataclasses.fields(plan))
+
+
+def _trace_fingerprint(tg: TrainGraph) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for part in (tg.gm.code, repr(tg.input_specs), repr(sorted(tg.param_shapes.items())), repr(tg.compute_dtype)):
+        h.update(part.encode())
+    return h.hexdigest()
+
+
+def _plan_difference(by_value: dict) -> str:
+    """"; micro_batches: 1 on ranks [0, 2, 3], 2 on ranks [1]" for the fields that differ."""
+    fields = [name for name, _ in next(iter(by_value))]
+    parts = []
+    for i, name in enumerate(fields):
+        by_field: dict[str, list[int]] = {}
+        for value, ranks in by_value.items():
+            by_field.setdefault(value[i][1], []).extend(ranks)
+        if len(by_field) > 1:
+            parts.append(f"{name}: " + ", ".join(f"{v} on ranks {sorted(rs)}" for v, rs in by_field.items()))
+    return "; " + "; ".join(parts)
 
 
 def _first_difference(order: list[str], world: int) -> str:
@@ -197,7 +254,8 @@ def _check_agreement(
             by_value.setdefault(p[key], []).append(r)
         if len(by_value) > 1:
             sides = " vs ".join(f"ranks {rs}" for rs in by_value.values())
-            where = _first_difference(order, world) if key == "collectives" else ""
+            where = (_first_difference(order, world) if key == "collectives" else
+                     _plan_difference(by_value) if key == "plan" else "")
             raise RuntimeError(f"{hint}: {sides}{where}")
 
 
@@ -260,6 +318,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     disable_passes: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
     arena: bool = True,
+    timeout: float | datetime.timedelta | None = None,
 ) -> TrainStep:
     """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
 
@@ -280,6 +339,12 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
     live at offsets planned from the Program in one arena allocated once (``memory_plan``);
     False allocates them per use like eager PyTorch.
+
+    ``timeout`` (seconds or a timedelta; default: the default process group's): how long any
+    collective of the step may take. It is set on every process group the step uses (the
+    DeviceMesh's subgroups would otherwise get the backend's default, 30 min on gloo). When a rank
+    dies or hangs mid-step, the others raise ``CollectiveError`` naming the collective within
+    it (on NCCL the watchdog aborts the process after it) instead of waiting forever.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -288,6 +353,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _device()
+    if timeout is None:
+        timeout = C.default_timeout()
+    elif not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
     prints, error, order = None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
@@ -298,6 +367,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype)
         check_initializable(model, init_fn)
+        check_elementwise(optimizer)
         state_keys = list(model.state_dict(keep_vars=True).keys())
         if rp.stages > 1:
             program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
@@ -309,7 +379,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             buffers = buffers_as_run(sched, arena)
             owned, planned = arena_plan(buffers) if arena else ([], None)
         order = program.collective_order()
-        prints = {"collectives": program.collective_fingerprint(), "program": program.fingerprint(),
+        prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
+                  "collectives": program.collective_fingerprint(), "program": program.fingerprint(),
                   "weights": fingerprint(model, device)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
@@ -318,7 +389,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         groups = planned_groups(rp, rank)
         pipeline_groups(rp, device.type, groups, _mesh_cache())
         return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
-                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena)
+                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena,
+                            timeout=timeout)
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups
@@ -329,5 +401,5 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     return TrainStep(
         gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=state,
         optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
-        step_buffers=buffers,
+        step_buffers=buffers, timeout=timeout,
     )

@@ -247,11 +247,22 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     out["budget"] = _expect_error(
         mc.PlanError, lambda: mc.compile(model, mc.Plan(partition_size=2, memory_budget_bytes=64), loss_fn=loss_fn,
                                          optimizer=opt, example_inputs=(x, y)))
+    out["world"] = _expect_error(
+        mc.PlanError, lambda: mc.compile(model, mc.Plan(partition_size=8), loss_fn=loss_fn, optimizer=opt,
+                                         example_inputs=(x, y)))
+    out["optimizer"] = _expect_error(
+        mc.PlanError, lambda: mc.compile(model, mc.Plan(partition_size=2), loss_fn=loss_fn,
+                                         optimizer=lambda ps: torch.optim.Adafactor(ps), example_inputs=(x, y)))
     # ranks that disagree: rank 1 asks for another micro-batch count; every rank must refuse
     s = 2 if rank == 1 else 1
     out["disagree"] = _expect_error(
         RuntimeError, lambda: mc.compile(model, mc.Plan(partition_size=2, micro_batches=s), loss_fn=loss_fn,
                                          optimizer=opt, example_inputs=(x, y)))
+    # same Plan and trace, but rank 1 schedules its gathers differently: a different collective order
+    prefetch = [mc.Prefetch(distance=0)] if rank == 1 else None
+    out["disagree_order"] = _expect_error(
+        RuntimeError, lambda: mc.compile(model, mc.Plan(partition_size=2), loss_fn=loss_fn, optimizer=opt,
+                                         example_inputs=(x, y), prefetch=prefetch))
     # one rank alone gets bad input: it raises its error, every other rank names it (nobody hangs)
     bad_x, bad_y = (x[:10], y[:10]) if rank == 2 else (x, y)
     out["one_rank"] = _expect_error(
