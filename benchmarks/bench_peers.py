@@ -152,7 +152,7 @@ def measure(system: str, p: int, s: int, args, model: GPT, batches) -> dict:
             "inter": mean_over_ranks(counter.total_inter_node()), "peak": max_over_ranks(live.peak_bytes)}
 
 
-def print_table(results: dict, args, cfg: GPTConfig, n_params: int, world: int) -> None:
+def print_table(results: dict, systems: list[tuple[str, int]], args, cfg: GPTConfig, n_params: int, world: int) -> None:
     print(f"GPT {cfg.layers} layers h={cfg.hidden} seq {cfg.seq_len} ({n_params / 1e6:.1f}M params, fp32), "
           f"{world} gloo ranks (CPU) as {world // args.gpus_per_node} nodes x {args.gpus_per_node}, "
           f"{args.batch_per_rank} samples/rank, AdamW; step = median of {args.steps} steps (slowest rank)")
@@ -161,20 +161,20 @@ def print_table(results: dict, args, cfg: GPTConfig, n_params: int, world: int) 
     print(head)
     print("-" * len(head))
     for s in args.micro_batches:
-        for system, p in SYSTEMS:
-            r, ours = results[(system, s)], results[(next(n for n, q in SYSTEMS if q == p), s)]
+        for system, p in systems:
+            r, ours = results[(system, s)], results[(next(n for n, q in systems if q == p), s)]
             print(f"{system:<32}{p:>3}{s:>3}{r['step']:>8.3f} s{r['step'] / ours['step']:>6.2f}x"
                   f"{fmt_bytes(r['bytes']):>13}{fmt_bytes(r['inter']):>13}{fmt_bytes(r['peak']):>13}{r['loss']:>9.4f}")
     print("/mc > 1: micscompile is faster at the same (p, s). inter-node: bytes a rank sends to the other node "
           "(ring order). loss: last step's global mean (same data for all).")
     def best(p: int, s: int) -> float:
-        return min(results[(n, s)]["step"] for n, q in SYSTEMS if q == p and n.startswith("micscompile"))
+        return min(results[(n, s)]["step"] for n, q in systems if q == p and n.startswith("micscompile"))
 
-    slower = [(sy, s) for s in args.micro_batches for sy, p in SYSTEMS
+    slower = [(sy, s) for s in args.micro_batches for sy, p in systems
               if not sy.startswith("micscompile") and results[(sy, s)]["step"] < best(p, s)]
     print("goal, micscompile's step (its best row) at or below every peer's at the same (p, s): "
           + ("met" if not slower else f"NOT met for {slower}"))
-    if not all(name in {n for n, _ in SYSTEMS} for name in ("micscompile p=2 (2-hop)", "FSDP2 HSDP 2x2",
+    if not all(name in {n for n, _ in systems} for name in ("micscompile p=2 (2-hop)", "FSDP2 HSDP 2x2",
                                                             "micscompile p=4 (hierarchical)", "FSDP2 full shard")):
         return
     for s in args.micro_batches:
@@ -207,17 +207,16 @@ def main() -> None:
     model = GPT(cfg)
     gen = torch.Generator().manual_seed(rank)
     batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
-    global SYSTEMS
-    SYSTEMS = [(n, p) for n, p in SYSTEMS if not any(n.startswith(x) for x in args.skip)]
+    systems = [(n, p) for n, p in SYSTEMS if not any(n.startswith(x) for x in args.skip)]
     results = {}
     for s in args.micro_batches:
-        for system, p in SYSTEMS:
+        for system, p in systems:
             results[(system, s)] = measure(system, p, s, args, model, batches)
             if rank == 0:
                 r = results[(system, s)]
                 print(f"  measured {system}, s={s}: {r['step']:.3f} s/step", flush=True)
     if rank == 0:
-        print_table(results, args, cfg, sum(t.numel() for t in model.parameters()), world)
+        print_table(results, systems, args, cfg, sum(t.numel() for t in model.parameters()), world)
     dist.destroy_process_group()
 
 
