@@ -23,3 +23,26 @@ def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], war
         out = step(*batch)
         times.append(time.perf_counter() - t0)
     return slowest_rank_median(times), out  # a step waits for its slowest rank
+
+
+def interleaved_times_s(steps: dict[str, Callable], batches: Sequence[Sequence[torch.Tensor]],
+                        warmup: int) -> dict[str, list[float]]:
+    """Several steps timed in alternation: each round times every step once on the same batch, so
+    drift on a shared machine (other jobs, thermal) reaches all of them alike. Per step, the
+    slowest rank's time of every round (rounds pair up across steps)."""
+    for batch in batches[:warmup]:
+        for step in steps.values():
+            step(*batch)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for batch in batches[warmup:]:
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(*batch)
+            times[name].append(time.perf_counter() - t0)
+    slowest = {}
+    for name, ts in times.items():
+        t = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[name] = t.tolist()
+    return slowest

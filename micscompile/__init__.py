@@ -8,7 +8,9 @@
 
 from micscompile.autotune import Candidate, autotune
 from micscompile.collectives import CollectiveError, CommStats
+from micscompile.codegen import CodegenError, CodegenReport
 from micscompile.cost_model.simulator import Prediction
+from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, plan_memory
 from micscompile.memory_stats import MemoryStats
@@ -20,7 +22,8 @@ from micscompile.runtime import TrainStep, compile
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
-    "Action", "Buffer", "Candidate", "autotune", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
+    "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
+    "MiCSBackend", "autotune", "backend", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
     "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile", "plan_memory", "simulate", "step_memory", "trace",
     "transformer_flops",

@@ -1,6 +1,7 @@
 """Train a small GPT with micscompile under torchrun: what ``micscompile demo`` (``make demo``) runs.
 
     micscompile demo                                   # 4 gloo ranks, p=2, 4 micro-batches, --check
+    micscompile demo --dynamo --codegen inductor       # captured by torch.compile, compute by Inductor
     torchrun --standalone --nproc-per-node 4 -m micscompile.demo --partition-size 2 --micro-batches 4 --check
 
 Every rank draws the same global batches from one seed and trains on its slice;
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reduce-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the gradient reductions")
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device (no full weights)")
+    ap.add_argument("--codegen", choices=["eager", "inductor"], default="eager",
+                    help="Plan.codegen: run the compute between collectives op by op, or Inductor-compiled")
+    ap.add_argument("--dynamo", action="store_true",
+                    help="capture with torch.compile(loss, backend=mc.backend(plan, ...)) instead of mc.compile")
     ap.add_argument("--check", action="store_true", help="compare with single-process eager PyTorch")
     ap.add_argument("--program", action="store_true", help="print the whole per-rank Program")
     return ap.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     param_dtype, reduce_dtype = getattr(torch, args.param_dtype), getattr(torch, args.reduce_dtype)
     plan = mc.Plan(partition_size=args.partition_size, micro_batches=args.micro_batches, grad_sync=args.grad_sync,
-                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, codegen=args.codegen)
     mixed = param_dtype != torch.float32 or reduce_dtype != torch.float32
     if args.optimizer == "sgd":
         optimizer = lambda ps: torch.optim.SGD(ps, lr=args.lr or 0.1, momentum=0.9)  # noqa: E731
@@ -85,12 +90,26 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     torch.manual_seed(0)  # the meta model is initialised from this seed
-    step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=optimizer, example_inputs=local[0])
+    losses = []
+    if args.dynamo:
+        if args.meta:
+            raise SystemExit("--dynamo runs the model: build it for real (drop --meta)")
+        backend = mc.backend(plan, optimizer=optimizer)
+        # dynamic=True: the step runs the graph once per micro-batch, at the micro-batch size
+        train = torch.compile(lambda x, y: lm_loss(model(x), y), backend=backend, dynamic=args.micro_batches > 1)
+        losses.append((float(train(*local[0])), None))  # Dynamo captures, micscompile compiles, one step runs
+        step = backend.step
+        how = "Dynamo captured the loss, micscompile compiled it (and ran step 0)"
+    else:
+        step = train = mc.compile(model, plan, loss_fn=lm_loss, optimizer=optimizer, example_inputs=local[0])
+        how = "compiled"
     out(f"{world} ranks on {dist.get_backend()}, plan: {step.program.plan}")
-    out(f"\ncompiled in {time.perf_counter() - start:.2f} s: {step.graph.summary()}")
+    out(f"\n{how} in {time.perf_counter() - start:.2f} s: {step.graph.summary()}")
     out("passes: " + "; ".join(map(str, step.pass_records)))
     program = str(step.program).splitlines()
     out("\n".join(program if args.program else program[:16] + ["   ... (--program prints it all)"] + program[-8:]))
+    if step.codegen is not None:
+        out(f"\n{step.codegen}")
 
     reference = None
     if args.check and rank == 0:
@@ -108,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     for i, batch in enumerate(local):
         step.track_memory = i == len(local) - 1  # count what ops allocate outside the arena on the last step
         t0 = time.perf_counter()
-        loss = float(step(*batch))
-        dt = time.perf_counter() - t0
+        loss, dt = losses[i] if i < len(losses) else (float(train(*batch)), time.perf_counter() - t0)
+        dt = f"{dt:7.3f}s" if dt is not None else f"{'(first)':>8}"
         ref = f"{reference[0][i]:11.6f}" if reference else f"{'-':>11}"
         diff = f"{abs(loss - reference[0][i]):9.2e}" if reference else f"{'-':>9}"
-        out(f"{i:>4}  {loss:17.6f}  {ref}  {diff}  {dt:7.3f}s")
+        out(f"{i:>4}  {loss:17.6f}  {ref}  {diff}  {dt}")
 
     state = step.full_state_dict()  # collective: every rank calls it
     if reference:

@@ -286,10 +286,12 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
 def buffers_as_run(lowered, arena: bool) -> list[Buffer]:
     """The step's buffers as the runtime runs ``lowered`` (a flat ``Schedule`` or a
     ``PipelineProgram``): with an arena, this rank's graphs are first rewritten in place so
-    that ops with an ``out=`` overload write into it (``passes.out_variants``)."""
+    that ops with an ``out=`` overload write into it (``passes.out_variants``), unless Inductor
+    generates the compute (``Plan.codegen``: its kernels allocate their own outputs)."""
     pipeline = hasattr(lowered, "my_chunks")
     graphs = [lowered.chunks[c].graph for c in lowered.my_chunks()] if pipeline else [lowered.graph]
-    if arena:
+    plan = (lowered.plan if pipeline else lowered.program.plan).plan
+    if arena and plan.codegen == "eager":
         for graph in graphs:
             out_variants_pass(graph)
     return pipeline_buffers(lowered) if pipeline else step_buffers(lowered.graph, lowered.program)

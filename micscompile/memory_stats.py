@@ -59,7 +59,8 @@ class MemoryStats:
 
     def __str__(self) -> str:
         sp, ca = self.step_plan, self.caching_allocator
-        measured = "not measured (set step.track_memory = True)" if self.outside_measured_peak_bytes is None \
+        measured = "not measured (step.track_memory = True counts the ops run eagerly; Inductor's kernels " \
+            "allocate unseen)" if self.outside_measured_peak_bytes is None \
             else fmt_bytes(self.outside_measured_peak_bytes)
         return "\n".join([
             f"arena            {fmt_bytes(self.arena_bytes)} for {self.arena_buffers} buffers per step "

@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
-from micscompile.lifetimes import arena_plan, buffers_as_run
+from micscompile.codegen import CodegenReport, compile_regions
+from micscompile.lifetimes import arena_plan
 from micscompile.memory_stats import MemoryStats
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.materialize import local_state
@@ -69,6 +70,22 @@ def _used(gm: torch.fx.GraphModule) -> list[bool]:
 
 def _pick(args: Sequence, used: list[bool]) -> list:
     return [a if u else None for a, u in zip(args, used)]
+
+
+def split_chunks(pp: PipelineProgram, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
+    """This rank's chunks as forward and backward GraphModules (``passes.phase_split``; after
+    ``lifetimes.buffers_as_run`` rewrote their graphs for the arena); with
+    ``Plan.codegen="inductor"`` their compute regions compiled, identical ones once across chunks."""
+    phases, regions, cache = {}, [], {}
+    for c in pp.my_chunks():
+        st, sched = pp.split.stages[c], pp.chunks[c]
+        n_buckets = len(sched.ctx.layouts)
+        forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
+        phases[c] = split_phases(torch.fx.GraphModule(st.graph.gm, sched.graph), forward_outputs)
+        if pp.plan.plan.codegen == "inductor":
+            for name, gm in ((f"chunk {c} forward", phases[c].forward), (f"chunk {c} backward", phases[c].backward)):
+                regions += compile_regions(gm, device, graph_name=name, cache=cache, first_index=len(regions))
+    return phases, (CodegenReport(regions) if pp.plan.plan.codegen == "inductor" else None)
 
 
 def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
@@ -116,8 +133,11 @@ class PipelineStep(Checkpointable):
 
     def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
                  optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
-                 arena: bool = True, timeout=None) -> None:
+                 chunk_phases: dict[int, Phases], step_buffers: list, arena: bool = True, timeout=None,
+                 codegen: CodegenReport | None = None) -> None:
         self.program = pp
+        self.codegen = codegen
+        """With ``Plan.codegen="inductor"``: the compiled regions of this rank's chunks (print it)."""
         self.graph = graph
         self.device = device
         rp = pp.plan
@@ -129,10 +149,12 @@ class PipelineStep(Checkpointable):
         self._stage = rp.stage_of(pp.rank)
         self._pipe = groups["pipe"]
         self._chunks: dict[int, _Chunk] = {}
-        self._step_buffers = buffers_as_run(pp, arena)
+        self._step_buffers = step_buffers
         self._arena = Arena(*arena_plan(self._step_buffers), device) if arena else None
         self.track_memory = False
-        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
+        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
+        ops run eagerly: the kernels of ``Plan.codegen="inductor"`` allocate below the dispatcher, unseen (their
+        regions' output bytes are in ``codegen``)."""
         self._outside_peak_bytes: int | None = None
         self.params: dict[str, nn.Parameter] = {}
         self._chunk_params: dict[int, dict[str, nn.Parameter]] = {}
@@ -142,10 +164,7 @@ class PipelineStep(Checkpointable):
         for c in pp.my_chunks():
             st, sched = pp.split.stages[c], pp.chunks[c]
             layouts = sched.ctx.layouts
-            gm = torch.fx.GraphModule(st.graph.gm, sched.graph)
-            n_buckets = len(layouts)
-            forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
-            phases = split_phases(gm, forward_outputs)
+            phases = chunk_phases[c]
             comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats,
                         arena=self._arena)
             shards, buffers = local_state(model, layouts, shard_rank, device, init_fn)
@@ -323,7 +342,8 @@ class PipelineStep(Checkpointable):
     # ---- inspection and export -------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
         """As ``TrainStep.memory_stats``: the arena, what stays outside it, the caching-allocator comparison."""
-        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan, self._outside_peak_bytes)
+        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan,
+                              None if self.codegen else self._outside_peak_bytes)
 
     def comm_stats(self) -> CommStats:
         return self._stats

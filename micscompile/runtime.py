@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
+from micscompile.codegen import CodegenReport, compile_regions
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory_stats import MemoryStats
@@ -43,7 +44,7 @@ from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
-from micscompile.pipeline_runtime import PipelineStep, pipeline_groups
+from micscompile.pipeline_runtime import PipelineStep, pipeline_groups, split_chunks
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import planned_groups
 from micscompile.program import Kind, Program, ProgramError
@@ -61,9 +62,11 @@ class TrainStep(Checkpointable):
         self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, graph: TrainGraph,
         shards: list[torch.Tensor], buffers: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
         state_keys: list[str], pass_records: list[PassRecord], device: torch.device, step_buffers=(),
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | None = None, codegen: CodegenReport | None = None,
     ) -> None:
         self.gm = gm
+        self.codegen = codegen
+        """With ``Plan.codegen="inductor"``: the compiled regions and their compile times (print it)."""
         self.program = program
         self.graph = graph
         self.pass_records = pass_records
@@ -84,7 +87,9 @@ class TrainStep(Checkpointable):
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.steps = 0
         self.track_memory = False
-        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``)."""
+        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
+        ops run eagerly: the kernels of ``Plan.codegen="inductor"`` allocate below the dispatcher, unseen (their
+        regions' output bytes are in ``codegen``)."""
         self._outside_peak_bytes: int | None = None
         self.timeout = timeout
         """How long any collective of the step may take (None: the process groups' own)."""
@@ -152,7 +157,8 @@ class TrainStep(Checkpointable):
         """The step's memory: the arena (planned buffers of the collectives), what the ops allocate
         outside it (planned from the lifetimes; measured over the steps run with ``track_memory``),
         and the plan of every step buffer against PyTorch's caching allocator on the same trace."""
-        return MemoryStats.of(self._step_buffers, self._comm.arena and self._comm.arena.plan, self._outside_peak_bytes)
+        return MemoryStats.of(self._step_buffers, self._comm.arena and self._comm.arena.plan,
+                              None if self.codegen else self._outside_peak_bytes)
 
     def comm_stats(self) -> CommStats:
         """Calls and bytes per collective kind and group since compile (or the last reset)."""
@@ -340,6 +346,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     live at offsets planned from the Program in one arena allocated once (``memory_plan``);
     False allocates them per use like eager PyTorch.
 
+    ``plan.codegen="inductor"``: the compute between communication points is compiled by Inductor
+    here, before the first collective (a region it cannot compile raises ``CodegenError``);
+    ``step.codegen`` lists the regions and their compile times (``micscompile.codegen``).
+
     ``timeout`` (seconds or a timedelta; default: the default process group's): how long any
     collective of the step may take. It is set on every process group the step uses (the
     DeviceMesh's subgroups would otherwise get the backend's default, 30 min on gloo). When a rank
@@ -372,12 +382,16 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if rp.stages > 1:
             program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
                                      prefetch=prefetch, disable=disable_passes, log=log)
+            buffers = buffers_as_run(program, arena)
+            chunk_phases, codegen = split_chunks(program, device)
         else:
             sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
                              prefetch=prefetch, disable=disable_passes, log=log)
             ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
             buffers = buffers_as_run(sched, arena)
             owned, planned = arena_plan(buffers) if arena else ([], None)
+            gm = torch.fx.GraphModule(tg.gm, graph)
+            codegen = CodegenReport(compile_regions(gm, device)) if plan.codegen == "inductor" else None
         order = program.collective_order()
         prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
                   "collectives": program.collective_fingerprint(), "program": program.fingerprint(),
@@ -390,7 +404,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         pipeline_groups(rp, device.type, groups, _mesh_cache())
         return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
                             state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena,
-                            timeout=timeout)
+                            timeout=timeout, chunk_phases=chunk_phases, step_buffers=buffers, codegen=codegen)
     layouts = ctx.layouts
     groups = _groups(rp, rank, device)
     program.groups = groups
@@ -399,7 +413,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         comm.arena = Arena(owned, planned, device)
     shards, state = local_state(model, layouts, groups["shard"].rank, device, init_fn)
     return TrainStep(
-        gm=torch.fx.GraphModule(tg.gm, graph), program=program, comm=comm, graph=tg, shards=shards, buffers=state,
+        gm=gm, program=program, comm=comm, graph=tg, shards=shards, buffers=state,
         optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
-        step_buffers=buffers, timeout=timeout,
+        step_buffers=buffers, timeout=timeout, codegen=codegen,
     )

@@ -63,6 +63,12 @@ REGION_BWD = "bwd"
 LOSS_FQN = "<loss>"
 
 
+MODULE_MARKS: list[tuple[Callable[[str], None], Callable[[], None]]] = []
+"""(enter, leave) of the trace in progress. A forward that replays a recorded graph instead of
+calling the modules (``micscompile.dynamo``) marks through them the module each node came from,
+as the module hooks do for an ordinary forward."""
+
+
 class TraceError(RuntimeError):
     """The model + loss could not be traced; the message names the module and op."""
 
@@ -391,6 +397,7 @@ def trace(
         return (loss, *grads)
 
     recorder = _OpRecorder()
+    MODULE_MARKS.append((enter, leave))
 
     def recorded_joint(params, buffers, *inputs):
         with recorder:
@@ -420,6 +427,7 @@ def trace(
         ) from exc
     finally:
         bar.close()
+        MODULE_MARKS.pop()
         for h in handles:
             h.remove()
 

@@ -211,6 +211,9 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 args = (src, slot.offset, slot.numel, slot.shape)
                 with graph.inserting_before(anchor):
                     iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
+                # what it holds (the compiled regions of micscompile.codegen read shapes from "val")
+                iv.unpacked[slot.name].meta["val"] = torch.empty(
+                    slot.shape, dtype=lay.gather_dtype if gathers else lay.dtype, device="meta")
         if gathers:
             with graph.inserting_after(iv.last):
                 rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))

@@ -52,6 +52,10 @@ class Case:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     """Mixed precision: compared with ``train_reference_mixed`` instead of fp32 eager."""
+    codegen: str = "eager"
+    """Plan.codegen: "inductor" compiles the compute between communication points."""
+    dynamo: bool = False
+    """Through the Dynamo frontend: torch.compile(loss, backend=mc.backend(plan, ...))."""
 
     @property
     def mixed(self) -> bool:
@@ -71,6 +75,7 @@ class Case:
             pf = self.prefetch
             extra += f"-prefetch{pf.distance}" + (f"-keep{pf.keep_live}" if pf.keep_live else "")
             extra += "-across" if pf.across_micro_steps else ""
+        extra += ("-inductor" if self.codegen == "inductor" else "") + ("-dynamo" if self.dynamo else "")
         return f"{self.model}-p{self.p}-s{self.s}-{self.opt}{extra}"
 
 
@@ -102,13 +107,24 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     loss_fn = make_loss(model)
     plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
                    hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every,
-                   offload_activations=case.offload, param_dtype=case.param_dtype, reduce_dtype=case.reduce_dtype)
+                   offload_activations=case.offload, param_dtype=case.param_dtype, reduce_dtype=case.reduce_dtype,
+                   codegen=case.codegen)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
-    step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
-                      prefetch=None if case.prefetch is None else (case.prefetch,), arena=case.arena)
-    losses = [float(step(*b)) for b in local[:-1]]
+    prefetch = None if case.prefetch is None else (case.prefetch,)
+    if case.dynamo:  # the step is built at the first call of the compiled loss
+        torch._dynamo.reset()  # this code object was compiled for other models and shapes before
+        backend = mc.backend(plan, optimizer=opt, prefetch=prefetch, arena=case.arena)
+        # dynamic=True: the step replays the graph per micro-batch (a static one is refused, test_codegen)
+        run = torch.compile(lambda x, y: loss_fn(model(x), y), backend=backend, dynamic=case.s > 1)
+        losses = [float(run(*local[0]))]
+        step = backend.step
+    else:
+        run = step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
+                                prefetch=prefetch, arena=case.arena)
+        losses = []
+    losses += [float(run(*b)) for b in local[len(losses):-1]]
     step.track_memory = True  # the last step counts what ops allocate outside the arena
-    losses.append(float(step(*local[-1])))
+    losses.append(float(run(*local[-1])))
     memory = step.memory_stats()
 
     shard_rank = rank % case.p
@@ -137,6 +153,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
         "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
         "program": str(step.program) if rank == 0 else "",
+        "codegen": None if step.codegen is None else [
+            (r.compiled, r.reused_from, r.key, r.compile_s, r.cache_hit) for r in step.codegen.regions],
     }
 
 

@@ -130,3 +130,13 @@ MODELS = {  # name: (model class, model -> loss_fn, batches)
     "convnet": (ConvNet, lambda model: cls_loss, conv_batches),
     "quirky": (Quirky, quirky_loss, quirky_batches),
 }
+
+
+class Branchy(ConvNet):
+    """A ConvNet whose forward branches on a tensor's value: Dynamo breaks the graph there."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        if h.mean() > 0:  # a data-dependent jump: Dynamo's graph break
+            h = h * 2
+        return h

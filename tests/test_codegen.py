@@ -1,0 +1,272 @@
+"""torch.compile on both ends: Inductor-generated compute between communication points
+(``Plan.codegen="inductor"``) and the Dynamo frontend (``mc.backend``).
+
+Hand graphs check the region split and the reuse of identical regions in one process; one
+4-rank gloo launch checks parity with single-process eager for the spine's models (with
+Inductor, through Dynamo, and both) and the refusals: a graph break names its source line, a
+loss that is not a scalar and a recompile are refused, each on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+
+import pytest
+import torch
+import torch.fx
+
+import micscompile as mc
+from dist_cases import Case, run_case
+from harness import assert_parity, launch, run_cases
+from micscompile.codegen import compile_regions, find_regions
+from micscompile.parity import TOLERANCE
+from models import MODELS, Branchy, ConvNet
+
+WORLD = 4
+
+
+def _comm_point(x):
+    """Stands in for a collective: not an ATen op, so it bounds regions."""
+    return x
+
+
+torch.fx.wrap("_comm_point")
+
+
+def _hand_graph() -> torch.fx.GraphModule:
+    """Two identical 'layers' (matmul, gelu, add) each behind a communication point, with a
+    multi-output op whose getitem sits after the next communication point."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = x
+    for _ in range(2):
+        wv = g.call_function(_comm_point, (w,))
+        mm = g.call_function(torch.ops.aten.mm.default, (h, wv))
+        act = g.call_function(torch.ops.aten.gelu.default, (mm,))
+        h = g.call_function(torch.ops.aten.add.Tensor, (act, h))
+    split = g.call_function(torch.ops.aten.split.Tensor, (h, 2))
+    g.call_function(_comm_point, (x,))
+    first = g.call_function(operator.getitem, (split, 0))
+    g.output((g.call_function(torch.ops.aten.sum.default, (first,)),))
+    return _with_vals(torch.fx.GraphModule(torch.nn.Module(), g))
+
+
+def _with_vals(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """node.meta["val"] on every node, as a trace leaves it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(*(mode.from_tensor(torch.empty(4, 4)) for _ in range(2)))
+    return gm
+
+
+def test_regions_stop_at_communication_points_and_keep_getitems_with_their_op():
+    gm = _hand_graph()
+    runs = find_regions(gm.graph)
+    ops = [[getattr(n.target, "__name__", "") for n in r] for r in runs]
+    assert ops == [["mm.default", "gelu.default", "add.Tensor"],
+                   ["mm.default", "gelu.default", "add.Tensor", "split.Tensor"], ["getitem", "sum.default"]]
+    regions = compile_regions(gm, torch.device("cpu"))
+    # the getitem moved next to split; the second layer's region differs from the first (split)
+    assert [r.ops for r in regions] == [3, 5, 1]
+    assert [r.first for r in regions] == [runs[0][0].name, runs[1][0].name, "sum_default"]
+    gm2 = _hand_graph()
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(gm(x, w)[0], gm2(x, w)[0])
+
+
+def test_identical_layers_compile_once():
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = x
+    for _ in range(3):
+        wv = g.call_function(_comm_point, (w,))
+        h = g.call_function(torch.ops.aten.gelu.default, (g.call_function(torch.ops.aten.mm.default, (h, wv)),))
+    g.output((h,))
+    gm = _with_vals(torch.fx.GraphModule(torch.nn.Module(), g))
+    x_, w_ = torch.randn(4, 4), torch.randn(4, 4) / 4
+    want = gm(x_, w_)[0]
+    regions = compile_regions(gm, torch.device("cpu"))
+    assert [r.reused_from for r in regions] == [None, 0, 0]
+    assert regions[0].compile_s > 0 and regions[1].compile_s == regions[2].compile_s == 0
+    assert sum(n.op == "call_module" for n in gm.graph.nodes) == 3
+    torch.testing.assert_close(gm(x_, w_)[0], want)
+    report = mc.CodegenReport(regions)
+    assert "reuses #0" in str(report) and len(report.compiled) == 1
+
+
+def test_plan_refuses_an_unknown_codegen_and_inductor_in_low_precision():
+    with pytest.raises(mc.PlanError, match="codegen must be 'eager' or 'inductor'"):
+        mc.Plan(codegen="triton")
+    with pytest.raises(mc.PlanError, match="runs fp32 plans only"):
+        mc.Plan(codegen="inductor", param_dtype=torch.bfloat16)
+
+
+# ---- 4 ranks ------------------------------------------------------------------------------------
+
+CASES = [
+    Case("tied_lm", 2, 3, "sgd", codegen="inductor"),
+    Case("tied_lm", 4, 1, "adamw", codegen="inductor"),
+    Case("convnet", 4, 4, "adamw", codegen="inductor"),
+    Case("convnet", 1, 3, "sgd", codegen="inductor"),
+    Case("quirky", 2, 3, "adamw", codegen="inductor"),
+    Case("tied_lm", 2, 3, "sgd", codegen="inductor", checkpoint=True),
+    Case("tied_lm", 2, 3, "sgd", dynamo=True),
+    Case("convnet", 4, 1, "adamw", dynamo=True),
+    Case("quirky", 2, 3, "sgd", dynamo=True),
+    Case("tied_lm", 4, 1, "sgd", dynamo=True, codegen="inductor"),
+]
+# the same plans compiled by mc.compile from the module: the Dynamo frontend must give the same step
+DYNAMO_TWINS = {c: dataclasses.replace(c, dynamo=False) for c in CASES if c.dynamo}
+BREAK_LINE = next(i for i, line in enumerate(inspect.getsourcelines(Branchy.forward)[0])
+                  if "h.mean() > 0" in line) + inspect.getsourcelines(Branchy.forward)[1]
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "NO EXCEPTION"
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    """Each must fail on every rank before any collective (the cases after them prove it)."""
+    _, _, make_batches = MODELS["convnet"]
+    x, y = make_batches(1, 4)[0]
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    plan = mc.Plan(partition_size=2)
+    out = {}
+    torch._dynamo.reset()
+    model = Branchy()
+    out["graph_break"] = _refused(lambda: torch.compile(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y), backend=mc.backend(plan, optimizer=opt))(x, y))
+    torch._dynamo.reset()
+    model = ConvNet()
+    out["static_micro_batches"] = _refused(lambda: torch.compile(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        backend=mc.backend(mc.Plan(partition_size=2, micro_batches=2), optimizer=opt))(x, y))
+    torch._dynamo.reset()
+    out["not_a_loss"] = _refused(lambda: torch.compile(ConvNet(), backend=mc.backend(plan, optimizer=opt))(x))
+    return out
+
+
+def recompile(rank: int, world: int) -> str:
+    """A step trained through Dynamo, then a batch of another shape: Dynamo compiles again, refused."""
+    _, _, make_batches = MODELS["convnet"]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ConvNet()
+    run = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+                        backend=mc.backend(mc.Plan(partition_size=2), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    run(*make_batches(1, 4)[0])
+    return _refused(lambda: run(*make_batches(1, 8)[0]))
+
+
+def run_all(rank: int, world: int) -> dict:
+    results = run_cases(rank, world, refusals, run_case, CASES + list(DYNAMO_TWINS.values()))
+    results["recompile"] = recompile(rank, world)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return launch(run_all, WORLD, timeout_s=540)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_parity_with_single_process_eager(results, case: Case):
+    assert_parity(results, case, TOLERANCE)
+    for rank, res in enumerate(results):
+        assert res[case]["own_shard_err"] <= TOLERANCE, (rank, res[case]["own_shard_err"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", [c for c in CASES if c.codegen == "inductor"], ids=lambda c: c.id)
+def test_inductor_runs_the_compute_and_compiles_each_distinct_region_once(results, case: Case):
+    for rank, res in enumerate(results):
+        regions = res[case]["codegen"]
+        compiled = [r for r in regions if r[0]]
+        assert compiled, rank
+        firsts = {}
+        for _, reused_from, key, seconds, _ in compiled:
+            if reused_from is None:
+                assert key not in firsts and seconds > 0, (rank, key)
+                firsts[key] = seconds
+            else:
+                assert key in firsts and seconds == 0, (rank, key)
+        if case.model == "tied_lm":  # its two blocks: the second one's regions reuse the first's
+            assert any(r[1] is not None for r in compiled), rank
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", list(DYNAMO_TWINS), ids=lambda c: c.id)
+def test_dynamo_frontend_compiles_the_step_mc_compile_does(results, case: Case):
+    """Dynamo's graph, replayed through the trace, gives the same buckets (the model's blocks, found
+    from the nodes' module stacks), the same collectives and bytes, and bitwise the same losses."""
+    twin = DYNAMO_TWINS[case]
+    for rank, res in enumerate(results):
+        ours, theirs = res[case], res[twin]
+        assert ours["layouts"] == theirs["layouts"] and len(ours["layouts"]) > 1, rank
+        assert ours["calls"] == theirs["calls"] and ours["measured"] == theirs["measured"], rank
+        if case.codegen == "eager":
+            assert ours["losses"] == theirs["losses"], rank
+    # the same actions in the same order (the compute labels differ: Dynamo's graph holds the loss,
+    # whose nodes belong to no module, "<root>", where mc.compile's trace marks them "<loss>")
+    actions = [[line.split()[:2] for line in res["program"].splitlines()] for res in (results[0][case], results[0][twin])]
+    assert actions[0] == actions[1]
+
+
+@pytest.mark.multiproc
+def test_eager_plans_compile_no_region(results):
+    """The Dynamo cases without codegen="inductor" run the rewritten graph op by op."""
+    for case in CASES:
+        if case.codegen == "eager":
+            assert all(res[case]["codegen"] is None for res in results)
+
+
+@pytest.mark.multiproc
+def test_a_graph_break_is_refused_naming_its_source_line(results):
+    for rank, res in enumerate(results):
+        msg = res["bad_inputs"]["graph_break"]
+        assert "GraphBreakError: graph break at" in msg, (rank, msg)
+        assert f"models.py:{BREAK_LINE}" in msg and "h.mean() > 0" in msg, (rank, msg)
+
+
+@pytest.mark.multiproc
+def test_a_callable_that_does_not_return_the_loss_is_refused(results):
+    for rank, res in enumerate(results):
+        msg = res["bad_inputs"]["not_a_loss"]
+        assert "CaptureError" in msg and "must return the scalar loss" in msg and "(4, 5)" in msg, (rank, msg)
+
+
+@pytest.mark.multiproc
+def test_a_recompile_is_refused(results):
+    for rank, res in enumerate(results):
+        msg = res["recompile"]
+        assert "CaptureError" in msg and "compiled this callable a second time" in msg, (rank, msg)
+
+
+@pytest.mark.multiproc
+def test_micro_batches_need_a_graph_dynamic_in_the_batch(results):
+    """A graph Dynamo specialized to the call's batch could bake its size in (a loss divided by
+    x.shape[0]); replayed per micro-batch it would be silently wrong, so it is refused."""
+    for rank, res in enumerate(results):
+        msg = res["bad_inputs"]["static_micro_batches"]
+        assert "CaptureError" in msg and "dynamic=True" in msg and "batch of 4" in msg, (rank, msg)
+
+
+@pytest.mark.multiproc
+def test_regions_compiled_before_come_from_inductors_cache(results):
+    """tied_lm at p=4 s=1 through Dynamo has the regions of the same plan compiled by mc.compile
+    earlier in the launch: Inductor's FX graph cache serves every one (no second codegen)."""
+    case = next(c for c in CASES if c.dynamo and c.codegen == "inductor")
+    assert any(c.codegen == "inductor" and not c.dynamo and (c.model, c.p, c.s) == (case.model, case.p, case.s)
+               for c in CASES[:CASES.index(case)])
+    for rank, res in enumerate(results):
+        fresh = [r for r in res[case]["codegen"] if r[0] and r[1] is None]
+        assert fresh and all(r[4] for r in fresh), (rank, [r[4] for r in fresh])
