@@ -51,7 +51,7 @@ def sgd(params):
 def compiled(cfg: GPTConfig, plan: mc.Plan, example) -> tuple[mc.TrainStep, float]:
     torch.manual_seed(0)
     model = GPT(cfg)
-    with fresh_cache():
+    with fresh_cache(delete=False):  # kept: a compiled step may still load from it (Triton autotuning)
         dist.barrier()
         start = time.perf_counter()
         step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=sgd, example_inputs=example)
@@ -114,7 +114,8 @@ def main() -> None:
     if rank != 0:
         dist.destroy_process_group()
         return
-    print(f"\nGPT heads={args.heads} layers={args.layers} vocab 512, {args.batch_per_rank} sequences per rank, "
+    print(f"\nGPT heads={args.heads} layers={args.layers} vocab {GPTConfig().vocab_size}, {args.batch_per_rank} "
+          f"sequences per rank, "
           f"{world} gloo ranks, Plan(partition_size={p}), SGD; {args.steps} rounds; torch {torch.__version__}")
     print(f"{'h':>4} {'seq':>5} {'eager s/step':>13} {'inductor s/step':>16} {'eager/inductor':>15} {'won':>6} "
           f"{'compile eager':>14} "

@@ -27,15 +27,17 @@ def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], war
 
 def interleaved_times_s(steps: dict[str, Callable], batches: Sequence[Sequence[torch.Tensor]],
                         warmup: int) -> dict[str, list[float]]:
-    """Several steps timed in alternation: each round times every step once on the same batch, so
-    drift on a shared machine (other jobs, thermal) reaches all of them alike. Per step, the
+    """Several steps timed in alternation: each round times every step once on the same batch (the
+    first one rotating), so drift on a shared machine (other jobs, thermal) reaches all of them alike. Per step, the
     slowest rank's time of every round (rounds pair up across steps)."""
     for batch in batches[:warmup]:
         for step in steps.values():
             step(*batch)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for batch in batches[warmup:]:
-        for name, step in steps.items():
+    names = list(steps)
+    for k, batch in enumerate(batches[warmup:]):
+        for name in names[k % len(names):] + names[:k % len(names)]:  # who goes first rotates
+            step = steps[name]
             dist.barrier()
             t0 = time.perf_counter()
             step(*batch)

@@ -39,7 +39,7 @@ from torch import nn
 
 from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.node_cost import _is_view
-from micscompile.trace import META_BYTES
+from micscompile.trace import META_BYTES, META_FQN, META_REGION
 
 META_REGION_INDEX = "mc_codegen_region"
 """Index of the region a node was compiled into (on the nodes of the original graph)."""
@@ -76,7 +76,7 @@ class Region:
 
     def status(self) -> str:
         if not self.compiled:
-            return "eager (views only)"
+            return "eager (nothing read after it)" if self.outputs == 0 else "eager (views only)"
         if self.reused_from is not None:
             return f"reuses #{self.reused_from}"
         return f"compiled {self.compile_s * 1e3:.0f} ms" + (" (Inductor cache hit)" if self.cache_hit else "")
@@ -117,11 +117,12 @@ class CodegenReport:
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
+    """An ATen op (or a getitem of one): other namespaces (collectives, custom ops) bound regions."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return _is_compute(node.args[0])
-    return isinstance(node.target, torch._ops.OpOverload)
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
 
 
 def _gather_getitems(graph: torch.fx.Graph) -> None:
@@ -197,15 +198,24 @@ def _subgraph(run: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: li
 
 
 class CompiledRegion(nn.Module):
-    """Calls one Inductor-compiled region function (shared by every region with its key)."""
+    """Calls one Inductor-compiled region function (shared by every region with its key).
 
-    def __init__(self, fn: Callable, key: str, source: torch.fx.GraphModule) -> None:
+    The function was compiled for the strides the trace recorded, and its generated code asserts
+    them. An input that arrives laid out otherwise is copied into them first: a sliced batch (the
+    trace's inputs are contiguous), a receive buffer or a reloaded activation (contiguous where the
+    trace's value was not)."""
+
+    def __init__(self, fn: Callable, key: str, source: torch.fx.GraphModule, strides: list[tuple[int, ...]]) -> None:
         super().__init__()
         self.fn = fn
         self.key = key
+        self.strides = strides
         self.__dict__["source"] = source  # the region's ATen graph, as compiled (not a submodule)
 
     def forward(self, *args):
+        if any(a.stride() != s for a, s in zip(args, self.strides)):
+            args = [a if a.stride() == s else torch.empty_strided(a.shape, s, dtype=a.dtype, device=a.device).copy_(a)
+                    for a, s in zip(args, self.strides)]
         return self.fn(*args)
 
 
@@ -264,13 +274,13 @@ def compile_regions(
                                    f"{run[-1].name}; ops {', '.join(ops)}): {type(exc).__name__}: {exc}") from exc
             region.compile_s = time.perf_counter() - start
             region.cache_hit = counters["inductor"]["fxgraph_cache_hit"] > hits
-            module = CompiledRegion(fn, key, sub)
+            module = CompiledRegion(fn, key, sub, [_spec(i)[1] for i in inputs])
             cache[key] = (module, index)
         name = f"region_{index}"
         gm.add_submodule(name, module)
         with graph.inserting_before(run[0]):
             call = graph.call_module(name, tuple(inputs))
-            call.meta = {k: v for k, v in run[0].meta.items() if k != "val"}
+            call.meta = {k: run[0].meta[k] for k in (META_REGION, META_FQN) if k in run[0].meta}
             for j, out in enumerate(outputs):
                 got = graph.call_function(operator.getitem, (call, j))
                 got.meta = dict(out.meta)

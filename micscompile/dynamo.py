@@ -26,7 +26,13 @@ Refused, with what to change, before any collective (never silently trained unsh
   graph's symbolic sizes the micro-batch's);
 * a second graph for the same backend (a recompile: other batch shapes, a changed guard), which
   would start again from the model's untouched weights;
-* ``torch._dynamo.config.suppress_errors`` (Dynamo would fall back to eager on any refusal).
+* ``torch._dynamo.config.suppress_errors`` (Dynamo would fall back to eager on any refusal);
+* a module attribute Dynamo lifted into the graph (a float, with ``dynamic=True``) whose value
+  changes between calls; ``pipeline_stages > 1`` (not yet: the loss must be pinned to the last
+  stage).
+
+``torch.compiler.set_stance("force_eager")`` or ``TORCHDYNAMO_DISABLE=1`` skip the backend
+entirely: ``backend.step`` stays None.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def check_no_graph_break(tx) -> None:
     reason = getattr(tx.output, "compile_subgraph_reason", None)
     if reason is not None and reason.graph_break:
         raise GraphBreakError(
-            f"graph break at {_where(reason.user_stack)} (Dynamo: {reason.reason.strip().splitlines()[0]}). "
+            f"graph break at {_where(reason.user_stack)} (Dynamo: {(reason.reason.strip() or '?').splitlines()[0]}). "
             f"micscompile shards one graph holding the whole forward and loss; with a graph break the code "
             f"between the graphs would run eagerly and unsharded. Remove the break "
             f"(torch._dynamo.explain(fn)(*args) lists them; fullgraph=True stops at the first)")
@@ -97,7 +103,7 @@ class Replay(nn.Module):
         self._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
         self.__dict__["_graph"] = gm
         self.__dict__["_root_expr"] = root_expr
-        self.__dict__["_slots"] = slots
+        self.__dict__["slots"] = slots
         """Per graph input: ("state", fqn), ("input", index into the call's tensors), ("const", a module
         attribute's value) or ("size", (index, "size" | "stride" | "storage_offset", dim or None))."""
         self.__dict__["dynamic_batch"] = dynamic_batch
@@ -105,7 +111,7 @@ class Replay(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         interpreter = _MarkingInterpreter(self._graph, self._root_expr)
-        loss = interpreter.run(*(self._arg(kind, ref, inputs) for kind, ref in self._slots))[0]
+        loss = interpreter.run(*(self._arg(kind, ref, inputs) for kind, ref in self.slots))[0]
         interpreter.leave_all()  # not on an exception: the trace's error names the module that failed
         return loss
 
@@ -161,8 +167,16 @@ def _source(n: torch.fx.Node) -> str:
     return name() if callable(name) else name
 
 
-def _dynamic_batch(val) -> bool:
-    return isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
+def _dynamic_batches(vals: list) -> list[bool]:
+    """Per input: whether its batch dimension is a symbol of its own, which the replay may set to the
+    micro-batch size. Not when Dynamo specialized it, nor when duck sizing gave another dimension
+    (of any input) the same symbol: setting it would change that dimension too."""
+    def symbols(size) -> set:
+        return set(size.node.expr.free_symbols) if isinstance(size, torch.SymInt) else set()
+
+    others = set().union(*(symbols(d) for v in vals if isinstance(v, torch.Tensor) for d in v.shape[1:]))
+    return [isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt)
+            and v.shape[0].node.expr.is_Symbol and not symbols(v.shape[0]) & others for v in vals]
 
 
 def _capture(gm: torch.fx.GraphModule, example_inputs: list, tx) -> tuple[Replay, list[int]]:
@@ -199,9 +213,10 @@ def _capture(gm: torch.fx.GraphModule, example_inputs: list, tx) -> tuple[Replay
             raise CaptureError(f"graph input {src} ({type(ex).__name__}) is neither a parameter or buffer of the "
                                f"model, nor an argument of the compiled callable or one of its sizes; make it a "
                                f"buffer of the model")
-    dynamic = [_dynamic_batch(n.meta.get("example_value")) for n, (kind, _) in zip(placeholders, slots)
-               if kind == "input"]
+    dynamic = _dynamic_batches([n.meta.get("example_value") for n, (kind, _) in zip(placeholders, slots)
+                                if kind == "input"])
     return Replay(gm, root, roots[0], slots, dynamic), batch
+
 
 class MiCSBackend:
     """A ``torch.compile`` backend that turns the captured loss into one MiCS training step per call.
@@ -217,6 +232,9 @@ class MiCSBackend:
                                "eagerly, unsharded; set it to False to compile with micscompile")
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
+        if plan.pipeline_stages > 1:
+            raise CaptureError("mc.backend compiles pipeline_stages=1 plans for now: Dynamo's graph holds the loss, "
+                               "which the pipeline split must pin to the last stage; use mc.compile for MiCS-Pipe")
         self.plan = plan
         self.optimizer = optimizer
         self.compile_kwargs = compile_kwargs
@@ -225,6 +243,11 @@ class MiCSBackend:
         self.step = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
+        import torch._dynamo.config as dynamo_config
+
+        if dynamo_config.suppress_errors:  # set after the backend was made: a refusal would run eagerly
+            raise CaptureError("torch._dynamo.config.suppress_errors is True: set it to False to compile with "
+                               "micscompile")
         tx = _current_tx()
         check_no_graph_break(tx)
         if self.graphs:
@@ -246,14 +269,22 @@ class MiCSBackend:
     def _runner(self, replay: Replay, batch: list[int]):
         from micscompile.runtime import compile as mc_compile
 
+        consts = [(i, ref) for i, (kind, ref) in enumerate(replay.slots) if kind == "const"]
+
         def run(*args):
             inputs = [args[i] for i in batch]
+            for i, captured in consts:  # Dynamo passes them in without guarding on their value
+                if not torch.equal(torch.as_tensor(args[i]), torch.as_tensor(captured)):
+                    raise CaptureError(f"a module attribute Dynamo passed into the graph changed from {captured} to "
+                                       f"{args[i]}: the compiled step uses the value it was compiled with")
             if self.step is None and self.plan.micro_batches > 1 and not all(replay.dynamic_batch):
                 raise CaptureError(
                     f"Plan.micro_batches={self.plan.micro_batches} splits each call's batch of "
                     f"{inputs[0].shape[0] if inputs[0].dim() else 1} into micro-batches, but Dynamo specialized its "
-                    f"graph to the whole batch: compile with torch.compile(..., dynamic=True) so that micscompile "
-                    f"can replay it at the micro-batch size")
+                    f"graph to the whole batch (or gave the batch size's symbol to another dimension too): compile "
+                    f"with torch.compile(..., dynamic=True) so that micscompile can replay it at the micro-batch "
+                    f"size (if another dimension equals the batch, mark only the batch dynamic: "
+                    f"torch._dynamo.mark_dynamic(x, 0) for every input)")
             if self.step is None:
                 self.step = mc_compile(replay, self.plan, loss_fn=_identity, optimizer=self.optimizer,
                                        example_inputs=inputs, num_model_inputs=len(inputs), **self.compile_kwargs)

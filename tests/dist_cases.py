@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import micscompile as mc
+from micscompile.cost_model.node_cost import _is_view
 from micscompile.materialize import initialize
 from micscompile.parity import rel_error, state_error, train_reference, train_reference_mixed
 from micscompile.sharding import shard_of
@@ -153,6 +154,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
         "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
         "program": str(step.program) if rank == 0 else "",
+        "eager_ops_left": [n.name for n in step.gm.graph.nodes if n.op == "call_function"
+                           and isinstance(n.target, torch._ops.OpOverload) and not _is_view(n)],
         "codegen": None if step.codegen is None else [
             (r.compiled, r.reused_from, r.key, r.compile_s, r.cache_hit) for r in step.codegen.regions],
     }

@@ -22,7 +22,7 @@ from dist_cases import Case, run_case
 from harness import assert_parity, launch, run_cases
 from micscompile.codegen import compile_regions, find_regions
 from micscompile.parity import TOLERANCE
-from models import MODELS, Branchy, ConvNet
+from models import MODELS, Branchy, ConvNet, TiedLM, lm_loss
 
 WORLD = 4
 
@@ -94,8 +94,24 @@ def test_identical_layers_compile_once():
     assert regions[0].compile_s > 0 and regions[1].compile_s == regions[2].compile_s == 0
     assert sum(n.op == "call_module" for n in gm.graph.nodes) == 3
     torch.testing.assert_close(gm(x_, w_)[0], want)
+    # compiled for contiguous inputs: a strided one (a sliced batch) is laid out as compiled first
+    x_t = torch.randn(4, 4).t()
+    torch.testing.assert_close(gm(x_t, w_)[0], _three_layers_eager(x_t, w_))
     report = mc.CodegenReport(regions)
     assert "reuses #0" in str(report) and len(report.compiled) == 1
+
+
+def _three_layers_eager(x, w):
+    for _ in range(3):
+        x = torch.ops.aten.gelu.default(x @ w)
+    return x
+
+
+def test_backend_refuses_pipelines_and_takes_only_plans():
+    with pytest.raises(mc.CaptureError, match="pipeline_stages=1 plans for now"):
+        mc.backend(mc.Plan(pipeline_stages=2), optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError, match="plan must be a micscompile.Plan"):
+        mc.backend({"partition_size": 2}, optimizer=torch.optim.SGD)
 
 
 def test_plan_refuses_an_unknown_codegen_and_inductor_in_low_precision():
@@ -201,6 +217,8 @@ def test_inductor_runs_the_compute_and_compiles_each_distinct_region_once(result
                 assert key in firsts and seconds == 0, (rank, key)
         if case.model == "tied_lm":  # its two blocks: the second one's regions reuse the first's
             assert any(r[1] is not None for r in compiled), rank
+        # and the compiled regions are what runs: no ATen op that computes is left in the step's graph
+        assert res[case]["eager_ops_left"] == [], (rank, res[case]["eager_ops_left"])
 
 
 @pytest.mark.multiproc
@@ -264,9 +282,59 @@ def test_micro_batches_need_a_graph_dynamic_in_the_batch(results):
 def test_regions_compiled_before_come_from_inductors_cache(results):
     """tied_lm at p=4 s=1 through Dynamo has the regions of the same plan compiled by mc.compile
     earlier in the launch: Inductor's FX graph cache serves every one (no second codegen)."""
+    if not torch._inductor.config.fx_graph_cache:
+        pytest.skip("Inductor's FX graph cache is disabled here (TORCHINDUCTOR_FX_GRAPH_CACHE=0)")
     case = next(c for c in CASES if c.dynamo and c.codegen == "inductor")
     assert any(c.codegen == "inductor" and not c.dynamo and (c.model, c.p, c.s) == (case.model, case.p, case.s)
                for c in CASES[:CASES.index(case)])
     for rank, res in enumerate(results):
         fresh = [r for r in res[case]["codegen"] if r[0] and r[1] is None]
         assert fresh and all(r[4] for r in fresh), (rank, [r[4] for r in fresh])
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer with a float attribute (Dynamo lifts it into the graph with dynamic=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+        self.temperature = 1.5
+
+    def forward(self, x):
+        return self.fc(x) * self.temperature
+
+
+def _first_error(fn, *args) -> str:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "NO EXCEPTION"
+
+
+@pytest.mark.parametrize("batch, refused", [(6, True), (4, False)])
+def test_a_batch_symbol_shared_with_another_dimension_is_refused(batch, refused):
+    """Duck sizing gives equal sizes one symbol: with 6 sequences of 6 tokens, setting the batch
+    symbol to the micro-batch size would change the sequence length too. Refused before any process
+    group is needed; with 4 sequences the check passes and compile asks for torch.distributed."""
+    torch._dynamo.reset()
+    model = TiedLM()
+    backend = mc.backend(mc.Plan(micro_batches=2), optimizer=torch.optim.SGD)
+    run = torch.compile(lambda x, y: lm_loss(model(x), y), backend=backend, dynamic=True)
+    msg = _first_error(run, *MODELS["tied_lm"][2](1, batch)[0])
+    if refused:
+        assert "CaptureError" in msg and "mark_dynamic" in msg, msg
+    else:
+        assert "needs torch.distributed initialized" in msg, msg
+
+
+def test_a_lifted_module_attribute_that_changes_is_refused():
+    torch._dynamo.reset()
+    model = _Scaled()
+    backend = mc.backend(mc.Plan(), optimizer=torch.optim.SGD)
+    run = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), backend=backend, dynamic=True)
+    x, y = torch.randn(4, 6), torch.randint(3, (4,))
+    assert "needs torch.distributed initialized" in _first_error(run, x, y)  # captured; no process group here
+    model.temperature = 2.0
+    msg = _first_error(run, x, y)
+    assert "CaptureError" in msg and "changed from 1.5 to 2.0" in msg, msg
