@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_prefetch.py
 
 Same GPT, plan and batches for every row; the rows are compiled once and then timed
-step by step in turn (row 1, row 2, ..., row 1, ...) so that the machine's drift over
-minutes hits every row alike. Each row's figure is the median over steps of the
+step by step in turn, the first row rotating each round (``timing.interleaved_times_s``), so
+that the machine's drift over minutes hits every row alike. Each row's figure is the median over steps of the
 slowest rank's time. "scheduled" is what ``mc.compile`` picks: on the calibrated
 local cluster (``local_cluster.json``, written by ``python -m micscompile calibrate``)
 when there is one, else its default.
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
+import statistics
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import micscompile as mc
-from micscompile.cost_model.calibrate import slowest_rank_median
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from timing import interleaved_times_s
 
 ROWS = {
     "no prefetch": (mc.Prefetch(0),),
@@ -60,15 +60,8 @@ def main() -> None:
                          example_inputs=batches[0], cluster=cluster, prefetch=prefetch)
         for name, prefetch in ROWS.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in ROWS}
-    for i in range(2 + args.steps):
-        for name, step in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(*batches[i % len(batches)])
-            if i >= 2:  # two warm-up steps per row
-                times[name].append(time.perf_counter() - t0)
-    medians = {name: slowest_rank_median(ts) for name, ts in times.items()}
+    rounds = [batches[i % len(batches)] for i in range(2 + args.steps)]  # two warm-up steps per row
+    medians = {name: statistics.median(ts) for name, ts in interleaved_times_s(steps, rounds, warmup=2).items()}
     if rank == 0:
         base = medians["no prefetch"]
         print(f"GPT {cfg.layers} layers h={cfg.hidden} seq {cfg.seq_len}, {dist.get_world_size()} gloo ranks, "

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from micscompile.cost_model.calibrate import slowest_rank_median
+from micscompile.cost_model.calibrate import slowest_rank_median, slowest_rank_times
 
 
 def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], warmup: int) -> tuple[float, object]:
@@ -42,9 +42,4 @@ def interleaved_times_s(steps: dict[str, Callable], batches: Sequence[Sequence[t
             t0 = time.perf_counter()
             step(*batch)
             times[name].append(time.perf_counter() - t0)
-    slowest = {}
-    for name, ts in times.items():
-        t = torch.tensor(ts, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[name] = t.tolist()
-    return slowest
+    return {name: slowest_rank_times(ts) for name, ts in times.items()}

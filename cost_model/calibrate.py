@@ -33,14 +33,19 @@ MIN_WINDOW_S = 0.1
 measure a rank running alone, not its fair share of the cores."""
 
 
-def slowest_rank_median(times: list[float]) -> float:
-    """The median over aligned samples of the slowest rank's time in each (every rank must call
-    it with as many samples): a step waits for its slowest rank, and which rank is slowest
-    changes from step to step, so the median of per-sample maxima exceeds the slowest median."""
+def slowest_rank_times(times: list[float]) -> list[float]:
+    """Per aligned sample, the slowest rank's time (every rank must call it with as many samples)."""
     t = torch.tensor(times, dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+    return t.tolist()
+
+
+def slowest_rank_median(times: list[float]) -> float:
+    """The median over aligned samples of the slowest rank's time in each: a step waits for its
+    slowest rank, and which rank is slowest changes from step to step, so the median of
+    per-sample maxima exceeds the slowest median."""
+    return statistics.median(slowest_rank_times(times))
 
 
 def _inner_count(fn: Callable[[], object]) -> int:

@@ -41,10 +41,6 @@ from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.node_cost import _is_view
 from micscompile.trace import META_BYTES, META_FQN, META_REGION
 
-META_REGION_INDEX = "mc_codegen_region"
-"""Index of the region a node was compiled into (on the nodes of the original graph)."""
-
-
 class CodegenError(RuntimeError):
     """Inductor could not compile a region; the message names the region and its ops."""
 
@@ -171,15 +167,16 @@ def _spec(node: torch.fx.Node) -> tuple:
     return tuple(val.shape), tuple(val.stride()), val.dtype
 
 
-def _key(run: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> str:
-    """A name-free description of the region: equal keys compute the same function of inputs alike."""
+def _key(run: list[torch.fx.Node], inputs: list[torch.fx.Node], specs: list[tuple], outputs: list[torch.fx.Node]) -> str:
+    """A name-free description of the region (``specs``: its inputs' ``_spec``): equal keys compute the
+    same function of inputs alike."""
     local = {n: f"i{k}" for k, n in enumerate(inputs)}
     local.update({n: f"n{k}" for k, n in enumerate(run)})
 
     def arg(a):
         return torch.fx.node.map_arg(a, lambda n: local[n])
 
-    parts = [repr([_spec(i) for i in inputs])]
+    parts = [repr(specs)]
     parts += [f"{local[n]}={n.target}({arg(n.args)!r},{arg(n.kwargs)!r})" for n in run]
     parts.append(repr([local[o] for o in outputs]))
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
@@ -219,14 +216,14 @@ class CompiledRegion(nn.Module):
         return self.fn(*args)
 
 
-def _fake_inputs(inputs: list[torch.fx.Node], device: torch.device) -> list[torch.Tensor]:
-    """Fake tensors shaped like the region's inputs (static sizes; the ShapeEnv lets Inductor's FX graph
+def _fake_inputs(specs: list[tuple], device: torch.device) -> list[torch.Tensor]:
+    """Fake tensors shaped like the region's inputs (``specs``: their ``_spec``) (static sizes; the ShapeEnv lets Inductor's FX graph
     cache serve a region compiled before, by this process or another)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
-        return [torch.empty_strided(*_spec(i)[:2], dtype=_spec(i)[2], device=device) for i in inputs]
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in specs]
 
 
 def inductor_options() -> dict:
@@ -254,7 +251,8 @@ def compile_regions(
         index = first_index + k
         inputs, outputs = _boundary(run)
         compiled = any(not _is_view(n) for n in run) and bool(outputs)
-        key = _key(run, inputs, outputs) if compiled else ""
+        specs = [_spec(i) for i in inputs] if compiled else []
+        key = _key(run, inputs, specs, outputs) if compiled else ""
         region = Region(index, graph_name, len(run), run[0].name, run[-1].name, key, len(inputs), len(outputs),
                         compiled, output_bytes=sum(o.meta.get(META_BYTES) or 0 for o in outputs))
         regions.append(region)
@@ -267,14 +265,14 @@ def compile_regions(
             start = time.perf_counter()
             hits = counters["inductor"]["fxgraph_cache_hit"]
             try:
-                fn = inductor_compile(sub, _fake_inputs(inputs, device), inductor_options())
+                fn = inductor_compile(sub, _fake_inputs(specs, device), inductor_options())
             except Exception as exc:
                 ops = sorted({str(n.target) for n in run if n.target is not operator.getitem})
                 raise CodegenError(f"Inductor failed on region #{index} of {graph_name} ({run[0].name} .. "
                                    f"{run[-1].name}; ops {', '.join(ops)}): {type(exc).__name__}: {exc}") from exc
             region.compile_s = time.perf_counter() - start
             region.cache_hit = counters["inductor"]["fxgraph_cache_hit"] > hits
-            module = CompiledRegion(fn, key, sub, [_spec(i)[1] for i in inputs])
+            module = CompiledRegion(fn, key, sub, [stride for _, stride, _ in specs])
             cache[key] = (module, index)
         name = f"region_{index}"
         gm.add_submodule(name, module)
@@ -286,7 +284,6 @@ def compile_regions(
                 got.meta = dict(out.meta)
                 out.replace_all_uses_with(got)
         for n in reversed(run):
-            n.meta[META_REGION_INDEX] = index
             graph.erase_node(n)
     graph.lint()
     gm.recompile()

@@ -61,6 +61,21 @@ def _where(frames) -> str:
     return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`" if f else "<unknown location>"
 
 
+def _refuse_suppressed_errors() -> None:
+    """Under ``suppress_errors`` Dynamo runs a graph eagerly when its backend raises: a refusal would
+    train nothing, silently."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.suppress_errors:
+        raise CaptureError("torch._dynamo.config.suppress_errors is True: a refused graph would silently run "
+                           "eagerly, unsharded; set it to False to compile with micscompile")
+
+
+def _is_state(source: str) -> bool:
+    """A parameter's or buffer's source ("...._parameters['weight']")."""
+    return "._parameters[" in source or "._buffers[" in source
+
+
 def _current_tx():
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -183,8 +198,7 @@ def _capture(gm: torch.fx.GraphModule, example_inputs: list, tx) -> tuple[Replay
     """The Replay of ``gm`` and the positions of the callable's tensors among the graph inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [_source(n) for n in placeholders]
-    roots = list(dict.fromkeys(m.group(1) for name in sources if ("._parameters[" in name or "._buffers[" in name)
-                               for m in [_ROOT.match(name)] if m))
+    roots = list(dict.fromkeys(m.group(1) for name in sources if _is_state(name) for m in [_ROOT.match(name)] if m))
     if len(roots) > 1:
         raise CaptureError(f"the graph reads parameters of {len(roots)} modules ({', '.join(roots)}): put them "
                            f"in one nn.Module (e.g. the loss's parameters in the model)")
@@ -204,7 +218,7 @@ def _capture(gm: torch.fx.GraphModule, example_inputs: list, tx) -> tuple[Replay
         elif src in inputs:
             slots.append(("input", inputs.index(src)))
             batch.append(len(slots) - 1)
-        elif src.startswith(roots[0]) and "._parameters[" not in src and "._buffers[" not in src:
+        elif src.startswith(roots[0]) and not _is_state(src):
             slots.append(("const", ex))  # a module attribute Dynamo lifted (dynamic=True lifts floats)
         elif size and size.group(1) in inputs:  # a dynamic size: the micro-batch's, at the replay
             dim = None if size.group(3) is None else int(size.group(3))
@@ -225,11 +239,7 @@ class MiCSBackend:
     ``full_state_dict()``, ``comm_stats()``, ``codegen`` ...)."""
 
     def __init__(self, plan: Plan, optimizer: Callable, **compile_kwargs) -> None:
-        import torch._dynamo.config as dynamo_config
-
-        if dynamo_config.suppress_errors:
-            raise CaptureError("torch._dynamo.config.suppress_errors is True: a refused graph would silently run "
-                               "eagerly, unsharded; set it to False to compile with micscompile")
+        _refuse_suppressed_errors()
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
         if plan.pipeline_stages > 1:
@@ -243,11 +253,7 @@ class MiCSBackend:
         self.step = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
-        import torch._dynamo.config as dynamo_config
-
-        if dynamo_config.suppress_errors:  # set after the backend was made: a refusal would run eagerly
-            raise CaptureError("torch._dynamo.config.suppress_errors is True: set it to False to compile with "
-                               "micscompile")
+        _refuse_suppressed_errors()  # again: it may have been set after the backend was made
         tx = _current_tx()
         check_no_graph_break(tx)
         if self.graphs:
