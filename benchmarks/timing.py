@@ -1,4 +1,7 @@
-"""Timing shared by the benchmarks: what one training step takes across all ranks."""
+"""Timing shared by the benchmarks: what one training step takes across all ranks.
+
+Each timed step starts with the device idle and ends when it is done (``device_sync``: on CUDA
+the step returns once its kernels are launched)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from micscompile.cost_model.calibrate import slowest_rank_median, slowest_rank_times
+from micscompile.cost_model.calibrate import device_sync, slowest_rank_median, slowest_rank_times
 
 
 def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], warmup: int) -> tuple[float, object]:
@@ -18,9 +21,11 @@ def median_step_s(step: Callable, batches: Sequence[Sequence[torch.Tensor]], war
         step(*batch)
     times, out = [], None
     for batch in batches[warmup:]:
+        device_sync()
         dist.barrier()
         t0 = time.perf_counter()
         out = step(*batch)
+        device_sync()
         times.append(time.perf_counter() - t0)
     return slowest_rank_median(times), out  # a step waits for its slowest rank
 
@@ -38,8 +43,10 @@ def interleaved_times_s(steps: dict[str, Callable], batches: Sequence[Sequence[t
     for k, batch in enumerate(batches[warmup:]):
         for name in names[k % len(names):] + names[:k % len(names)]:  # who goes first rotates
             step = steps[name]
+            device_sync()
             dist.barrier()
             t0 = time.perf_counter()
             step(*batch)
+            device_sync()
             times[name].append(time.perf_counter() - t0)
     return {name: slowest_rank_times(ts) for name, ts in times.items()}

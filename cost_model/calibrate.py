@@ -6,7 +6,9 @@ bandwidth. Measured: matmul throughput, memory bandwidth, per-op overhead, alpha
 and beta of all-gather / reduce-scatter / all-reduce for every group size that
 divides the world (consecutive-rank groups, all running at once), and what a
 collective in flight costs compute. Times are medians over repeats of the slowest
-rank's time.
+rank's time. On CUDA every timed window ends with a device sync (the host returns
+once kernels are launched), matmul peaks are measured per dtype (fp32, bf16, fp16),
+and the memory is the GPU's; the topology is torchrun's (LOCAL_WORLD_SIZE per node).
 
 Run it as ``python -m micscompile calibrate --nproc 4`` (writes local_cluster.json).
 """
@@ -21,11 +23,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from micscompile.collectives import collective_device
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
 COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Measured peaks, keyed like ``GpuSpec.peak_flops``: a bf16 plan is priced at the bf16 peak."""
 
 
 MIN_WINDOW_S = 0.1
@@ -33,11 +38,23 @@ MIN_WINDOW_S = 0.1
 measure a rank running alone, not its fair share of the cores."""
 
 
+def device_sync(device: torch.device | str | None = None) -> None:
+    """Wait until ``device`` has run what was queued on it (None: the current GPU, if this process
+    uses CUDA); nothing on the CPU. Every timed window starts and ends with it: on CUDA the host
+    returns as soon as kernels are launched. For measurements only, never inside a training step."""
+    if device is None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def slowest_rank_times(times: list[float]) -> list[float]:
     """Per aligned sample, the slowest rank's time (every rank must call it with as many samples)."""
-    t = torch.tensor(times, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(times)
+    t = torch.tensor(times, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
@@ -48,36 +65,86 @@ def slowest_rank_median(times: list[float]) -> float:
     return statistics.median(slowest_rank_times(times))
 
 
-def _inner_count(fn: Callable[[], object]) -> int:
+def _inner_count(fn: Callable[[], object], device: torch.device) -> int:
     """Calls of ``fn`` per window of >= MIN_WINDOW_S, the same on every rank (collectives must match)."""
+    device_sync(device)
     t0 = time.perf_counter()
     fn()
-    inner = torch.tensor([max(1, int(MIN_WINDOW_S / max(time.perf_counter() - t0, 1e-6)))])
+    device_sync(device)
+    inner = torch.tensor([max(1, int(MIN_WINDOW_S / max(time.perf_counter() - t0, 1e-6)))],
+                         device=collective_device())
     dist.all_reduce(inner, op=dist.ReduceOp.MAX)
     return int(inner)
 
 
-def _window(fn: Callable[[], object], inner: int) -> float:
-    """Seconds per call over ``inner`` calls, all ranks starting together."""
+def _window(fn: Callable[[], object], inner: int, device: torch.device) -> float:
+    """Seconds per call over ``inner`` calls on ``device``, all ranks starting together."""
+    device_sync(device)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
+    device_sync(device)
     return (time.perf_counter() - t0) / inner
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds per call of ``fn``: median over ``repeats`` windows of >= MIN_WINDOW_S each of the
-    slowest rank's time."""
-    inner = _inner_count(fn)
-    return slowest_rank_median([_window(fn, inner) for _ in range(repeats)])
+def _timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` on ``device``: median over ``repeats`` windows of >= MIN_WINDOW_S
+    each of the slowest rank's time."""
+    inner = _inner_count(fn, device)
+    return slowest_rank_median([_window(fn, inner, device) for _ in range(repeats)])
 
 
-def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: int) -> float:
+def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Seconds per call that ``fn`` takes beyond ``base``, from alternating windows: a shared
     machine drifts by more than the difference between two windows timed apart."""
-    inner_fn, inner_base = _inner_count(fn), _inner_count(base)
-    return slowest_rank_median([_window(fn, inner_fn) - _window(base, inner_base) for _ in range(repeats)])
+    inner_fn, inner_base = _inner_count(fn, device), _inner_count(base, device)
+    return slowest_rank_median([_window(fn, inner_fn, device) - _window(base, inner_base, device)
+                                for _ in range(repeats)])
+
+
+def _matmul_peaks(device: torch.device, repeats: int) -> dict[str, float]:
+    """Per dtype of MATMUL_DTYPES (by name), the median matmul FLOP/s over MATMUL_SHAPES."""
+    peaks = {}
+    for dtype in MATMUL_DTYPES:
+        rates = []
+        for m, k, n in MATMUL_SHAPES:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+            rates.append(2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), repeats, device))
+        peaks[str(dtype).removeprefix("torch.")] = statistics.median(rates)
+    return peaks
+
+
+def _topology(world: int) -> tuple[int, int]:
+    """(nodes, ranks per node): torchrun's LOCAL_WORLD_SIZE ranks per node (one node without it)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the {world} ranks: "
+                           "every node must run as many ranks")
+    return world // per_node, per_node
+
+
+def _memory_bytes(device: torch.device, per_node: int) -> int:
+    """One rank's memory: its GPU's on CUDA, else its share of this node's host memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(host // per_node)
+
+
+def _links(fits: dict[str, dict[str, float]], world: int, per_node: int) -> tuple[Link, Link]:
+    """(intra, inter): from the all-gather fits over one node's consecutive ranks and over the
+    world; the one without a fit of its own (one rank per node, or one node) takes the other's."""
+
+    def link(g: int) -> Link | None:
+        fit = fits.get(fit_key("all_gather", g))
+        if g < 2 or fit is None:
+            return None
+        return Link(bandwidth_bps=(g - 1) / g / fit["beta_s_per_byte"], latency_s=fit["alpha_s"] / (g - 1))
+
+    intra, inter = link(per_node), link(world) if world > per_node else None
+    fallback = Link(bandwidth_bps=1e9, latency_s=0.0)  # one rank: no collective uses it
+    return intra or inter or fallback, inter or intra or fallback
 
 
 def _fit(sizes: list[float], times: list[float]) -> dict[str, float]:
@@ -158,20 +225,18 @@ def _matmuls(a: torch.Tensor, b: torch.Tensor, chunks: int) -> Callable[[], None
 def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Cluster:
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    nodes, per_node = _topology(world)
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
     say = log or (lambda s: None)
 
-    # compute: matmul throughput, memory bandwidth, per-op overhead
-    rates = []
-    for m, k, n in MATMUL_SHAPES:
-        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        rates.append(2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), repeats))
-    matmul_flops = statistics.median(rates)
+    # compute: matmul throughput per dtype, memory bandwidth, per-op overhead
+    peaks = _matmul_peaks(device, repeats)
     x, y, z = (torch.randn(1 << 22, device=device) for _ in range(3))
-    bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats)
+    bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats, device)
     tiny = torch.ones(8, device=device)
-    op_overhead = _timed(lambda: tiny.add(tiny), repeats)
-    say(f"matmul {matmul_flops / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
+    op_overhead = _timed(lambda: tiny.add(tiny), repeats, device)
+    say("matmul " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()) + " GFLOP/s, "
+        f"memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
 
     # optimizer step (AdamW), laid out as TrainStep lays it out: 48 parameters and their gradients
     # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements.
@@ -185,7 +250,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
         p.grad = grad[i * size : (i + 1) * size]
         params.append(p)
     adamw = torch.optim.AdamW(params, lr=1e-3)
-    per_element = _timed(adamw.step, repeats) / (size * tensors)
+    per_element = _timed(adamw.step, repeats, device) / (size * tensors)
     del adamw, params, flat, grad
     say(f"AdamW step {per_element * 1e9:.2f} ns per element")
 
@@ -196,7 +261,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             times = []
             for nbytes in COLLECTIVE_SIZES_BYTES:
-                times.append(_timed(_collective(kind, nbytes, g, pg, device), repeats))
+                times.append(_timed(_collective(kind, nbytes, g, pg, device), repeats, device))
             fits[fit_key(kind, g)] = _fit([float(s) for s in COLLECTIVE_SIZES_BYTES], times)
             say(f"{kind:>14} g={g}: alpha {fits[fit_key(kind, g)]['alpha_s'] * 1e6:.0f} us, "
                 f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
@@ -209,15 +274,16 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     # collectives on 2 threads: two at once take ~1.6x one, not 2x).
     chunks, pattern_repeats = 32, max(repeats, 11)  # small signals on a shared machine: more samples
     small, big = ((torch.randn(n, n, device=device), torch.randn(n, n, device=device)) for n in (256, 512))
-    x_small, x_big = (_timed(_matmuls(*m, chunks), repeats) / chunks for m in (small, big))
+    x_small, x_big = (_timed(_matmuls(*m, chunks), repeats, device) / chunks for m in (small, big))
     interference: dict[str, dict[str, float]] = {}
     for g, pg in groups.items():
         exposed, slowdown, queued, shown = [], [], [], []
         for nbytes in (64 << 10, 1 << 20, 4 << 20):
-            d = _timed(_gathers_at_once(nbytes, g, 1, pg, device), repeats)
-            queued.append(min(max(_timed(_gathers_at_once(nbytes, g, 2, pg, device), repeats) / d - 1, 0.0), 1.0))
+            d = _timed(_gathers_at_once(nbytes, g, 1, pg, device), repeats, device)
+            queued.append(min(max(_timed(_gathers_at_once(nbytes, g, 2, pg, device), repeats, device) / d - 1, 0.0), 1.0))
             extra_small, extra_big = (
-                _timed_extra(_program_pattern(nbytes, g, chunks, *m, pg), _matmuls(*m, chunks), pattern_repeats) / chunks
+                _timed_extra(_program_pattern(nbytes, g, chunks, *m, pg), _matmuls(*m, chunks), pattern_repeats,
+                             device) / chunks
                 for m in (small, big)
             )
             phi = min(max((extra_big - extra_small) / (x_big - x_small), 0.0), 1.0)
@@ -232,15 +298,12 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
             f"compute alongside {phi:.0%} slower; a second gather in flight adds "
             f"{interference[str(g)]['queued_fraction']:.0%} of its duration")
 
-    g = world
-    world_fit = fits.get(fit_key("all_gather", g), {"alpha_s": 0.0, "beta_s_per_byte": 1e-9})
-    link = Link(bandwidth_bps=(g - 1) / g / world_fit["beta_s_per_byte"], latency_s=world_fit["alpha_s"] / max(g - 1, 1))
-    mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    intra, inter = _links(fits, world, per_node)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu rank (1/{per_node} of this machine)"
     gpu = GpuSpec(
-        name=f"{device.type} rank (1/{world} of this machine)", peak_flops={"float32": matmul_flops},
-        memory_bandwidth_bps=bandwidth, memory_bytes=int(mem_total // world), matmul_efficiency=1.0,
-        memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
+        name=name, peak_flops=peaks, memory_bandwidth_bps=bandwidth, memory_bytes=_memory_bytes(device, per_node),
+        matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
         optimizer_element_s=per_element,
     )
-    return Cluster(name="local", nodes=1, gpus_per_node=world, gpu=gpu, intra=link, inter=link,
+    return Cluster(name="local", nodes=nodes, gpus_per_node=per_node, gpu=gpu, intra=intra, inter=inter,
                    collective_interference=interference, collective_fits=fits)

@@ -1,9 +1,11 @@
 """FLOP estimates for aten ops in a traced graph.
 
 Assumptions: a multiply-add counts as 2 FLOPs; matmul-like ops and convolutions are
-counted exactly from their shapes (forward and backward); every other op is counted
-as one FLOP per output element (elementwise estimate; views count 0). Shapes come
-from ``node.meta["val"]`` (meta or fake tensors recorded by make_fx).
+counted exactly from their shapes (forward and backward), fused attention as its two
+matmuls (backward 2.5x: dQ, dK, dV and the recomputed scores; causal masking not
+discounted); every other op is counted as one FLOP per output element (elementwise
+estimate; views count 0). Shapes come from ``node.meta["val"]`` (meta or fake tensors
+recorded by make_fx).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ FLOP_RULES: dict[object, Callable[[torch.fx.Node], int]] = {
     aten._scaled_dot_product_efficient_attention_backward.default: _sdpa_backward,
     aten._scaled_dot_product_flash_attention_backward.default: _sdpa_backward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_backward,
+    aten._scaled_dot_product_cudnn_attention.default: _sdpa,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _sdpa_backward,
 }
 
 

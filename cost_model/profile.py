@@ -15,6 +15,7 @@ Integer inputs are zeros (valid indices for embeddings and targets of any size).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from micscompile.cost_model.calibrate import slowest_rank_median
+from micscompile.collectives import collective_device
+from micscompile.cost_model.calibrate import device_sync, slowest_rank_median
 from micscompile.trace import TrainGraph
 
 WHOLE_WINDOW_S = 2.0
@@ -73,7 +75,7 @@ def profile_trace(
     device = torch.device(device)
     gm = torch.fx.GraphModule(trace.gm, retarget_device(trace.graph_copy(), device))  # factory ops traced on meta
     inputs = [_random_like(n, device) for n in gm.graph.nodes if n.op == "placeholder"]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = functools.partial(device_sync, device)
     aligned = dist.is_available() and dist.is_initialized()
     barrier = dist.barrier if aligned else (lambda: None)
     runs = []
@@ -85,11 +87,14 @@ def profile_trace(
             runs.append(interp.times)
         runs = runs[1:]
         # the total decides the prediction: time it over >= WHOLE_WINDOW_S (same count on every rank)
+        sync()
         t0 = time.perf_counter()
         gm(*inputs)
+        sync()
         once = max(time.perf_counter() - t0, 1e-6) * micro_batches
-        count = torch.tensor([max(WHOLE_MIN_SAMPLES, int(WHOLE_WINDOW_S / once))])
+        count = max(WHOLE_MIN_SAMPLES, int(WHOLE_WINDOW_S / once))
         if aligned:
+            count = torch.tensor([count], device=collective_device())
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         whole = []
         for _ in range(int(count)):

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from micscompile.collectives import fmt_bytes
+from micscompile.collectives import collective_device, fmt_bytes
+from micscompile.cost_model.calibrate import device_sync
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
@@ -247,12 +248,14 @@ def measure_top(ranked: list[Candidate], *, model: torch.nn.Module, loss_fn, mak
         batch = make_batch(local)
         for _ in range(warmup):
             step(*batch)
+        device_sync()
         torch.distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
             step(*batch)
+        device_sync()
         torch.distributed.barrier()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], device=collective_device())
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         c.measured_step_s = float(elapsed)
     done = sorted(tried, key=lambda c: c.measured_step_s)

@@ -45,11 +45,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from micscompile.cost_model.calibrate import calibrate
+    from micscompile.launch import init_distributed
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    init_distributed(timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = dist.get_rank()
     cluster = calibrate(repeats=args.repeats, log=print if rank == 0 else None)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +38,16 @@ def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> int:
     """Bytes one rank sends for a ring collective over ``nbytes`` (the full buffer)."""
     factor = 2 if kind == ALL_REDUCE else 1
     return factor * nbytes * (group_size - 1) // group_size
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a small host-side collective on ``group`` (default: the world), a count or a time, must
+    put its tensor: the current GPU where the group's backend serves CUDA only (plain "nccl"), else
+    the CPU ("gloo", or "cpu:gloo,cuda:nccl" as ``launch.init_distributed`` makes it)."""
+    parts = str(dist.get_backend(group)).split(",")
+    if any(p.startswith("cpu:") or (":" not in p and p != "nccl") for p in parts):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
@@ -177,8 +189,10 @@ class CollectiveError(RuntimeError):
 
 @contextlib.contextmanager
 def guarded(what: str) -> Iterator[None]:
-    """Turn the backend's error from a collective (gloo: the peer closed its connection, or the
-    process group's timeout passed) into a ``CollectiveError`` that names ``what`` was waited for."""
+    """Turn the backend's error from a collective into a ``CollectiveError`` that names ``what`` was
+    waited for: gloo's RuntimeError (the peer closed its connection, or the group's timeout passed),
+    NCCL's ``DistBackendError`` (a RuntimeError: the collective timed out or failed in a blocking
+    wait, its communicator aborted)."""
     try:
         yield
     except CollectiveError:
@@ -205,15 +219,49 @@ def default_timeout() -> datetime.timedelta:
 
 
 def set_timeout(groups, timeout: datetime.timedelta) -> None:
-    """Every collective on these groups gives up after ``timeout`` (c10d's per-group timeout: on gloo
-    the waiting ranks raise, on NCCL the watchdog aborts). A DeviceMesh's groups otherwise get the
-    backend's default (30 min on gloo, 10 on NCCL), whatever ``init_process_group`` was given."""
+    """Every collective on these groups gives up after ``timeout``, counted from its issue (c10d's
+    per-group timeout: on gloo, and on NCCL with blocking wait, the waiting rank raises; on NCCL
+    without it the watchdog kills the process, ``check_nccl_timeout``). A DeviceMesh's groups
+    otherwise get the backend's default (30 min on gloo, 10 on NCCL), whatever
+    ``init_process_group`` was given."""
     seen = set()
     for g in groups:
         pg = g.group if g.group is not None else dist.group.WORLD
         if id(pg) not in seen:
             seen.add(id(pg))
             dist.distributed_c10d._set_pg_timeout(timeout, pg)
+
+
+BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+"""What ProcessGroupNCCL reads, first name first, when each process group is created."""
+
+
+def nccl_blocking_wait(environ=os.environ) -> bool:
+    """Whether ProcessGroupNCCL's ``Work.wait()`` blocks the host until the collective is done and
+    raises ``DistBackendError`` past the group's timeout (c10d's getCvarBool: 1/y/yes/t/true)."""
+    for name in BLOCKING_WAIT_VARS:
+        if name in environ:
+            return environ[name].strip().lower() in ("1", "y", "yes", "t", "true")
+    return False
+
+
+NCCL_WITHOUT_BLOCKING_WAIT = (
+    "mc.compile(timeout=...) on NCCL without TORCH_NCCL_BLOCKING_WAIT=1: a dead or hung rank will not "
+    "raise CollectiveError. NCCL's Work.wait() does not block the host, so the step never sees the "
+    "failure; ProcessGroupNCCL's watchdog finds the collective past the timeout and kills the process "
+    "(SIGABRT, 'Watchdog caught collective operation timeout' in the log) about 60 s later "
+    "(4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC). For CollectiveError within the timeout, launch every "
+    "rank with TORCH_NCCL_BLOCKING_WAIT=1 in its environment (read when init_process_group creates "
+    "the group; e.g. TORCH_NCCL_BLOCKING_WAIT=1 torchrun ...): each collective wait then also blocks "
+    "the host until the collective is done. docs/gpu.md, 'A dead or hung rank on NCCL'")
+
+
+def check_nccl_timeout(backend: str, device: torch.device, environ=os.environ) -> None:
+    """Warn when the step's collectives run on NCCL (``device`` is a GPU and ``backend``, as
+    ``dist.get_backend()`` names it, has NCCL) without blocking wait: ``timeout`` then cannot raise
+    ``CollectiveError``, only arm the watchdog."""
+    if device.type == "cuda" and "nccl" in backend and not nccl_blocking_wait(environ):
+        warnings.warn(NCCL_WITHOUT_BLOCKING_WAIT, RuntimeWarning, stacklevel=3)
 
 
 class Pending(NamedTuple):
@@ -297,7 +345,9 @@ def _what(kind: str, bucket: int, group: GroupInfo) -> str:
 
 
 def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
-    """Block (the current stream) until the collective is done; return its result."""
+    """Block until the collective is done and return its result: the host on gloo; on NCCL the
+    current stream, and the host too with TORCH_NCCL_BLOCKING_WAIT=1 (only then can a timeout
+    raise here)."""
     with guarded(pending.what):
         if pending.work is not None:
             pending.work.wait()

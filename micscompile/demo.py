@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import micscompile as mc
+from micscompile.launch import init_distributed
 from micscompile.materialize import initialize
 from micscompile.models import GPT, GPTConfig, gpt_params, lm_batch, lm_loss
 from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, state_error, train_reference, train_reference_mixed
@@ -58,11 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
-                            timeout=datetime.timedelta(seconds=120))
+    init_distributed(timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     out = print if rank == 0 else (lambda *a, **k: None)
 

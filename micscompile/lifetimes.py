@@ -44,7 +44,7 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.arena import OUT_PREFIX, arena_out
-from micscompile.offload import offload, reload_issue, reload_wait
+from micscompile.offload import offload, offload_done, reload_issue, reload_wait
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory_plan import Buffer, MemoryPlan, plan_memory
 from micscompile.passes.out_variants import out_variants_pass
@@ -66,7 +66,7 @@ def on_device(buffers: list[Buffer]) -> list[Buffer]:
 
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
 _GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue, C.pack_local)
-_NO_ALLOC = (C.collective_wait, C.release, reload_wait, *_GATHERS, *_GRAD_SYNCS)
+_NO_ALLOC = (C.collective_wait, C.release, reload_wait, offload_done, *_GATHERS, *_GRAD_SYNCS)
 
 
 @dataclass
@@ -133,9 +133,13 @@ class GraphLifetimes:
             users = self.users.get(root, ())
             return max((held_until(root) - 1 if u.op == "output" else when(u) for u in users), default=when(n))
 
-        def add(size: int, start: int, end: int, name: str, kind: str) -> _Rec:
+        of: dict[torch.fx.Node, _Rec] = {}  # value (root) -> its buffer
+
+        def add(size: int, start: int, end: int, name: str, kind: str, value: torch.fx.Node | None = None) -> _Rec:
             rec = _Rec(size, start, max(end, start + 1), name, kind)
             out.append(rec)
+            if value is not None:
+                of[value] = rec
             return rec
 
         for n in nodes if nodes is not None else self.nodes:
@@ -188,15 +192,20 @@ class GraphLifetimes:
                     add(full, t, held, name, "grad_bucket")
             elif n.target is offload:  # a host copy: not device memory (``kind="host"``)
                 add(n.args[1].meta.get(META_BYTES, 0), t, last_use(n) + 1, n.name, "host")
+            elif n.target is offload_done:  # the side stream read the offloaded value until here
+                rec = of.get(self.root[n.args[1].args[1]])
+                if rec is not None and rec.end <= t:
+                    raise ValueError(f"{rec.name} ({rec.kind}) would be free for reuse at step {rec.end} while its "
+                                     f"offload copy may read it until step {t} ({n.name})")
             elif n.target is reload_issue:  # allocated at the issue, read through its wait
                 wait = next(u for u in self.users[n] if u.target is reload_wait)
                 add(wait.meta.get(META_BYTES, 0), t, last_use(wait) + 1, n.name, "activation")
             elif n.target is arena_out:
                 size = math.prod(n.args[2]) * n.args[3].itemsize
-                add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary")
+                add(size, t, last_use(n) + 1, n.args[1], "activation" if n in self.saved else "temporary", n)
             elif n.target not in _NO_ALLOC and self.root[n] is n and n.meta.get(META_BYTES, 0) and n in self.users:
                 kind = "activation" if n in self.saved else "temporary"
-                add(n.meta[META_BYTES], t, last_use(n) + 1, n.name, kind)
+                add(n.meta[META_BYTES], t, last_use(n) + 1, n.name, kind, n)
         if pending:
             raise ValueError(f"gathers never waited for: {sorted(p.name for p in pending)}")
         carry.extend(mine)

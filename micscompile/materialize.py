@@ -2,13 +2,15 @@
 
 Real parameters are sliced (the full tensors are only read). For parameters on the
 meta device, modules are materialised one at a time in ``named_modules()`` order:
-the module's own meta parameters and buffers get storage on ``device``, ``init_fn``
-initialises them, and each parameter is sliced to this rank's shard as soon as every
-module that owns it (tied weights have several) has been initialised, then dropped.
-So values equal what ``init_fn`` applied in the same order to an unsharded copy
-gives, under the same seed, while at most one module (plus pending tied weights)
-is ever full. ``init_fn`` is called for every module that directly owns parameters
-or buffers, and must initialise only that module's own tensors.
+the module's own meta parameters and buffers get storage on the CPU, ``init_fn``
+initialises them there, and each parameter's slice for this rank is copied to its
+shard on ``device`` as soon as every module that owns it (tied weights have several)
+has been initialised, then the full tensor is dropped. So values equal, bit for bit
+and on any device, what ``init_fn`` applied in the same order to an unsharded copy
+on the CPU gives under the same seed (the CPU generator: a GPU's would draw other
+numbers), while at most one module (plus pending tied weights) is ever full.
+``init_fn`` is called for every module that directly owns parameters or buffers,
+and must initialise only that module's own tensors.
 """
 
 from __future__ import annotations
@@ -48,15 +50,13 @@ def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] |
             )
 
 
-def fingerprint(model: nn.Module, device: torch.device) -> str:
+def fingerprint(model: nn.Module) -> str:
     """What must agree across ranks for them to start from the same weights: the values of a
-    real model, or the random state that will initialise a meta one."""
+    real model, or the CPU random state that will initialise a meta one."""
     h = hashlib.blake2b(digest_size=8)
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta for t in tensors):
         h.update(torch.get_rng_state().numpy().tobytes())
-        if device.type == "cuda":
-            h.update(torch.cuda.get_rng_state(device).numpy().tobytes())
     for t in tensors:
         if not t.is_meta:
             h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
@@ -109,7 +109,7 @@ def local_state(
             t = store[key]
             if t.is_meta:
                 if id(t) not in real:
-                    new = torch.empty_like(t, device=device)
+                    new = torch.empty_like(t, device="cpu")
                     real[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
                 metas.append((store, key, t))
                 store[key] = real[id(t)]
@@ -126,8 +126,8 @@ def local_state(
 def initialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply ``init_fn`` to a real model exactly as ``compile`` does to a meta one.
 
-    The reference for a meta model: under the same seed, ``initialize(real_copy)``
-    gives the values ``compile`` shards.
+    The reference for a meta model: under the same seed, ``initialize(real_copy)`` of a
+    copy on the CPU gives the values ``compile`` shards, on any device.
     """
     init_fn = init_fn or default_init
     for mod in model.modules():

@@ -7,10 +7,13 @@ The reloads run in reverse forward order, each issued one segment ahead: where t
 backward waits for the previous reload (the first at the start of backward), so a copy
 overlaps the backward of the segment after it, and at most two reloaded outputs are
 live at once. On CUDA the copies run on a side stream into pinned host memory:
-``offload`` records an event after the copy and the device tensor is released to the
-allocator only once the copy stream is done with it (``record_stream``);
-``reload_issue`` copies back on the side stream after that event and records another;
-``reload_wait`` makes the current stream wait for it. On the CPU the same Program runs
+``offload`` records an event after the copy; ``offload_done``, placed at the next offload
+(the last one's at the end of the forward), makes the current stream wait for it, and the
+offloaded value's planned lifetime runs to there: an arena slot is reused by the plan, not
+the allocator, so ``record_stream`` (kept for values the allocator owns) cannot hold it,
+and the lifetimes check that nothing reuses it before (``lifetimes.GraphLifetimes``).
+``reload_issue`` copies back on the side stream after the offload's event and records
+another; ``reload_wait`` makes the current stream wait for it. On the CPU the same Program runs
 with plain copies (host and device are one memory: the numbers, the order and the
 accounting are what is tested there).
 """
@@ -54,6 +57,13 @@ def offload(comm, x: torch.Tensor) -> Offloaded:
     return Offloaded(host, done, x.device)
 
 
+def offload_done(comm, off: Offloaded, src: torch.Tensor) -> None:
+    """The current stream waits for ``off``'s copy to host: from here on ``src`` (the offloaded
+    value, an argument so that its planned lifetime runs to here) may be overwritten."""
+    if off.done is not None:
+        torch.cuda.current_stream().wait_event(off.done)
+
+
 class Reloading(NamedTuple):
     out: torch.Tensor
     """The device copy, valid once ``reload_wait`` returns it."""
@@ -89,7 +99,8 @@ META_OFFLOAD = "mc_offload"
 
 
 def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
-    """After insert_collectives: each marked value is offloaded after its last forward use; in
+    """After insert_collectives: each marked value is offloaded after its last forward use, and its
+    copy waited for (``offload_done``) at the next offload, the last at the end of the forward; in
     backward order, its reload is waited right before its first backward use and issued where the
     previous one is waited (the first at the start of backward); the backward reads the reload."""
     if not ctx.plan.plan.offload_activations:
@@ -108,7 +119,6 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
         off.meta = {**v.meta, META_BYTES: 0, META_REGION: v.meta.get(META_REGION)}  # host memory
         off.meta.pop(META_OFFLOAD)
         moved.append((min(bwd, key=position.__getitem__), v, off))
-    moved.sort(key=lambda m: position[m[0]])
     # backward starts at the first backward node after every offload (a pipeline chunk may hold
     # backward nodes that read no forward value, e.g. a received gradient's, before its forward ends)
     offs, seen, issue_at = {off for _, _, off in moved}, 0, None
@@ -117,6 +127,12 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
         if seen == len(offs) and n not in offs and n.meta.get(META_REGION) == REGION_BWD:
             issue_at = n
             break
+    by_offload = sorted(moved, key=lambda m: position[m[1]])  # forward order (an offload follows its value)
+    for (_, v, off), nxt in zip(by_offload, [*by_offload[1:], None]):
+        with graph.inserting_before(nxt[2] if nxt else issue_at):
+            done = graph.call_function(offload_done, (comm, off, v))
+        done.meta = {META_BYTES: 0, META_REGION: v.meta.get(META_REGION)}
+    moved.sort(key=lambda m: position[m[0]])
     for first_use, v, off in moved:
         with graph.inserting_before(issue_at):  # the start of backward, then the previous reload's wait
             issue = graph.call_function(reload_issue, (comm, off))

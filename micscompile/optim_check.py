@@ -7,7 +7,9 @@ matrix-level optimizer (Adafactor's row and column statistics, Muon's orthogonal
 updates, a global-norm rule) or one that needs a closure (LBFGS) would train something
 else, silently. The probe runs the user's factory on a small parameter whole and, as
 ranks would, on two uneven flat pieces each in its own optimizer, for a few steps, and
-compares.
+compares. It runs on the device the shards live on (``mc.compile``'s), so an optimizer
+that only steps tensors there (fused CUDA kernels, ``capturable=True``) is probed as it
+will run.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ PROBE_CUT = 7  # pieces [0, 7) and [7, 24): neither a whole row nor an even spli
 PROBE_STEPS = 3
 
 
-def check_elementwise(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], rtol: float = 1e-5) -> None:
-    """Raise ``PlanError`` unless stepping flat pieces separately gives the whole parameter's result."""
+def check_elementwise(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                      device: torch.device | str = "cpu", rtol: float = 1e-5) -> None:
+    """Raise ``PlanError`` unless stepping flat pieces separately gives the whole parameter's result
+    (parameters and gradients on ``device``, drawn from the CPU generator)."""
     gen = torch.Generator().manual_seed(0)
-    start = torch.randn(PROBE_SHAPE, generator=gen)
-    grads = [torch.randn(PROBE_SHAPE, generator=gen) for _ in range(PROBE_STEPS)]
+    start = torch.randn(PROBE_SHAPE, generator=gen).to(device)
+    grads = [torch.randn(PROBE_SHAPE, generator=gen).to(device) for _ in range(PROBE_STEPS)]
     whole = nn.Parameter(start.clone())
     pieces = [nn.Parameter(start.reshape(-1)[:PROBE_CUT].clone()), nn.Parameter(start.reshape(-1)[PROBE_CUT:].clone())]
     try:
@@ -44,7 +48,8 @@ def check_elementwise(factory: Callable[[list[nn.Parameter]], torch.optim.Optimi
                 opt.step()
     except Exception as exc:  # noqa: BLE001 - reported with the reason sharding needs
         raise PlanError(
-            f"the optimizer factory failed on flat 1-D parameter shards ({type(exc).__name__}: {exc}); "
+            f"the optimizer factory failed on flat 1-D parameter shards on {torch.device(device)} "
+            f"({type(exc).__name__}: {exc}); "
             "micscompile steps each rank's flat pieces on their own, so it needs an elementwise optimizer "
             "(SGD, Adam, AdamW, ...) that steps without a closure") from exc
     sharded = torch.cat([p.detach() for p in pieces])

@@ -8,10 +8,12 @@ the same shard of a stage. The ranks of one pipeline chain get the same local ba
 
 Each of this rank's chunks is a rewritten graph split into a forward and a backward
 GraphModule (passes.phase_split) with the MiCS collectives of its own partition group
-inside. The schedule's actions run in order: F and B call those modules; runs of
-adjacent P2P actions go out as one ``batch_isend_irecv`` over the "pipe" group (sends
-are not waited for until the step ends; receives are waited for right away); what a
-forward sends is dropped once posted, and a backward gets only the values it reads.
+inside. The schedule's actions run in order: F and B call those modules; each run of adjacent
+P2P actions goes out as one ``batch_isend_irecv`` over the "pipe" group (``PipeSchedule.batched``,
+ordered to be deadlock-free under NCCL's rules); a batch's Work is waited for right before the
+first compute that reads one of its receives, and every batch at the end of the step (on NCCL
+the batch is one coalesced Work, its receive buffers valid only after it); what a forward sends
+is dropped once posted, and a backward gets only the values it reads.
 AR is the boundary: all-reduce each chunk's gradient shards over "replicate" (2-hop),
 sum a tied parameter's partial gradients between the chunks that hold it, all-reduce
 the loss, scale by 1 / (t * d * m) and step the optimizer.
@@ -45,7 +47,21 @@ from micscompile.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.state_dict import Checkpointable, Home
 from micscompile.trace import TrainGraph, check_batch, split_batch
 
-_P2P = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
+
+
+class _Posted:
+    """One posted batch of P2P ops: its Works (one for the whole batch on NCCL, which coalesces a
+    ``batch_isend_irecv``; one per op on gloo), waited for once."""
+
+    def __init__(self, works: list, what: str) -> None:
+        self.works, self.what = works, what
+
+    def wait(self) -> None:
+        if self.works:
+            with C.guarded(self.what):
+                for w in self.works:
+                    w.wait()
+            self.works = []
 
 
 @dataclass
@@ -205,11 +221,13 @@ class PipelineStep(Checkpointable):
     def _tag(self, mb: int, chunk: int, backward: bool, i: int) -> int:
         return ((mb * len(self.program.chunks) + chunk) * 2 + backward) * 256 + i
 
-    def _p2p(self, actions, outbox: dict, inbox: dict, sends: list) -> None:
-        """One batch of adjacent P2P actions: post all, wait for the receives."""
+    def _post(self, batch, outbox: dict, inbox: dict, posted: list) -> None:
+        """Post one batch of adjacent P2P actions as one ``batch_isend_irecv``. Its Work is waited for
+        right before the first compute that reads one of its receives (``_received``), and at the end
+        of the step: on NCCL the batch is one coalesced Work, and its buffers are valid only after it."""
         stages = self.program.split.stages
-        ops, recvs = [], set()
-        for a in actions:
+        ops, received = [], []
+        for a in batch:
             backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 peer = self._peer(a.chunk + (-1 if backward else 1))
@@ -220,15 +238,25 @@ class PipelineStep(Checkpointable):
                 src = a.chunk + (1 if backward else -1)
                 specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
                 bufs = [self._recv_buffer(f"{a.op.value}{a.chunk}", t) for t in specs]
-                inbox[(a.op, a.mb, a.chunk)] = bufs
+                received.append(((a.op, a.mb, a.chunk), bufs))
                 for i, t in enumerate(bufs):
                     ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
                                           self._tag(a.mb, src, backward, i)))
-                    recvs.add(len(ops) - 1)
-        with C.guarded(f"pipeline P2P over {self._pipe.label()} ({', '.join(str(a) for a in actions)})"):
-            works = dist.batch_isend_irecv(ops) if ops else []
-            for i, w in enumerate(works):
-                (w.wait() if i in recvs else sends.append(w))
+        what = f"pipeline P2P over {self._pipe.label()} ({' '.join(map(str, batch))})"
+        with C.guarded(what):
+            work = _Posted(dist.batch_isend_irecv(ops) if ops else [], what)
+        posted.append(work)
+        for key, bufs in received:
+            inbox[key] = (bufs, work)
+
+    @staticmethod
+    def _received(inbox: dict, key) -> list[torch.Tensor]:
+        """A receive's buffers, after waiting for the batch that brings them (none: a local input)."""
+        if key not in inbox:
+            return []
+        bufs, work = inbox.pop(key)
+        work.wait()
+        return bufs
 
     def _recv_buffer(self, name: str, spec) -> torch.Tensor:
         if self._arena is None:
@@ -247,10 +275,9 @@ class PipelineStep(Checkpointable):
         rp, pp = self._rp, self.program
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
         outbox: dict = {}
-        inbox: dict = {}
+        inbox: dict = {}  # receive -> (its buffers, its batch's _Posted)
         saved: dict = {}
-        sends: list = []
-        actions = pp.schedule.ranks[self._stage]
+        posted: list[_Posted] = []
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
         if self._arena is not None:
             self._arena.begin_step()
@@ -259,19 +286,12 @@ class PipelineStep(Checkpointable):
             for ch in self._chunks.values():
                 for g in ch.grads:
                     g.zero_()
-            i = 0
-            while i < len(actions):
-                a = actions[i]
-                if a.op in _P2P:
-                    j = i
-                    while j < len(actions) and actions[j].op in _P2P:
-                        j += 1
-                    self._p2p(actions[i:j], outbox, inbox, sends)
-                    i = j
-                    continue
-                if a.op is Op.FORWARD:
+            for a in pp.schedule.batched(self._stage):
+                if isinstance(a, tuple):
+                    self._post(a, outbox, inbox, posted)
+                elif a.op is Op.FORWARD:
                     ch = self._chunks[a.chunk]
-                    acts = inbox.pop((Op.RECV_ACT, a.mb, a.chunk), [])
+                    acts = self._received(inbox, (Op.RECV_ACT, a.mb, a.chunk))
                     inputs = [micro[a.mb][k] for k in ch.batch_inputs]
                     n_grad = len(pp.split.stages[a.chunk].recv_grad)
                     args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *([None] * n_grad)]
@@ -285,7 +305,7 @@ class PipelineStep(Checkpointable):
                 elif a.op is Op.BACKWARD:
                     ch = self._chunks[a.chunk]
                     inputs, acts, kept = saved.pop((a.mb, a.chunk))
-                    grads_in = inbox.pop((Op.RECV_GRAD, a.mb, a.chunk), [])
+                    grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
                     args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
                     del acts, kept, grads_in
                     out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
@@ -298,10 +318,8 @@ class PipelineStep(Checkpointable):
                     del out
                 elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
                     raise ProgramError(f"unknown pipeline action {a}")
-                i += 1
-            with C.guarded(f"pipeline sends over {self._pipe.label()}"):
-                for w in sends:
-                    w.wait()
+            for work in posted:  # the sends (and any receive nothing read)
+                work.wait()
         if self._arena is not None:
             self._arena.end_step()
         with torch.no_grad():
@@ -367,15 +385,28 @@ class PipelineStep(Checkpointable):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank
-        must call it (gathers over the stage's partition group, then over all ranks)."""
+        must call it. Each stage gathers its chunks over its partition group; then each tensor is
+        broadcast from the one rank that holds it (the first replica's shard rank 0 of its stage) on
+        the step's device, one at a time: only names and shapes travel as objects."""
         mine: dict[str, torch.Tensor] = {}
         shard = self._groups["shard"]
         for ch in self._chunks.values():
             mine.update(C.gather_full(ch.comm.layouts, ch.shards, shard, self.graph.param_aliases))
             names = self.program.split.stages[ch.index].graph.buffer_names
             mine.update({n: b.detach().cpu().clone() for n, b in zip(names, ch.buffers)})
-        everyone: list = [None] * self._rp.world_size
-        dist.all_gather_object(everyone, mine if shard.rank == 0 and self._groups["replicate"].rank == 0 else {})
-        full = {k: v for part in everyone for k, v in part.items()}
-        return {k: full[k] for k in self._state_keys}
-
+        if shard.rank or self._groups["replicate"].rank:
+            mine = {}
+        specs: list = [None] * self._rp.world_size
+        dist.all_gather_object(specs, {k: (tuple(v.shape), v.dtype) for k, v in mine.items() if k in self._state_keys})
+        owner = {}
+        for r, part in enumerate(specs):
+            for k, spec in part.items():
+                owner.setdefault(k, (r, spec))
+        rank, full = dist.get_rank(), {}
+        for k in self._state_keys:
+            src, (shape, dtype) = owner[k]
+            t = mine[k].to(self.device) if rank == src else torch.empty(shape, dtype=dtype, device=self.device)
+            with C.guarded(f"broadcast of {k} from rank {src}"):
+                dist.broadcast(t, src=src)
+            full[k] = mine[k] if rank == src else t.cpu()
+        return full

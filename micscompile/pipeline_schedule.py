@@ -16,14 +16,23 @@ String form, which PipeSchedule.parse reads back (this is one_f_one_b(2, 2)):
     r0: F0.0 SA0.0 F1.0 SA1.0 RG0.0 B0.0 RG1.0 B1.0 AR
     r1: RA0.1 F0.1 B0.1 SG0.1 RA1.1 F1.1 B1.1 SG1.1 AR
 
-Execution model (validate, simulate, grid): every rank runs its list in order, one action at
-a time; a send completes when posted, a receive blocks until its matching send is posted and
-ends p2p_s after it. validate() requires each compute's inputs (F(mb, c-1); B(mb, c+1) and
-F(mb, c)) to come earlier on its rank or through a receive placed before it, so the receives
-carry every cross-rank dependency. Generators put each receive right before its compute and
-each send right after, which makes F(mb, c) start p2p_s after F(mb, c-1) ends (when nothing
-else holds its rank), and leaves runs of adjacent P2P actions (SA RG, SG RA) that the runtime
-can batch into one batch_isend_irecv.
+Execution (validate, simulate, grid). The runtime sends each run of adjacent P2P actions as
+one batch (``batches``) and waits for a receive right before the compute that reads it.
+Two models of that run: validate() checks the schedule in both.
+
+* Eager sends (gloo; simulate and grid): every rank runs its list in order; a send completes
+  when posted; a receive never blocks, and a compute whose input comes through a receive
+  starts p2p_s after the matching send is posted.
+* NCCL (check_nccl): a rank's batches run one after another on its communicator's stream,
+  a batch starts once the rank's earlier computes are done (the stream waits for them) and
+  finishes once the batch holding each of its ops' peers has started (a send completes only
+  when its receive runs); a compute waits for the batch that brings its inputs.
+
+validate() also requires each compute's inputs (F(mb, c-1); B(mb, c+1) and F(mb, c)) to come
+earlier on its rank or through a receive placed before it, so the receives carry every
+cross-rank dependency. Generators put each receive right before its compute and each send
+right after, then post receives earlier where NCCL would deadlock (``_nccl_order``): runs of
+adjacent P2P actions (SA RG, SG RA) become one batch_isend_irecv each.
 """
 
 from __future__ import annotations
@@ -191,10 +200,31 @@ class PipeSchedule:
             if a.op in _PEER and (peer := _peer(a)) not in seen:
                 raise ScheduleError(f"rank {r} step {i} ({a}): no matching {peer} on rank {self.rank_of(peer.chunk)}")
 
+    def _input_recv(self, a: PipeAction) -> PipeAction | None:
+        """The receive that brings compute ``a``'s input from another rank, if any."""
+        if self.stages == 1:
+            return None
+        if a.op is Op.FORWARD and a.chunk > 0:
+            return PipeAction(Op.RECV_ACT, a.mb, a.chunk)
+        if a.op is Op.BACKWARD and a.chunk < self.stages * self.chunks - 1:
+            return PipeAction(Op.RECV_GRAD, a.mb, a.chunk)
+        return None
+
+    def batched(self, rank: int) -> list[PipeAction | tuple[PipeAction, ...]]:
+        """``rank``'s actions as the runtime runs them: each run of adjacent P2P actions one tuple
+        (one batch_isend_irecv), computes and AR as they are."""
+        out: list = []
+        for a in self.ranks[rank]:
+            if a.op in _PEER and out and isinstance(out[-1], tuple):
+                out[-1] += (a,)
+            else:
+                out.append((a,) if a.op in _PEER else a)
+        return out
+
     def _execute(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float) -> Timeline:
-        """Run the lists in the execution model, O(actions): a rank blocked on a receive sleeps
-        until the matching send is posted. Assumes _check_structure passed, so a compute's inputs
-        are done when its rank reaches it and only receives can block."""
+        """Run the lists in the eager-send model, O(actions): a rank whose next compute reads a value
+        not yet sent sleeps until the send is posted. Assumes _check_structure passed, so a compute's
+        local inputs are done when its rank reaches it."""
         S = self.stages
         pos, clock, busy = [0] * S, [0.0] * S, [0.0] * S
         spans: list[list[tuple[PipeAction, float, float]]] = [[] for _ in range(S)]
@@ -206,48 +236,62 @@ class PipeSchedule:
             actions = self.ranks[r]
             while pos[r] < len(actions):
                 a = actions[pos[r]]
-                if a.op in _RECVS:
-                    if (send := _peer(a)) not in posted:
-                        waiting[send] = r
-                        break
-                    clock[r] = max(clock[r], posted[send] + p2p_s)
-                elif a.op in _SENDS:
-                    posted[a] = clock[r]
-                    if a in waiting:
-                        runnable.append(waiting.pop(a))
-                elif a.op is not Op.ALL_REDUCE:
+                if a.op in (Op.FORWARD, Op.BACKWARD):
+                    if (recv := self._input_recv(a)) is not None:
+                        if (send := _peer(recv)) not in posted:
+                            waiting[send] = r
+                            break
+                        clock[r] = max(clock[r], posted[send] + p2p_s)
                     start = clock[r]
                     clock[r] = start + (forward_s if a.op is Op.FORWARD else backward_s)[a.chunk]
                     busy[r] += clock[r] - start
                     spans[r].append((a, start, clock[r]))
+                elif a.op in _SENDS:
+                    posted[a] = clock[r]
+                    if a in waiting:
+                        runnable.append(waiting.pop(a))
                 pos[r] += 1
         if any(pos[r] < len(self.ranks[r]) for r in range(S)):
             raise ScheduleError("deadlock: " + self._describe_waits(pos))
         return Timeline(max(clock), busy, spans)
 
     def _describe_waits(self, pos: list[int]) -> str:
-        """Each blocked rank's wait-for chain: 'rank 1 at step 4 (RA2.1) waits for rank 0, which is at ...'.
-        Only receives block, and the sender of each is blocked too (else it would have posted)."""
+        """Each blocked rank's wait-for chain: 'rank 1 at step 4 (F2.1) waits for SA2.0 from rank 0, which
+        is at ...'. Only computes block, and the sender of each is blocked too (else it would have posted)."""
         at = {r: acts[i] for r, (acts, i) in enumerate(zip(self.ranks, pos)) if i < len(acts)}
+
+        def waits(r: int) -> tuple[str, int]:
+            send = _peer(self._input_recv(at[r]))
+            return f"{send} from rank {self.rank_of(send.chunk)}", self.rank_of(send.chunk)
+
         chains, named = [], set()
         for r in at:
             if r in named:
                 continue
-            peer = self.rank_of(_peer(at[r]).chunk)
-            text, q = f"rank {r} at step {pos[r]} ({at[r]}) waits for rank {peer}", peer
+            what, q = waits(r)
+            text = f"rank {r} at step {pos[r]} ({at[r]}) waits for {what}"
             named.add(r)
             while q not in named:
                 named.add(q)
-                peer = self.rank_of(_peer(at[q]).chunk)
-                text, q = text + f", which is at step {pos[q]} ({at[q]}) waiting for rank {peer}", peer
+                what, peer = waits(q)
+                text, q = text + f", which is at step {pos[q]} ({at[q]}) waiting for {what}", peer
             chains.append(text)
         return "; ".join(chains)
 
+    def check_nccl(self) -> None:
+        """Raise ScheduleError if the runtime's batches would deadlock under NCCL's P2P rules (module
+        docstring), naming each stuck rank, the step of its batch or compute, and what it waits for."""
+        self._checked  # noqa: B018
+        if not (model := _NcclModel(self)).run():
+            raise ScheduleError(f"NCCL deadlock: {model.describe()}")
+
     def validate(self) -> None:
-        """Raise ScheduleError naming the rank, step and action of the first problem found."""
+        """Raise ScheduleError naming the rank, step and action of the first problem found: malformed,
+        or deadlocked with eager sends (gloo) or under NCCL's P2P rules."""
         self._check_structure()
         n = self.stages * self.chunks
         self._execute([1.0] * n, [1.0] * n, 0.0)
+        self.check_nccl()
 
     def simulate(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float = 0.0) -> Timeline:
         """Timeline for per-chunk compute times (len S*v each) and a fixed time per P2P hop."""
@@ -301,7 +345,128 @@ def _build(name: str, stages: int, micro_batches: int, chunks: int,
             acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
             acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
         ranks.append((*acts, PipeAction(Op.ALL_REDUCE)))
-    return PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))
+    return _nccl_order(PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks)))
+
+
+class _NcclModel:
+    """A schedule run under NCCL's rules (module docstring) as far as it goes. Batches are kept by
+    index (one emptied by _nccl_order's edits stays, and is a no-op), so progress survives edits
+    made after each rank's first unfinished batch: the model's end state does not depend on the
+    order its events are taken in."""
+
+    def __init__(self, s: PipeSchedule) -> None:
+        self.schedule = s
+        S = s.stages
+        self.items: list[list] = [[] for _ in range(S)]  # per rank: computes, AR and batches (lists)
+        self.batches: list[list[list[PipeAction]]] = [[] for _ in range(S)]
+        self.home: dict[PipeAction, tuple[int, int]] = {}  # P2P action -> (rank, its batch)
+        self.computes: list[list[list]] = [[] for _ in range(S)]  # per rank: [compute or AR, batch it waits for]
+        self.before: list[list[int]] = [[] for _ in range(S)]  # per batch: computes ahead of it
+        self.reader: dict[PipeAction, list] = {}  # receive -> the computes entry that waits for it
+        for r, acts in enumerate(s.ranks):
+            for a in acts:
+                if a.op in _PEER:
+                    if not self.items[r] or not isinstance(self.items[r][-1], list):
+                        self.batches[r].append([])
+                        self.before[r].append(len(self.computes[r]))
+                        self.items[r].append(self.batches[r][-1])
+                    self.batches[r][-1].append(a)
+                    self.home[a] = (r, len(self.batches[r]) - 1)
+                    continue
+                recv = s._input_recv(a) if a.op is not Op.ALL_REDUCE else None
+                entry = [a, -1 if recv is None else self.home[recv][1]]
+                if recv is not None:
+                    self.reader[recv] = entry
+                self.computes[r].append(entry)
+                self.items[r].append(a)
+        for r in range(S):  # the runtime waits for every batch before the boundary
+            self.computes[r][-1][1] = len(self.batches[r]) - 1
+        self.done, self.started, self.finished = [0] * S, [0] * S, [0] * S
+
+    def run(self) -> bool:
+        """Advance until nothing can; whether every rank reached its end."""
+        changed = True
+        while changed:
+            changed = False
+            for r in range(self.schedule.stages):
+                computes, batches = self.computes[r], self.batches[r]
+                while self.done[r] < len(computes) and computes[self.done[r]][1] < self.finished[r]:
+                    self.done[r] += 1
+                    changed = True
+                k = self.started[r]
+                if k == self.finished[r] < len(batches) and self.done[r] >= self.before[r][k]:
+                    self.started[r] += 1
+                    changed = True
+                if self.finished[r] < self.started[r] and all(
+                        self.home[p][1] < self.started[self.home[p][0]] for p in map(_peer, batches[self.finished[r]])):
+                    self.finished[r] += 1
+                    changed = True
+        return all(d == len(c) for d, c in zip(self.done, self.computes))
+
+    def waiting(self) -> list[tuple[int, PipeAction]]:
+        """(rank, receive) for each running batch's send whose receive sits in a later batch of its rank
+        than the first unfinished one."""
+        out = []
+        for r in range(self.schedule.stages):
+            k = self.finished[r]
+            for a in self.batches[r][k] if k < self.started[r] else ():
+                q, j = self.home[recv := _peer(a)]
+                if j > self.finished[q]:
+                    out.append((q, recv))
+        return out
+
+    def post_earlier(self, q: int, recv: PipeAction) -> None:
+        """Move ``recv`` into rank q's first unfinished batch."""
+        f, (_, j) = self.finished[q], self.home[recv]
+        self.batches[q][j].remove(recv)
+        self.batches[q][f].append(recv)
+        self.home[recv] = (q, f)
+        self.reader[recv][1] = f
+
+    def schedule_now(self) -> PipeSchedule:
+        ranks = tuple(tuple(a for it in items for a in (it if isinstance(it, list) else (it,))) for items in self.items)
+        return replace(self.schedule, ranks=ranks)
+
+    def _step(self, r: int, item) -> int:
+        i = 0
+        for it in self.items[r]:
+            if it is item:
+                return i
+            i += len(it) if isinstance(it, list) else 1
+        raise KeyError(item)
+
+    def _batch(self, r: int, k: int) -> str:
+        b = self.batches[r][k]
+        return f"rank {r} step {self._step(r, b)} [{' '.join(map(str, b))}]"
+
+    def describe(self) -> str:
+        """What each stuck rank waits for: its running batch's missing peers, or the batch its compute needs."""
+        out = []
+        for r in range(self.schedule.stages):
+            k = self.finished[r]
+            if k < self.started[r]:
+                missing = [f"{p} in {self._batch(*self.home[p])}" for p in map(_peer, self.batches[r][k])
+                           if self.home[p][1] >= self.started[self.home[p][0]]]
+                out.append(f"{self._batch(r, k)} waits for " + " and ".join(missing))
+            elif self.done[r] < len(self.computes[r]):
+                a, need = self.computes[r][self.done[r]]
+                if need >= k:
+                    out.append(f"rank {r} step {self._step(r, a)} ({a}) waits for its batch {self._batch(r, need)}")
+        return "; ".join(out)
+
+
+def _nccl_order(s: PipeSchedule) -> PipeSchedule:
+    """Post receives earlier until the schedule runs to its end under NCCL's rules: while a running
+    batch waits for a receive its peer posts in a later batch, move that receive into the peer's
+    first unfinished batch (a receive posted early only holds its buffer longer: the runtime waits
+    for it right before the compute that reads it)."""
+    model = _NcclModel(s)
+    while not model.run():
+        if not (moves := model.waiting()):
+            raise ScheduleError(f"NCCL deadlock that posting receives earlier cannot fix: {model.describe()}")
+        for q, recv in moves:
+            model.post_earlier(q, recv)
+    return model.schedule_now()
 
 
 def gpipe(stages: int, micro_batches: int) -> PipeSchedule:

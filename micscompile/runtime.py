@@ -35,6 +35,7 @@ from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
 from micscompile.codegen import CodegenReport, compile_regions
 from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.launch import local_device
 from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory_stats import MemoryStats
 from micscompile.optim_check import check_elementwise
@@ -184,11 +185,12 @@ class TrainStep(Checkpointable):
 
 
 def _device() -> torch.device:
-    """cuda:LOCAL_RANK under NCCL (without touching cuda:0 first), else the CPU."""
+    """This rank's GPU under NCCL, made current (``launch.local_device``: never cuda:0 for every
+    rank), else the CPU."""
     if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        index = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else torch.cuda.current_device()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+        device = local_device()
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
@@ -354,7 +356,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     collective of the step may take. It is set on every process group the step uses (the
     DeviceMesh's subgroups would otherwise get the backend's default, 30 min on gloo). When a rank
     dies or hangs mid-step, the others raise ``CollectiveError`` naming the collective within
-    it (on NCCL the watchdog aborts the process after it) instead of waiting forever.
+    it instead of waiting forever. On NCCL only with TORCH_NCCL_BLOCKING_WAIT=1 set before
+    ``init_process_group`` (each wait then blocks the host); without it a ``timeout`` given here
+    warns, and a failure kills the process through NCCL's watchdog (docs/gpu.md).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -365,8 +369,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     device = _device()
     if timeout is None:
         timeout = C.default_timeout()
-    elif not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    else:
+        C.check_nccl_timeout(str(dist.get_backend()), device)
+        if not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
     prints, error, order = None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
@@ -375,9 +381,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             raise PlanError(f"parameters must be float32 (the fp32 master weights; compute in low precision "
                             f"with Plan.param_dtype), got {not_fp32[:3]}")
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
-        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype)
+        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
+                   device=device)
         check_initializable(model, init_fn)
-        check_elementwise(optimizer)
+        check_elementwise(optimizer, device)
         state_keys = list(model.state_dict(keep_vars=True).keys())
         if rp.stages > 1:
             program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
@@ -395,7 +402,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         order = program.collective_order()
         prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
                   "collectives": program.collective_fingerprint(), "program": program.fingerprint(),
-                  "weights": fingerprint(model, device)}
+                  "weights": fingerprint(model)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
     _check_agreement(prints, error, world, order)

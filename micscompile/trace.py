@@ -11,6 +11,10 @@ FQNs come from module pre/post hooks that read the tracer's current node count;
 backward FQNs come from prehooks on the autograd nodes, keyed by the forward op's
 autograd sequence number (``seq_nr``), the mechanism AOTAutograd uses to carry
 stack traces into backward.
+
+Attention (``F.scaled_dot_product_attention``) is recorded as the fused kernel the target
+device runs (``trace(device=...)``), forward and backward, not as the math decomposition a
+meta tensor would dispatch to (``_FusedAttention``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, optimization_hint
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.nn.attention import SDPBackend
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from tqdm import tqdm
 
 from micscompile.cost_model.flops import node_flops
@@ -189,6 +196,88 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+aten = torch.ops.aten
+
+
+def _sdpa_choice(device_type: str, q, k, v, mask, dropout_p: float, is_causal: bool, enable_gqa: bool) -> SDPBackend:
+    """The SDPA backend PyTorch picks for these inputs on ``device_type``: asked of its dispatcher on
+    stand-ins with the same sizes, dtypes, last-dim strides and requires_grad (a few elements each)
+    where that device is present, else (CUDA without a GPU) ``_cuda_rule``."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return _cuda_rule(q, k, v, mask)
+
+    def stand_in(t):
+        shape = [optimization_hint(d) if isinstance(d, torch.SymInt) else d for d in t.shape]
+        step = int(t.stride(-1))
+        base = torch.empty((shape[-1] - 1) * step + 1, dtype=t.dtype, device=device_type)
+        return base.as_strided(shape, [0] * (len(shape) - 1) + [step]).detach().requires_grad_(t.requires_grad)
+
+    with _disable_current_modes():  # real tensors, not traced
+        return SDPBackend(torch._fused_sdp_choice(
+            stand_in(q), stand_in(k), stand_in(v), None if mask is None else stand_in(mask),
+            dropout_p, is_causal, enable_gqa=enable_gqa))
+
+
+def _cuda_rule(q, k, v, mask) -> SDPBackend:
+    """PyTorch's CUDA choice on sm80+ (A100, H100) in short: flash for fp16/bf16 without a mask,
+    else memory-efficient; math for grouped heads, unequal head dims or head dims over 256."""
+    dims = {q.shape[-1], k.shape[-1], v.shape[-1]}
+    if q.dim() != 4 or len(dims) != 1 or max(dims) > 256 or q.shape[1] != k.shape[1]:
+        return SDPBackend.MATH
+    if q.dtype in (torch.float16, torch.bfloat16) and mask is None:
+        return SDPBackend.FLASH_ATTENTION
+    return SDPBackend.EFFICIENT_ATTENTION if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else SDPBackend.MATH
+
+
+_FUSED = {"cpu": {SDPBackend.FLASH_ATTENTION},
+          "cuda": {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION}}
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Records ``F.scaled_dot_product_attention`` as the fused kernel ``device_type`` runs (flash on
+    the CPU; flash, memory-efficient or cuDNN on CUDA), as aten's SDPA does there: one op forward
+    and its own backward op, no L x S scores. What PyTorch would run as math (dropout on the CPU,
+    unsupported shapes) stays the math decomposition; so do CUDA head dims that are not a multiple
+    of 8 (aten pads them, which this does not repeat)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = self.fused(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """The fused op's output, or None where this records the math decomposition."""
+        backend = _sdpa_choice(self.device_type, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+        if backend == SDPBackend.CUDNN_ATTENTION and attn_mask is not None:  # its mask conversion is not repeated
+            backend = _cuda_rule(q, k, v, attn_mask)  # memory-efficient where that takes these inputs
+        cuda = self.device_type == "cuda"
+        if backend not in _FUSED[self.device_type] or (cuda and (q.shape[-1] % 8 or v.shape[-1] % 8)):
+            return None
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # aten: convert_boolean_attn_mask
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
+        if not cuda:
+            return aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if backend == SDPBackend.FLASH_ATTENTION:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        if backend == SDPBackend.CUDNN_ATTENTION:
+            return aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, dropout_p, is_causal, scale=scale)[0]
+        if attn_mask is not None:  # aten: preprocess_mask (the kernel reads mask rows aligned to 16 elements)
+            if attn_mask.stride(-2) % 16:
+                size = attn_mask.shape[-1]
+                attn_mask = F.pad(attn_mask, (0, 16 - size % 16))[..., :size]
+            attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]
+
+
 def _to_meta(t: torch.Tensor, floating: torch.dtype | None = None) -> torch.Tensor:
     """``t`` on meta (a leaf); ``floating``: the dtype a floating ``t`` gets."""
     out = torch.empty_like(t, device="meta", dtype=floating if floating is not None and t.is_floating_point() else None)
@@ -265,6 +354,7 @@ def trace(
     param_dtype: torch.dtype | None = None,
     symbolic_batch: bool = False,
     progress: bool = False,
+    device: str | torch.device | None = None,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -287,7 +377,16 @@ def trace(
     derives view sizes from the batch; it costs nothing in the cost model.
 
     ``progress``: a progress bar (blocks traced forward, then autograd nodes backward).
+
+    ``device``: the device (type) the graph will run on; device-specific kernels are recorded for
+    it: ``F.scaled_dot_product_attention`` becomes the fused attention op it runs there (see
+    ``_FusedAttention``). Default: this process's, "cuda" where a GPU is visible, else "cpu"
+    (``mc.compile`` passes the device it runs on). To predict a GPU cluster from a machine
+    without one, pass "cuda".
     """
+    target = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type
+    if target not in ("cpu", "cuda"):
+        raise TraceError(f"device={device!r}: the graph runs on 'cpu' or 'cuda' (it is traced on meta regardless)")
     example_inputs = tuple(example_inputs)
     if not 1 <= num_model_inputs <= len(example_inputs):
         raise TraceError(f"num_model_inputs={num_model_inputs} but {len(example_inputs)} example inputs")
@@ -400,7 +499,7 @@ def trace(
     MODULE_MARKS.append((enter, leave))
 
     def recorded_joint(params, buffers, *inputs):
-        with recorder:
+        with recorder, _FusedAttention(target):
             return joint(params, buffers, *inputs)
 
     try:

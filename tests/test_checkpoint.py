@@ -138,3 +138,32 @@ def test_offload_moves_the_checkpointed_outputs_to_host_and_lowers_the_device_pe
     # the same collectives: offload only adds copies
     base = _lowered(deep_bf16, checkpoint=True, param_dtype=BF16).program.collective_order()
     assert _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16).program.collective_order() == base
+
+
+def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
+    """On CUDA the offload copy reads its value on a side stream; the compute stream waits for it at
+    ``offload_done`` (the next offload, the last at the end of forward). The value's buffer (an arena
+    slot: ``out=`` written) must stay planned until there, so no later op is given its bytes. The
+    lifetimes check it: a done that no longer holds the value fails the plan."""
+    from micscompile.lifetimes import buffers_as_run
+    from micscompile.offload import offload, offload_done
+
+    lowered = _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16)
+    buffers = buffers_as_run(lowered, arena=True)
+    nodes = [n for n in lowered.graph.nodes if n.op in ("call_function", "placeholder", "output")]
+    index = {n: i for i, n in enumerate(nodes)}
+    done = [n for n in nodes if n.target is offload_done]
+    assert len(done) == sum(n.target is offload for n in nodes) >= DEEP.layers - 1
+    assert all(n.meta[META_REGION] != REGION_BWD for n in done)  # the forward waits, not the backward
+    first = {}  # micro-step 0's buffer of each offloaded value
+    for b in buffers:
+        first.setdefault(b.name, b)
+    in_arena = [n for n in done if "out" in n.args[1].args[1].kwargs]  # written out= into an arena slot
+    assert len(in_arena) >= DEEP.layers - 2
+    for n in in_arena:
+        slot = first[n.args[1].args[1].kwargs["out"].args[1]]
+        assert slot.name.startswith("out:") and slot.end > index[n], (slot, index[n])
+    for n in done:  # without the value as an argument, its slot would be free at the offload
+        n.args = n.args[:2]
+    with pytest.raises(ValueError, match="while its offload copy may read it"):
+        buffers_as_run(lowered, arena=True)

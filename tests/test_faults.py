@@ -1,5 +1,7 @@
 """A rank that dies or hangs mid-step: the others exit non-zero, with a message naming the
-collective, within the compile timeout (plus slack), instead of waiting forever."""
+collective, within the compile timeout (plus slack), instead of waiting forever. On gloo always;
+on NCCL with TORCH_NCCL_BLOCKING_WAIT=1 (a GPU test, on 2 GPUs or more), and without it compile
+warns that the watchdog, not a CollectiveError, ends the process."""
 
 from __future__ import annotations
 
@@ -8,28 +10,34 @@ import json
 import os
 import signal
 import time
+import warnings
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD, VICTIM = 4, 3
+import micscompile as mc
+from micscompile import collectives as C
+from micscompile import runtime
+
+WORLD = 4  # the last rank is the victim
 TIMEOUT_S = 4.0
 SLACK_S = 20.0  # process start-up is not in it: timed from the victim's last breath
 pytestmark = pytest.mark.multiproc
 
 
-def _worker(rank: int, store: str, out_dir: str, how: str) -> None:
+def _worker(rank: int, store: str, out_dir: str, how: str, backend: str = "gloo", world: int = WORLD) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["LOCAL_WORLD_SIZE"] = str(WORLD)
-    import torch
-    import torch.distributed as dist
-
-    import micscompile as mc
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_RANK"] = str(rank)
+    if backend == "nccl":  # read when the process groups are created; =0 in the test's environment shows the default
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     from models import MODELS
 
     torch.set_num_threads(1)
     # the default group's own timeout is long: the step's must be what bounds the wait
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     report = os.path.join(out_dir, f"rank{rank}.json")
     try:
@@ -40,7 +48,7 @@ def _worker(rank: int, store: str, out_dir: str, how: str) -> None:
         step = mc.compile(model, mc.Plan(partition_size=2, micro_batches=2), loss_fn=make_loss(model),
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=batch, timeout=TIMEOUT_S)
         step(*batch)  # one whole step first
-        if rank == VICTIM:  # the third collective of step 2 is its last: mid-step, mid-micro-batch
+        if rank == world - 1:  # the victim: the third collective of step 2 is its last, mid-micro-batch
             record, calls = step.comm_stats().record, [0]
 
             def last_breath(*args, **kwargs):
@@ -64,8 +72,19 @@ def _worker(rank: int, store: str, out_dir: str, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
+    _the_others_exit_nonzero_within_the_timeout(tmp_path, how, "gloo", WORLD)
+
+
+@pytest.mark.skipif(not (dist.is_nccl_available() and torch.cuda.device_count() >= 2), reason="needs 2 GPUs and NCCL")
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_nccl_with_blocking_wait_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
+    _the_others_exit_nonzero_within_the_timeout(tmp_path, how, "nccl", 2)
+
+
+def _the_others_exit_nonzero_within_the_timeout(tmp_path, how: str, backend: str, world: int) -> None:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path), how)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path), how, backend, world))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -75,7 +94,7 @@ def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
             assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
             time.sleep(0.1)
         died = json.loads((tmp_path / "victim.json").read_text())["t"]
-        survivors = [r for r in range(WORLD) if r != VICTIM]
+        survivors = list(range(world - 1))
         for r in survivors:
             procs[r].join(max(0.0, died + TIMEOUT_S + SLACK_S - time.time()))
         assert [procs[r].exitcode for r in survivors if procs[r].exitcode is None] == [], "a rank is still waiting"
@@ -95,3 +114,90 @@ def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
             if p.is_alive():
                 p.kill()
             p.join(10)
+
+
+NCCL_TIMEOUT = ("[PG ID 1 PG GUID 3(shard) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                "OpType=_ALLGATHER_BASE, NumelIn=40, NumelOut=80, Timeout(ms)=4000) ran for 4012 milliseconds before "
+                "timing out.\nException raised from checkTimeout at ProcessGroupNCCL.cpp")
+
+
+class _TimedOut:
+    """An NCCL Work in blocking wait whose collective ran past the group's timeout."""
+
+    def wait(self):
+        raise dist.DistBackendError(NCCL_TIMEOUT)
+
+
+def test_an_nccl_backend_error_is_a_collective_error_naming_the_collective():
+    pending = C.Pending(_TimedOut(), None, what="all_gather of bucket 2 over shard[0, 1]")
+    with pytest.raises(C.CollectiveError) as info:
+        C.collective_wait(None, pending)
+    assert str(info.value) == f"all_gather of bucket 2 over shard[0, 1] failed: {NCCL_TIMEOUT.splitlines()[0]}"
+    assert isinstance(info.value.__cause__, dist.DistBackendError)
+    step = C.step_failure(info.value, 1, 2, datetime.timedelta(seconds=4))
+    assert str(step).startswith("rank 1, step 2: all_gather of bucket 2 over shard[0, 1] failed: [PG ID 1")
+
+
+@pytest.mark.parametrize("environ, blocking", [
+    ({}, False),
+    ({"TORCH_NCCL_BLOCKING_WAIT": "1"}, True),
+    ({"TORCH_NCCL_BLOCKING_WAIT": "True"}, True),
+    ({"TORCH_NCCL_BLOCKING_WAIT": "0"}, False),
+    ({"NCCL_BLOCKING_WAIT": "1"}, True),
+    ({"TORCH_NCCL_BLOCKING_WAIT": "0", "NCCL_BLOCKING_WAIT": "1"}, False),  # c10d: the first name wins
+])
+def test_nccl_blocking_wait_is_read_as_c10d_reads_it(environ, blocking):
+    assert C.nccl_blocking_wait(environ) is blocking
+
+
+class _Compiled(Exception):
+    """Raised where compile's first collective would be: what came before it is what is tested."""
+
+
+def _compile_on(monkeypatch, backend: str, device: str, **kwargs) -> None:
+    """mc.compile up to its first collective, as on a rank whose default group has ``backend`` and
+    whose step runs on ``device``: no process group, no GPU."""
+    from models import MODELS
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(runtime, "_device", lambda: torch.device(device))
+    monkeypatch.setattr(runtime, "_check_agreement", lambda *a: (_ for _ in ()).throw(_Compiled()))
+    cls, make_loss, make_batches = MODELS["tied_lm"]
+    model = cls()
+    with pytest.raises(_Compiled):
+        mc.compile(model, mc.Plan(partition_size=2), loss_fn=make_loss(model),
+                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=make_batches(1, 8)[0], **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_compile_with_a_timeout_on_nccl_without_blocking_wait_warns_with_the_fix(monkeypatch, backend):
+    for name in C.BLOCKING_WAIT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(RuntimeWarning) as record:
+        _compile_on(monkeypatch, backend, "cuda", timeout=4)
+    [ours] = [w for w in record if "BLOCKING_WAIT" in str(w.message)]
+    message = str(ours.message)
+    assert message.startswith("mc.compile(timeout=...) on NCCL without TORCH_NCCL_BLOCKING_WAIT=1: "
+                              "a dead or hung rank will not raise CollectiveError."), message
+    assert "TORCH_NCCL_BLOCKING_WAIT=1 torchrun" in message and "docs/gpu.md" in message
+    assert ours.filename == __file__  # points at the caller of mc.compile
+
+
+@pytest.mark.parametrize("backend, device, env, kwargs", [
+    ("nccl", "cuda", {"TORCH_NCCL_BLOCKING_WAIT": "1"}, {"timeout": 4}),  # the mode that raises
+    ("nccl", "cuda", {}, {}),  # no timeout asked for
+    ("gloo", "cpu", {}, {"timeout": 4}),
+    ("cpu:gloo,cuda:nccl", "cpu", {}, {"timeout": 4}),  # the step's collectives run on gloo
+])
+def test_compile_is_silent_where_a_timeout_raises_or_none_was_asked_for(monkeypatch, backend, device, env, kwargs):
+    for name in C.BLOCKING_WAIT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(C, "default_timeout", lambda: datetime.timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _compile_on(monkeypatch, backend, device, **kwargs)

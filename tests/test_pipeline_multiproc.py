@@ -14,6 +14,7 @@ from harness import assert_parity, launch, run_cases
 from micscompile.materialize import initialize
 from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, state_error, train_reference, train_reference_mixed
 from models import MODELS, TiedLM
+from nccl_semantics import nccl_p2p
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
 pytestmark = pytest.mark.multiproc
@@ -99,7 +100,7 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
     return {
         "losses": losses, "ref_losses": ref_losses,
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
-        "state_err": state_error(step.full_state_dict(), ref_state),
+        "state_err": state_error(_full_state_dict(step), ref_state),
         "stage": rp.stage_of(rank),
         "chunks": step.program.my_chunks(),
         "memory": (memory.arena_bytes, memory.arena_buffers, memory.outside_planned_peak_bytes,
@@ -108,6 +109,22 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
         "program": str(step.program) if rank == 0 else "",
         "codegen": step.codegen and [(r.graph_name, r.compiled, r.reused_from) for r in step.codegen.regions],
     }
+
+
+def _full_state_dict(step) -> dict:
+    """``step.full_state_dict()``, checking that no tensor travels as a pickled object (which would
+    stage every rank's payload on every GPU)."""
+    real = torch.distributed.all_gather_object
+
+    def gather_object(out, obj, group=None):
+        assert not any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(obj)), "tensors as objects"
+        return real(out, obj, group=group)
+
+    torch.distributed.all_gather_object = gather_object
+    try:
+        return step.full_state_dict()
+    finally:
+        torch.distributed.all_gather_object = real
 
 
 def bad_inputs(rank: int, world: int) -> dict[str, str]:
@@ -145,9 +162,19 @@ def run_all(rank: int, world: int) -> dict:
     return run_cases(rank, world, flat_plan_first, run_case, CASES)
 
 
+def run_all_nccl(rank: int, world: int) -> dict:
+    with nccl_p2p():
+        return {case: run_case(case, rank, world) for case in CASES}
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return launch(run_all, WORLD, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def nccl_results() -> list[dict]:
+    return launch(run_all_nccl, WORLD, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -156,6 +183,14 @@ def test_pipeline_parity_with_single_process_eager(results, case: PipeCase):
     the reference's autograd sums them in bf16 (LOW_PRECISION_TOLERANCE)."""
     tied_mixed = case.param_dtype != torch.float32 and case.model == "tied_lm"
     assert_parity(results, case, LOW_PRECISION_TOLERANCE if tied_mixed else TOLERANCE)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pipeline_parity_under_nccl_p2p_semantics(nccl_results, case: PipeCase):
+    """As on CUDA (tests/nccl_semantics.py): one Work per batch_isend_irecv, received data only after
+    it is waited for (NaN before), send buffers read until then. The same parity as on plain gloo."""
+    tied_mixed = case.param_dtype != torch.float32 and case.model == "tied_lm"
+    assert_parity(nccl_results, case, LOW_PRECISION_TOLERANCE if tied_mixed else TOLERANCE)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.codegen == "eager"], ids=lambda c: c.id)

@@ -138,11 +138,14 @@ def test_simulate_adds_one_hop_per_rank_crossing():
     assert t.bubble_fraction == pytest.approx(4 / 3)
 
 
-def test_a_receive_blocks_its_rank_until_the_send_is_posted():
-    """Rank 1 receives both micro-batches before computing: F0.1 waits for SA1.0 (posted at 2), not SA0.0."""
+def test_a_compute_waits_for_its_own_input_not_for_receives_posted_early():
+    """Rank 1 posts both receives before computing (the runtime waits for a receive right before the
+    compute reading it): F0.1 starts once SA0.0 is posted (1 + 0.5), F1.1 once SA1.0 is (2 + 0.5)."""
     s = edited(gpipe(2, 2), "RA0.1 F0.1 RA1.1", "RA0.1 RA1.1 F0.1")
     t = s.simulate([1.0, 1.0], [1.0, 1.0], p2p_s=0.5)
-    assert [start for _, start, _ in t.spans[1]] == [2.5, 3.5, 4.5, 5.5]
+    assert [start for _, start, _ in t.spans[1]] == [1.5, 2.5, 3.5, 4.5]
+    t = edited(gpipe(2, 2), "F0.0 SA0.0 F1.0", "F0.0 F1.0 SA0.0").simulate([1.0, 1.0], [1.0, 1.0], p2p_s=0.5)
+    assert [start for _, start, _ in t.spans[1]][:2] == [2.5, 3.5]  # SA0.0 now posted at 2
 
 
 def test_simulate_is_bound_by_the_slowest_chunk():
@@ -153,20 +156,70 @@ def test_simulate_is_bound_by_the_slowest_chunk():
 
 
 def test_a_broken_schedule_is_reported_as_a_deadlock():
-    """Rank 0 waits for a gradient before sending the activation that rank 1 needs to produce it."""
-    s = edited(gpipe(2, 2), "SA1.0 RG1.0", "RG1.0 SA1.0")
-    message = "deadlock: rank 0 at step 3 (RG1.0) waits for rank 1, which is at step 2 (RA1.1) waiting for rank 0"
-    for run in (s.validate, lambda: s.simulate([1, 1], [2, 2]), s.grid):
+    """Rank 0 runs a backward before sending the activation that rank 1 needs to produce its gradient."""
+    s = edited(gpipe(2, 2), "SA1.0 RG1.0 B1.0", "RG1.0 B1.0 SA1.0")
+    message = ("deadlock: rank 0 at step 4 (B1.0) waits for SG1.1 from rank 1, which is at step 3 (F1.1) "
+               "waiting for SA1.0 from rank 0")
+    for run in (lambda: s._execute([1] * 2, [1] * 2, 0.0), lambda: s.simulate([1, 1], [2, 2]), s.grid):
         with pytest.raises(ScheduleError, match=re.escape(message)):
             run()
 
 
 def test_a_deadlock_names_every_blocked_rank():
-    s = edited(gpipe(3, 1), "SA0.1 RG0.1", "RG0.1 SA0.1")
+    s = edited(gpipe(3, 1), "SA0.1 RG0.1 B0.1", "RG0.1 B0.1 SA0.1")
     with pytest.raises(ScheduleError, match=re.escape(
-            "deadlock: rank 0 at step 2 (RG0.0) waits for rank 1, which is at step 2 (RG0.1) waiting for rank 2, "
-            "which is at step 0 (RA0.2) waiting for rank 1")):
+            "deadlock: rank 0 at step 3 (B0.0) waits for SG0.1 from rank 1, which is at step 3 (B0.1) waiting for "
+            "SG0.2 from rank 2, which is at step 1 (F0.2) waiting for SA0.1 from rank 1")):
         s.validate()
+
+
+# interleaved_1f1b(2, 4, 2) as generated before the NCCL model: every run of adjacent P2P actions is
+# one batch; on NCCL a send completes only when its receive runs, and one rank's batches run in order.
+OLD_INTERLEAVED_2x4x2 = """\
+pipeline interleaved stages=2 chunks=2 micro_batches=4
+r0: F0.0 SA0.0 F1.0 SA1.0 RA0.2 F0.2 SA0.2 RA1.2 F1.2 SA1.2 F2.0 SA2.0 RG0.2 B0.2 SG0.2 F3.0 SA3.0 RG1.2 B1.2 \
+SG1.2 RA2.2 F2.2 SA2.2 RG0.0 B0.0 RA3.2 F3.2 SA3.2 RG1.0 B1.0 RG2.2 B2.2 SG2.2 RG3.2 B3.2 SG3.2 RG2.0 B2.0 RG3.0 B3.0 AR
+r1: RA0.1 F0.1 SA0.1 RA1.1 F1.1 SA1.1 RA0.3 F0.3 B0.3 SG0.3 RA1.3 F1.3 B1.3 SG1.3 RA2.1 F2.1 SA2.1 RG0.1 B0.1 \
+SG0.1 RA3.1 F3.1 SA3.1 RG1.1 B1.1 SG1.1 RA2.3 F2.3 B2.3 SG2.3 RA3.3 F3.3 B3.3 SG3.3 RG2.1 B2.1 SG2.1 RG3.1 B3.1 SG3.1 AR
+"""
+
+
+def test_nccl_rules_reject_the_old_interleaved_batching_naming_steps_and_ranks():
+    """Both ranks send a gradient first (rank 0's chunk 2 to chunk 1, rank 1's chunk 3 to chunk 2) and post
+    the matching receives only in later batches: with blocking sends, neither batch can finish."""
+    old = PipeSchedule.parse(OLD_INTERLEAVED_2x4x2)
+    old._execute([1.0] * 4, [1.0] * 4, 0.0)  # fine with eager sends (gloo) ...
+    with pytest.raises(ScheduleError, match=re.escape(  # ... not on NCCL
+            "NCCL deadlock: rank 0 step 14 [SG0.2] waits for RG0.1 in rank 1 step 16 [SA2.1 RG0.1]; "
+            "rank 1 step 13 [SG1.3 RA2.1] waits for RG1.2 in rank 0 step 16 [SA3.0 RG1.2]")):
+        old.validate()
+
+
+def test_nccl_order_posts_those_receives_one_batch_earlier():
+    new = interleaved_1f1b(2, 4, 2)
+    assert "B0.2 SG0.2 RG1.2 F3.0" in str(new) and "B1.3 SG1.3 RA2.1 RG0.1 F2.1" in str(new)
+    assert [a for a in new.ranks[0] if a.op in (Op.FORWARD, Op.BACKWARD)] == \
+        [a for a in PipeSchedule.parse(OLD_INTERLEAVED_2x4x2).ranks[0] if a.op in (Op.FORWARD, Op.BACKWARD)]
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+def test_every_generated_schedule_passes_the_nccl_model(stages):
+    """Every schedule the generators make for S <= 8, v <= 4 and the micro-batch counts they accept
+    (up to 4 groups of S for interleaving), deadlock-free under NCCL's rules and with eager sends."""
+    for m in range(1, 4 * stages + 1):
+        kinds = [("gpipe", 1), ("1f1b", 1)] + [("interleaved", v) for v in range(2, 5) if m % stages == 0]
+        for kind, v in kinds:
+            make_schedule(kind, stages, m, v).validate()
+
+
+def test_batched_is_what_the_runtime_posts():
+    s = interleaved_1f1b(2, 4, 2)
+    for r in range(2):
+        items = s.batched(r)
+        assert [a for it in items for a in (it if isinstance(it, tuple) else (it,))] == list(s.ranks[r])
+        assert all(all(a.op not in (Op.FORWARD, Op.BACKWARD, Op.ALL_REDUCE) for a in it)
+                   for it in items if isinstance(it, tuple))
+        assert not any(isinstance(x, tuple) and isinstance(y, tuple) for x, y in zip(items, items[1:]))
 
 
 # gpipe(2, 2):

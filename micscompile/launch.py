@@ -1,0 +1,54 @@
+"""A rank's device and its default process group, chosen in one place.
+
+``init_distributed`` is how the demo and ``micscompile calibrate`` start under torchrun, and
+``local_device`` is the rule the runtime follows too: the GPU is chosen and made current before
+the process group exists (NCCL then builds its communicator on it, not on cuda:0), and every
+rank gets its own GPU, never cuda:0 for all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+"""CUDA tensors go over NCCL, host tensors (counts, timings) over gloo."""
+
+
+def local_device() -> torch.device:
+    """This rank's device: the CPU without CUDA; else the GPU the default group is bound to
+    (``init_process_group(device_id=...)``), else cuda:LOCAL_RANK (torchrun sets it), else
+    cuda:(rank % visible GPUs). One visible GPU is the rank's own (CUDA_VISIBLE_DEVICES per rank)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if dist.is_initialized() and getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        return dist.group.WORLD.bound_device_id
+    count = torch.cuda.device_count()
+    if "LOCAL_RANK" in os.environ:
+        index = int(os.environ["LOCAL_RANK"])
+        if index >= count > 1:
+            raise RuntimeError(f"LOCAL_RANK={index}, but this machine shows {count} GPUs: start at most "
+                               f"{count} ranks per node (torchrun --nproc-per-node)")
+        return torch.device("cuda", index if count > 1 else 0)
+    if dist.is_initialized():
+        return torch.device("cuda", dist.get_rank() % count)
+    if "RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["RANK"]) % count)
+    raise RuntimeError("cannot tell which GPU this rank owns: set LOCAL_RANK (torchrun does), or RANK")
+
+
+def init_distributed(timeout: datetime.timedelta) -> torch.device:
+    """Start the default process group of this rank (torchrun's environment) and return its device.
+
+    On CUDA: the rank's GPU (``local_device``) is made current first, then the group is created
+    bound to it (``device_id``) with backend "cpu:gloo,cuda:nccl". Without CUDA: "gloo"."""
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(CUDA_BACKEND, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
