@@ -19,9 +19,10 @@ receives, activations, temporaries). Columns:
 
 Then checkpointing and offload on the GPT in bf16 (``Plan.param_dtype``) against the
 formulas (design.md: a checkpointed layer keeps b*s*h*2 bytes; Korthikanti et al.'s
-dropout-free sbh(32 + 2as/h) without it; ``mc.activation_bytes_per_layer``): the device L
-and the peak of saved activations per option, and whether each drop is at least what the
-formula predicts (checkpointing: every layer's full activations less its kept input;
+dropout-free 32 sbh plus the fused attention's log-sum-exp without it;
+``mc.activation_bytes_per_layer``): the device L and the peak of saved activations per option,
+and whether each drop is at least what the formula predicts (checkpointing: every layer's full
+activations but one recomputed layer's, less every layer's kept input;
 offload: all kept inputs but the two the backward holds, one in use and one reloaded ahead).
 
 No GPU and no process group needed.
@@ -77,9 +78,9 @@ def checkpoint_report(batch: int = 8) -> bool:
     print(head + "\n" + "-" * len(head))
     for name in options:
         print(f"{name:<22}{L[name] / MIB:>13.1f}{saved[name] / MIB:>16.1f}")
-    ckpt_drop, want_ckpt = L["none"] - L["checkpoint"], c.layers * (full - kept)
+    ckpt_drop, want_ckpt = L["none"] - L["checkpoint"], (c.layers - 1) * full - c.layers * kept
     off_drop, want_off = saved["checkpoint"] - saved["checkpoint + offload"], (c.layers - 2) * kept
-    print(f"checkpointing lowers L by {ckpt_drop / MIB:.1f} MiB; formula: >= layers * (full - kept) = "
+    print(f"checkpointing lowers L by {ckpt_drop / MIB:.1f} MiB; formula: >= (layers - 1) * full - layers * kept = "
           f"{want_ckpt / MIB:.1f} MiB  [{'ok' if ckpt_drop >= want_ckpt else 'FAIL'}]")
     print(f"offload lowers the saved peak by {off_drop / MIB:.1f} MiB; formula: >= (layers - 2) * kept = "
           f"{want_off / MIB:.1f} MiB  [{'ok' if off_drop >= want_off else 'FAIL'}]; device L by "

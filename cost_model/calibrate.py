@@ -303,7 +303,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     gpu = GpuSpec(
         name=name, peak_flops=peaks, memory_bandwidth_bps=bandwidth, memory_bytes=_memory_bytes(device, per_node),
         matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
-        optimizer_element_s=per_element,
+        optimizer_element_s=per_element, device_type=device.type,
     )
     return Cluster(name="local", nodes=nodes, gpus_per_node=per_node, gpu=gpu, intra=intra, inter=inter,
                    collective_interference=interference, collective_fits=fits)

@@ -42,6 +42,9 @@ class GpuSpec:
     """Achieved fraction of memory bandwidth for memory-bound ops."""
     op_overhead_s: float = 5e-6
     """Fixed cost per op (kernel launch / dispatch)."""
+    device_type: str = "cuda"
+    """What runs the plan ("cuda", or "cpu" for a calibrated CPU machine): ``mc.trace(device=...)``
+    records the attention kernel that device runs."""
     optimizer_param_s: float | None = None
     """Measured optimizer-step cost per parameter tensor (None: 10 ops of op_overhead_s)."""
     optimizer_element_s: float | None = None

@@ -88,7 +88,8 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
     t0 = time.perf_counter()
     model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
                                    seq_len=args.seq)
-    tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True)
+    tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
+                  device=cluster.gpu.device_type)  # the attention kernel the cluster's devices run
     _say(f"{args.model}: {tg.summary()}; traced on meta in {time.perf_counter() - t0:.1f} s")
     return tg
 

@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     reference = None
     if args.check and rank == 0:
         ref_model = model
-        if args.meta:
+        if args.meta:  # initialised as the meta model was: from seed 0, after it is built
+            ref_model = GPT(cfg)
             torch.manual_seed(0)
-            ref_model = initialize(GPT(cfg))
+            initialize(ref_model)
         if mixed:  # eager model.to(param_dtype) on each rank's micro-batch, fp32 masters
             reference = train_reference_mixed(copy.deepcopy(ref_model), lambda m: lm_loss, optimizer, global_batches,
                                               world * args.micro_batches, param_dtype)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     state = step.full_state_dict()  # collective: every rank calls it
     if reference:
         err, name = state_error(state, reference[1])
-        # mixed: the trace records the math attention (upcast to fp32) where eager runs a fused bf16 kernel
+        # mixed: low-precision gradients are summed in another order than the reference's (parity.py)
         tolerance = LOW_PRECISION_TOLERANCE if mixed else TOLERANCE
         verdict = "OK" if err <= tolerance else "MISMATCH"
         out(f"\nparameters after {args.steps} steps vs eager reference: max rel err {err:.2e} "

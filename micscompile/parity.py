@@ -16,8 +16,7 @@ LOW_PRECISION_TOLERANCE = 2e-2
 """Mixed-precision parity against ``train_reference_mixed`` after 5 steps where the plan rounds
 differently from the reference: gradients summed in bf16 / fp16 (the reference sums in fp32), a
 tied weight's two gradients summed in fp32 across pipeline stages (eager autograd sums them in
-param_dtype), or attention, which the meta trace records as the math path (upcast to fp32) where
-eager on a real device runs a fused low-precision kernel. A few roundings of 2^-9 (bf16) per step, compounded by momentum. Otherwise a
+param_dtype). A few roundings of 2^-9 (bf16) per step, compounded by momentum. Otherwise a
 mixed-precision plan runs exactly the reference's low-precision ops and meets ``TOLERANCE``."""
 
 

@@ -135,15 +135,18 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
 
 
 def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, itemsize: int = 2,
-                               checkpoint: bool = False) -> float:
+                               checkpoint: bool = False, fused_attention: bool = True) -> float:
     """Bytes one transformer layer keeps for its backward. Checkpointed: its input, b*s*h*itemsize
     (design.md: b*s*h*2 in 16-bit). Otherwise Korthikanti et al.'s sbh(34 + 5as/h) 16-bit bytes less
-    what dropout adds (three masks and the dropped-out attention probabilities): sbh(32 + 2as/h),
-    attention probabilities materialized (the math attention a meta trace records), scaled to
-    ``itemsize``."""
+    what dropout adds (three masks and the dropped-out attention probabilities): sbh(32 + 2as/h)
+    with the attention probabilities materialized (math attention), scaled to ``itemsize``. A fused
+    attention kernel (what ``mc.trace`` records, as flash attention runs) keeps no probabilities,
+    only its fp32 log-sum-exp per head and query: sbh * 32 * itemsize / 2 + 4 * b * a * s."""
     sbh = batch * seq * hidden
     if checkpoint:
         return sbh * itemsize
+    if fused_attention:
+        return sbh * 32 * itemsize / 2 + 4 * batch * heads * seq
     return sbh * (32 + 2 * heads * seq / hidden) * itemsize / 2
 
 

@@ -226,7 +226,8 @@ def _cuda_rule(q, k, v, mask) -> SDPBackend:
         return SDPBackend.MATH
     if q.dtype in (torch.float16, torch.bfloat16) and mask is None:
         return SDPBackend.FLASH_ATTENTION
-    return SDPBackend.EFFICIENT_ATTENTION if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else SDPBackend.MATH
+    floating = q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return SDPBackend.EFFICIENT_ATTENTION if floating else SDPBackend.MATH
 
 
 _FUSED = {"cpu": {SDPBackend.FLASH_ATTENTION},
@@ -275,7 +276,8 @@ class _FusedAttention(TorchFunctionMode):
                 size = attn_mask.shape[-1]
                 attn_mask = F.pad(attn_mask, (0, 16 - size % 16))[..., :size]
             attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]
 
 
 def _to_meta(t: torch.Tensor, floating: torch.dtype | None = None) -> torch.Tensor:

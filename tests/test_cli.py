@@ -94,8 +94,9 @@ def test_bad_input_exits_2_with_one_line(args, says):
 
 @pytest.mark.multiproc
 def test_demo_trains_against_eager_and_calibrate_writes_a_cluster(tmp_path):
+    """A meta model too: its reference is initialised from the same seed after it is built."""
     out = ok(run("demo", "--nproc", "2", "--", "--partition-size", "2", "--micro-batches", "2", "--steps", "2",
-                 "--check", timeout=300))
+                 "--meta", "--check", timeout=300))
     assert "vs eager reference" in out and ": OK" in out, out[-2000:]
     ok(run("calibrate", "--nproc", "2", "--repeats", "1", "--out", str(tmp_path / "c.json"), timeout=300))
     cluster = Cluster.load(tmp_path / "c.json")

@@ -262,7 +262,10 @@ def test_demo_and_calibrate_start_through_init_distributed(monkeypatch, calls, e
 
 # ---- on a GPU (skipped without one; docs/gpu.md): one-rank groups, in this process ---------------
 
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs a CUDA GPU")
+def needs_gpu(test):
+    """A GPU check: deselected by default (pyproject's ``-m "not gpu"``); ``pytest -m gpu`` runs it."""
+    skip = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs a CUDA GPU")
+    return pytest.mark.gpu(skip(test))
 
 
 @pytest.fixture

@@ -75,6 +75,7 @@ def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
     _the_others_exit_nonzero_within_the_timeout(tmp_path, how, "gloo", WORLD)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (dist.is_nccl_available() and torch.cuda.device_count() >= 2), reason="needs 2 GPUs and NCCL")
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_nccl_with_blocking_wait_the_others_exit_nonzero_within_the_timeout(tmp_path, how):

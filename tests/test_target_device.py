@@ -78,7 +78,8 @@ def test_sdpa_traces_as_the_fused_cpu_kernel_and_matches_eager(kind):
     assert targets.count(CPU_FLASH) == targets.count(CPU_FLASH_BWD) == layers
     assert not {aten._safe_softmax.default, aten._softmax.default, aten._softmax_backward_data.default} & set(targets)
     seq = batch[0].shape[1]
-    assert not [n for n in tg.gm.graph.nodes if len(n.meta["mc_shape"] or ()) == 4 and n.meta["mc_shape"][-2:] == (seq, seq)]
+    scores = [n for n in tg.gm.graph.nodes if len(n.meta["mc_shape"] or ()) == 4 and n.meta["mc_shape"][-2:] == (seq, seq)]
+    assert not scores
     loss, grads = _run_traced(tg, model, batch)
     ref_loss, ref_grads = _eager(model, loss_fn, batch, tg.trainable)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
@@ -224,7 +225,9 @@ def test_optimizer_probe_steps_on_the_given_device():
 
 # ---- on a GPU (skipped here): docs/gpu.md runs these with `pytest -q tests/test_target_device.py -k cuda` ----
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def cuda(test):
+    """A GPU check: deselected by default (pyproject's ``-m "not gpu"``); ``pytest -m gpu`` runs it."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 @cuda
