@@ -60,7 +60,8 @@ def main() -> None:
             # one trace per micro-batch shape, shared by every partition size
             with torch.device("meta"):
                 meta_model = GPT(cfg)
-            trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss)
+            trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss,
+                             device="cpu")  # the gloo ranks' kernels, which profile_trace times on the CPU
             for p in (1, 2, 4):
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 if args.profile:  # every rank at once (each measures its share), just before the run:

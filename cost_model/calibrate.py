@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from micscompile.collectives import collective_device
+from micscompile.launch import collective_device, local_device
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
@@ -226,7 +226,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes, per_node = _topology(world)
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    device = local_device() if "nccl" in str(dist.get_backend()) else torch.device("cpu")
     say = log or (lambda s: None)
 
     # compute: matmul throughput per dtype, memory bandwidth, per-op overhead

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from micscompile.collectives import collective_device
+from micscompile.launch import collective_device
 from micscompile.cost_model.calibrate import device_sync, slowest_rank_median
 from micscompile.trace import TrainGraph
 

@@ -125,9 +125,11 @@ class Cluster:
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: run `python -m micscompile calibrate` first")
         raw = json.loads(path.read_text())
+        gpu = raw["gpu"]  # calibrated before device_type was recorded: a CPU machine names itself "cpu rank ..."
+        gpu.setdefault("device_type", "cpu" if gpu["name"].startswith("cpu") else "cuda")
         return Cluster(
             **{k: v for k, v in raw.items() if k not in ("gpu", "intra", "inter")},
-            gpu=GpuSpec(**raw["gpu"]), intra=Link(**raw["intra"]), inter=Link(**raw["inter"]),
+            gpu=GpuSpec(**gpu), intra=Link(**raw["intra"]), inter=Link(**raw["inter"]),
         )
 
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from micscompile.collectives import collective_device, fmt_bytes
+from micscompile.collectives import fmt_bytes
+from micscompile.launch import collective_device
 from micscompile.cost_model.calibrate import device_sync
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster

@@ -40,16 +40,6 @@ def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> int:
     return factor * nbytes * (group_size - 1) // group_size
 
 
-def collective_device(group=None) -> torch.device:
-    """Where a small host-side collective on ``group`` (default: the world), a count or a time, must
-    put its tensor: the current GPU where the group's backend serves CUDA only (plain "nccl"), else
-    the CPU ("gloo", or "cpu:gloo,cuda:nccl" as ``launch.init_distributed`` makes it)."""
-    parts = str(dist.get_backend(group)).split(",")
-    if any(p.startswith("cpu:") or (":" not in p and p != "nccl") for p in parts):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 @dataclass(frozen=True)
 class GroupInfo:
     """A process group and what the accounting needs to know about it."""

@@ -40,15 +40,26 @@ def local_device() -> torch.device:
     raise RuntimeError("cannot tell which GPU this rank owns: set LOCAL_RANK (torchrun does), or RANK")
 
 
-def init_distributed(timeout: datetime.timedelta) -> torch.device:
+def collective_device(group=None) -> torch.device:
+    """Where a small host-side collective on ``group`` (default: the world), a count or a time, must
+    put its tensor: the current GPU where the group's backend serves CUDA only (plain "nccl"), else
+    the CPU ("gloo", or "cpu:gloo,cuda:nccl" as ``launch.init_distributed`` makes it)."""
+    parts = str(dist.get_backend(group)).split(",")
+    if any(p.startswith("cpu:") or (":" not in p and p != "nccl") for p in parts):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_distributed(timeout: datetime.timedelta, **init) -> torch.device:
     """Start the default process group of this rank (torchrun's environment) and return its device.
 
     On CUDA: the rank's GPU (``local_device``) is made current first, then the group is created
-    bound to it (``device_id``) with backend "cpu:gloo,cuda:nccl". Without CUDA: "gloo"."""
+    bound to it (``device_id``) with backend "cpu:gloo,cuda:nccl". Without CUDA: "gloo". ``init``:
+    more arguments of ``init_process_group`` (e.g. ``init_method``, ``rank``, ``world_size``)."""
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(CUDA_BACKEND, timeout=timeout, device_id=device)
+        dist.init_process_group(CUDA_BACKEND, timeout=timeout, device_id=device, **init)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **init)
     return device

@@ -127,7 +127,8 @@ def offload_pass(graph: torch.fx.Graph, ctx) -> torch.fx.Graph:
         if seen == len(offs) and n not in offs and n.meta.get(META_REGION) == REGION_BWD:
             issue_at = n
             break
-    by_offload = sorted(moved, key=lambda m: position[m[1]])  # forward order (an offload follows its value)
+    order = {n: i for i, n in enumerate(graph.nodes)}  # the offloads' own order (not their values')
+    by_offload = sorted(moved, key=lambda m: order[m[2]])
     for (_, v, off), nxt in zip(by_offload, [*by_offload[1:], None]):
         with graph.inserting_before(nxt[2] if nxt else issue_at):
             done = graph.call_function(offload_done, (comm, off, v))

@@ -11,9 +11,9 @@ GraphModule (passes.phase_split) with the MiCS collectives of its own partition 
 inside. The schedule's actions run in order: F and B call those modules; each run of adjacent
 P2P actions goes out as one ``batch_isend_irecv`` over the "pipe" group (``PipeSchedule.batched``,
 ordered to be deadlock-free under NCCL's rules); a batch's Work is waited for right before the
-first compute that reads one of its receives, and every batch at the end of the step (on NCCL
-the batch is one coalesced Work, its receive buffers valid only after it); what a forward sends
-is dropped once posted, and a backward gets only the values it reads.
+first compute that reads one of its receives (on NCCL the batch is one coalesced Work, its receive
+buffers valid only after it; on gloo the receives' own Works), and every batch at the end of the
+step; what a forward sends is dropped once posted, and a backward gets only the values it reads.
 AR is the boundary: all-reduce each chunk's gradient shards over "replicate" (2-hop),
 sum a tied parameter's partial gradients between the chunks that hold it, all-reduce
 the loss, scale by 1 / (t * d * m) and step the optimizer.
@@ -50,18 +50,23 @@ from micscompile.trace import TrainGraph, check_batch, split_batch
 
 
 class _Posted:
-    """One posted batch of P2P ops: its Works (one for the whole batch on NCCL, which coalesces a
-    ``batch_isend_irecv``; one per op on gloo), waited for once."""
+    """One posted batch of P2P ops and its Works: one for the whole batch where the backend coalesces
+    ``batch_isend_irecv`` (NCCL), else one per op (gloo); each waited for once."""
 
-    def __init__(self, works: list, what: str) -> None:
-        self.works, self.what = works, what
+    def __init__(self, works: list, n_ops: int, receives: list[int], what: str) -> None:
+        self.works, self.coalesced, self.receives, self.what = works, len(works) < n_ops, receives, what
+        self.waited: set[int] = set()
 
-    def wait(self) -> None:
-        if self.works:
+    def wait(self, receives_only: bool = False) -> None:
+        """Wait for the batch, or for what its receives need: on NCCL the batch's one Work (the compute
+        stream then waits for the whole batch, its sends included), on gloo the receives' own Works."""
+        todo = self.receives if receives_only and not self.coalesced else range(len(self.works))
+        todo = [i for i in todo if i not in self.waited]
+        if todo:
             with C.guarded(self.what):
-                for w in self.works:
-                    w.wait()
-            self.works = []
+                for i in todo:
+                    self.works[i].wait()
+                    self.waited.add(i)
 
 
 @dataclass
@@ -226,7 +231,7 @@ class PipelineStep(Checkpointable):
         right before the first compute that reads one of its receives (``_received``), and at the end
         of the step: on NCCL the batch is one coalesced Work, and its buffers are valid only after it."""
         stages = self.program.split.stages
-        ops, received = [], []
+        ops, received, receives = [], [], []
         for a in batch:
             backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
@@ -240,11 +245,12 @@ class PipelineStep(Checkpointable):
                 bufs = [self._recv_buffer(f"{a.op.value}{a.chunk}", t) for t in specs]
                 received.append(((a.op, a.mb, a.chunk), bufs))
                 for i, t in enumerate(bufs):
+                    receives.append(len(ops))
                     ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
                                           self._tag(a.mb, src, backward, i)))
         what = f"pipeline P2P over {self._pipe.label()} ({' '.join(map(str, batch))})"
         with C.guarded(what):
-            work = _Posted(dist.batch_isend_irecv(ops) if ops else [], what)
+            work = _Posted(dist.batch_isend_irecv(ops) if ops else [], len(ops), receives, what)
         posted.append(work)
         for key, bufs in received:
             inbox[key] = (bufs, work)
@@ -255,7 +261,7 @@ class PipelineStep(Checkpointable):
         if key not in inbox:
             return []
         bufs, work = inbox.pop(key)
-        work.wait()
+        work.wait(receives_only=True)
         return bufs
 
     def _recv_buffer(self, name: str, spec) -> torch.Tensor:

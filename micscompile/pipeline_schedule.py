@@ -26,7 +26,11 @@ Two models of that run: validate() checks the schedule in both.
 * NCCL (check_nccl): a rank's batches run one after another on its communicator's stream,
   a batch starts once the rank's earlier computes are done (the stream waits for them) and
   finishes once the batch holding each of its ops' peers has started (a send completes only
-  when its receive runs); a compute waits for the batch that brings its inputs.
+  when its receive runs); a compute waits for the batch that brings its inputs. Two ranks'
+  sends and receives match in posting order (NCCL ignores tags). The model assumes the ops of
+  one batch progress independently once their peers' batches run (what grouped P2P does in
+  practice, as Megatron's batched P2P relies on; NCCL does not promise it for every mix of
+  peers in one group).
 
 validate() also requires each compute's inputs (F(mb, c-1); B(mb, c+1) and F(mb, c)) to come
 earlier on its rank or through a receive placed before it, so the receives carry every
@@ -282,8 +286,27 @@ class PipeSchedule:
         """Raise ScheduleError if the runtime's batches would deadlock under NCCL's P2P rules (module
         docstring), naming each stuck rank, the step of its batch or compute, and what it waits for."""
         self._checked  # noqa: B018
+        self._check_pair_order()
         if not (model := _NcclModel(self)).run():
             raise ScheduleError(f"NCCL deadlock: {model.describe()}")
+
+    def _check_pair_order(self) -> None:
+        """NCCL matches the sends and receives between two ranks in the order each posts them (it
+        ignores tags): the k-th receive rank q posts from rank r must be for r's k-th send to q."""
+        sent: dict[tuple[int, int], list[PipeAction]] = {}
+        for r, actions in enumerate(self.ranks):
+            for a in actions:
+                if a.op in _SENDS:
+                    sent.setdefault((r, self.rank_of(_peer(a).chunk)), []).append(a)
+        taken: dict[tuple[int, int], int] = {}
+        for q, actions in enumerate(self.ranks):
+            for i, a in enumerate(actions):
+                if a.op in _RECVS:
+                    pair = (self.rank_of(_peer(a).chunk), q)
+                    k = taken[pair] = taken.get(pair, -1) + 1
+                    if (got := sent[pair][k]) != _peer(a):
+                        raise ScheduleError(f"rank {q} step {i} ({a}) would receive {got} from rank {pair[0]}: "
+                                            "NCCL matches two ranks' sends and receives in posting order, not by tag")
 
     def validate(self) -> None:
         """Raise ScheduleError naming the rank, step and action of the first problem found: malformed,

@@ -202,8 +202,9 @@ aten = torch.ops.aten
 def _sdpa_choice(device_type: str, q, k, v, mask, dropout_p: float, is_causal: bool, enable_gqa: bool) -> SDPBackend:
     """The SDPA backend PyTorch picks for these inputs on ``device_type``: asked of its dispatcher on
     stand-ins with the same sizes, dtypes, last-dim strides and requires_grad (a few elements each)
-    where that device is present, else (CUDA without a GPU) ``_cuda_rule``."""
-    if device_type == "cuda" and not torch.cuda.is_available():
+    on the CPU or the current GPU once CUDA is in use (``mc.compile`` has made its GPU current), else
+    ``_cuda_rule`` (no GPU, or tracing before any: asking would create a context on cuda:0)."""
+    if device_type == "cuda" and not torch.cuda.is_initialized():  # no GPU, or none in use: no context made
         return _cuda_rule(q, k, v, mask)
 
     def stand_in(t):
@@ -272,7 +273,7 @@ class _FusedAttention(TorchFunctionMode):
         if backend == SDPBackend.CUDNN_ATTENTION:
             return aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, dropout_p, is_causal, scale=scale)[0]
         if attn_mask is not None:  # aten: preprocess_mask (the kernel reads mask rows aligned to 16 elements)
-            if attn_mask.stride(-2) % 16:
+            if attn_mask.stride(-1) != 1 or any(st % 16 for st in attn_mask.stride()[:-1]):
                 size = attn_mask.shape[-1]
                 attn_mask = F.pad(attn_mask, (0, 16 - size % 16))[..., :size]
             attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])

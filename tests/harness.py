@@ -7,8 +7,8 @@ order. A worker exception is re-raised in the test with the worker's traceback; 
 hung world is killed after ``timeout_s``.
 
 ``MICSCOMPILE_TEST_BACKEND=nccl`` (on a machine with a GPU per rank) runs the same tests over
-NCCL instead: each rank takes GPU ``rank % count``, the group is "cpu:gloo,cuda:nccl" bound to it
-(``micscompile.launch``), and the steps run on the GPUs (docs/gpu.md lists which tests to run so).
+NCCL instead: rank r takes GPU r, the group is "cpu:gloo,cuda:nccl" bound to it
+(``micscompile.launch.init_distributed``), and the steps run on the GPUs (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -31,16 +31,15 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, fn, args,
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     result: dict = {}
     try:
-        init = dict(init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        init = dict(init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         if os.environ.get("MICSCOMPILE_TEST_BACKEND", "gloo") == "nccl":
-            from micscompile.launch import CUDA_BACKEND
+            from micscompile.launch import init_distributed
 
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-            dist.init_process_group(CUDA_BACKEND, device_id=device, **init)
+            os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r on GPU r
+            init_distributed(timeout, **init)
         else:
-            dist.init_process_group("gloo", **init)
+            dist.init_process_group("gloo", timeout=timeout, **init)
         result["value"] = fn(rank, world_size, *args)
     except BaseException as exc:  # noqa: BLE001 - shipped to the parent verbatim
         result["error"] = "".join(traceback.format_exception(exc))

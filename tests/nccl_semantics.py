@@ -3,8 +3,10 @@
 On CUDA, ``torch.distributed.batch_isend_irecv`` coalesces the batch (ProcessGroupNCCL supports
 coalescing, so ``distributed_c10d`` returns the coalescing manager's one Work), the received
 data is there only once that Work is waited for, and NCCL reads a send buffer at any time until
-then. ``nccl_p2p()`` makes gloo behave that way: one Work per batch; every receive buffer holds
-NaN (integers: -1) until the Work is waited for; a send buffer written before then raises.
+then. ``nccl_p2p()`` makes gloo's ``batch_isend_irecv`` return that way: one Work per batch; every
+receive buffer holds NaN (integers: -1) until the Work is waited for; a send buffer written before
+then raises. It shows what the runtime reads and when, not ordering or deadlock: matching is still
+by gloo's tags and sends do not block (``PipeSchedule.check_nccl`` models those rules).
 """
 
 from __future__ import annotations

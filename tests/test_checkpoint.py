@@ -168,3 +168,36 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
         n.args = n.args[:2]
     with pytest.raises(ValueError, match="while its offload copy may read it"):
         buffers_as_run(lowered, arena=True)
+
+
+def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node():
+    """A skip connection: v1 and v2 both last used by add(v1, v2), so their offloads stand side by
+    side in the order of insertion, not of the values. Each copy's wait must still come after its
+    own offload (the graph lints) and before the next offload."""
+    from types import SimpleNamespace
+
+    import torch.fx
+
+    from micscompile.offload import META_OFFLOAD, offload, offload_done, offload_pass
+    from micscompile.trace import REGION_FWD
+
+    g = torch.fx.Graph()
+    comm, x = g.placeholder("comm"), g.placeholder("x")
+    v1 = g.call_function(torch.ops.aten.relu.default, (x,))
+    v2 = g.call_function(torch.ops.aten.neg.default, (v1,))
+    s = g.call_function(torch.ops.aten.add.Tensor, (v1, v2))
+    b1 = g.call_function(torch.ops.aten.mul.Tensor, (s, v2))
+    b2 = g.call_function(torch.ops.aten.mul.Tensor, (b1, v1))
+    g.output((s, b2))
+    for n, region in ((v1, REGION_FWD), (v2, REGION_FWD), (s, REGION_FWD), (b1, REGION_BWD), (b2, REGION_BWD)):
+        n.meta[META_REGION] = region
+    v1.meta[META_OFFLOAD] = v2.meta[META_OFFLOAD] = True
+    ctx = SimpleNamespace(plan=SimpleNamespace(plan=SimpleNamespace(offload_activations=True)))
+    offload_pass(g, ctx)  # lints
+    nodes = list(g.nodes)
+    offs = [n for n in nodes if n.target is offload]
+    done = [n for n in nodes if n.target is offload_done]
+    assert len(offs) == len(done) == 2
+    for d in done:
+        assert nodes.index(d.args[1]) < nodes.index(d)
+    assert nodes.index(done[0]) < nodes.index(offs[1])  # the first copy is waited at the second offload

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import micscompile as mc
 from micscompile import cli, demo, launch, runtime
-from micscompile.collectives import collective_device
+from micscompile.launch import collective_device
 from micscompile.cost_model import calibrate, profile
 from micscompile.cost_model.specs import Link
 from models import meta_lm_trace

@@ -195,6 +195,17 @@ def test_nccl_rules_reject_the_old_interleaved_batching_naming_steps_and_ranks()
         old.validate()
 
 
+def test_nccl_rules_reject_receives_posted_out_of_the_senders_order():
+    """gloo matches by tag; NCCL matches two ranks' P2P ops in posting order: RA1.1 posted first would
+    get SA0.0's data."""
+    s = edited(gpipe(2, 2), "RA0.1 F0.1 RA1.1", "RA1.1 RA0.1 F0.1")
+    s._execute([1.0] * 2, [1.0] * 2, 0.0)
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 1 step 0 (RA1.1) would receive SA0.0 from rank 0: NCCL matches two ranks' sends and "
+            "receives in posting order, not by tag")):
+        s.validate()
+
+
 def test_nccl_order_posts_those_receives_one_batch_earlier():
     new = interleaved_1f1b(2, 4, 2)
     assert "B0.2 SG0.2 RG1.2 F3.0" in str(new) and "B1.3 SG1.3 RA2.1 RG0.1 F2.1" in str(new)
