@@ -182,7 +182,8 @@ def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node
     from micscompile.trace import REGION_FWD
 
     g = torch.fx.Graph()
-    comm, x = g.placeholder("comm"), g.placeholder("x")
+    g.placeholder("comm")
+    x = g.placeholder("x")
     v1 = g.call_function(torch.ops.aten.relu.default, (x,))
     v2 = g.call_function(torch.ops.aten.neg.default, (v1,))
     s = g.call_function(torch.ops.aten.add.Tensor, (v1, v2))
