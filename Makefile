@@ -1,4 +1,4 @@
-# Everything a fresh machine needs: `make demo`, `make test`.
+# Everything a fresh machine needs: `make demo`, `make test` (ruff, then the suite).
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TORCHRUN := .venv/bin/torchrun
@@ -21,6 +21,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 .venv/bin/micscompile demo
 
 test: $(STAMP)
+	.venv/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 bench: $(STAMP)

@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from timing import interleaved_times_s
 from torch._inductor.utils import fresh_cache
 
 import micscompile as mc
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
 from micscompile.parity import rel_error
-import statistics
-
-from timing import interleaved_times_s
 
 
 def slowest(seconds: float) -> float:

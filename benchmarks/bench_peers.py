@@ -37,15 +37,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
+from measure import CommCounter, LiveBytes, max_over_ranks, mean_over_ranks
+from timing import median_step_s
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
-from measure import CommCounter, LiveBytes, max_over_ranks, mean_over_ranks
 from micscompile.collectives import fmt_bytes
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
-from timing import median_step_s
 
 SYSTEMS = [  # (name, partition size): micscompile's default schedule first in each group
     ("micscompile p=1", 1), ("DDP (no_sync)", 1),

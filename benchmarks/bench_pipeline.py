@@ -19,8 +19,8 @@ Scenario B (Fig. 4-15): seq 1024, micro-batch 8 (MiCS) / 2 (MiCS-Pipe), G in 102
 fp16 compute priced at the A100's tensor-core peak (``compute_dtype="float16"``) on an fp32
 trace: gathers and reductions move fp32 (kept so the numbers compare with earlier runs;
 ``bench_long_seq.py`` runs Plan.param_dtype = float16), and activation checkpointing only
-with ``--checkpoint``: peak memory is printed against the 40 GiB device, not enforced. TFLOP/s per GPU by the thesis's formula (eq. 4.5,
-96 B s l h^2 (1 + s/6h + V/16lh), which counts the recompute pass the simulation does not
+with ``--checkpoint``: peak memory is printed against the 40 GiB device, not enforced. TFLOP/s per
+GPU by the thesis's formula (eq. 4.5, 96 B s l h^2 (1 + s/6h + V/16lh), which counts the recompute pass the simulation does not
 run) over all G samples, divided by 128 GPUs and the step time. Each (model, seq,
 micro-batch) is traced once, on the meta device, and reused for every G. No GPU needed.
 

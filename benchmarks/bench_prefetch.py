@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import interleaved_times_s
 
 import micscompile as mc
 from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
-from timing import interleaved_times_s
 
 ROWS = {
     "no prefetch": (mc.Prefetch(0),),

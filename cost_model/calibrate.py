@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from micscompile.launch import collective_device, local_device
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+from micscompile.launch import collective_device, local_device
 
 COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))

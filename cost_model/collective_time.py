@@ -23,7 +23,6 @@ Assumptions (design.md "Ring collectives", thesis 3.2.3 and its footnote on [110
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Sequence
 

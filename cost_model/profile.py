@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from micscompile.launch import collective_device
 from micscompile.cost_model.calibrate import device_sync, slowest_rank_median
+from micscompile.launch import collective_device
 from micscompile.trace import TrainGraph
 
 WHOLE_WINDOW_S = 2.0

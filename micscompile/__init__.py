@@ -7,23 +7,24 @@
 """
 
 from micscompile.autotune import Candidate, autotune
-from micscompile.collectives import CollectiveError, CommStats
 from micscompile.codegen import CodegenError, CodegenReport
+from micscompile.collectives import CollectiveError, CommStats
 from micscompile.cost_model.simulator import Prediction
-from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
 from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, plan_memory
 from micscompile.memory_stats import MemoryStats
 from micscompile.passes.context import Prefetch
 from micscompile.plan import Plan, PlanError, ResolvedPlan
 from micscompile.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
 from micscompile.program import Action, Kind, Program
-from micscompile.runtime import TrainStep, compile
+from micscompile.runtime import TrainStep, compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
 from micscompile.trace import TraceError, TrainGraph, trace
 
 __all__ = [
     "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
-    "MiCSBackend", "autotune", "backend", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan", "MemoryPlanError",
+    "MiCSBackend", "autotune", "backend", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan",
+    "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
     "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile", "plan_memory", "simulate", "step_memory", "trace",
     "transformer_flops",

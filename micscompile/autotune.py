@@ -28,10 +28,10 @@ import torch
 from tqdm import tqdm
 
 from micscompile.collectives import fmt_bytes
-from micscompile.launch import collective_device
 from micscompile.cost_model.calibrate import device_sync
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
+from micscompile.launch import collective_device
 from micscompile.passes.context import Prefetch
 from micscompile.plan import Plan, PlanError
 from micscompile.repricing import Pricer

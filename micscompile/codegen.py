@@ -41,6 +41,7 @@ from micscompile.collectives import fmt_bytes
 from micscompile.cost_model.node_cost import _is_view
 from micscompile.trace import META_BYTES, META_FQN, META_REGION
 
+
 class CodegenError(RuntimeError):
     """Inductor could not compile a region; the message names the region and its ops."""
 
@@ -217,8 +218,8 @@ class CompiledRegion(nn.Module):
 
 
 def _fake_inputs(specs: list[tuple], device: torch.device) -> list[torch.Tensor]:
-    """Fake tensors shaped like the region's inputs (``specs``: their ``_spec``) (static sizes; the ShapeEnv lets Inductor's FX graph
-    cache serve a region compiled before, by this process or another)."""
+    """Fake tensors shaped like the region's inputs (``specs``: their ``_spec``) (static sizes; the ShapeEnv lets
+    Inductor's FX graph cache serve a region compiled before, by this process or another)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

@@ -44,9 +44,9 @@ import torch.fx
 
 from micscompile import collectives as C
 from micscompile.arena import OUT_PREFIX, arena_out
-from micscompile.offload import offload, offload_done, reload_issue, reload_wait
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory_plan import Buffer, MemoryPlan, plan_memory
+from micscompile.offload import offload, offload_done, reload_issue, reload_wait
 from micscompile.passes.out_variants import out_variants_pass
 from micscompile.pipeline_schedule import Op
 from micscompile.sharding import BucketLayout

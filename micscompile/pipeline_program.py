@@ -147,7 +147,10 @@ def _halves(program: Program) -> tuple[Program, Program, Program]:
     acts = program.micro_step
     cut = backward_start(acts)
     cut = len(acts) if cut is None else cut
-    part = lambda micro, boundary: dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
+
+    def part(micro, boundary):
+        return dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
+
     return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
 
 

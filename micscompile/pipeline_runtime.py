@@ -34,10 +34,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
 from micscompile.codegen import CodegenReport, compile_regions
-from micscompile.lifetimes import arena_plan
-from micscompile.memory_stats import MemoryStats
 from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.lifetimes import arena_plan
 from micscompile.materialize import local_state
+from micscompile.memory_stats import MemoryStats
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.pipeline_program import PipelineProgram
 from micscompile.pipeline_schedule import Op
@@ -46,7 +46,6 @@ from micscompile.program import Kind, ProgramError
 from micscompile.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.state_dict import Checkpointable, Home
 from micscompile.trace import TrainGraph, check_batch, split_batch
-
 
 
 class _Posted:

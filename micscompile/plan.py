@@ -18,7 +18,6 @@ from typing import Literal
 
 import torch
 
-
 PRECISIONS = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes Plan.param_dtype and Plan.reduce_dtype accept."""
 

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from micscompile.collectives import GroupInfo
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
+from micscompile.lifetimes import arena_plan, buffers_as_run
+from micscompile.memory_plan import Buffer
+from micscompile.memory_stats import MemoryStats
 from micscompile.passes.context import Prefetch
 from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.plan import Plan, ResolvedPlan
-from micscompile.lifetimes import arena_plan, buffers_as_run
-from micscompile.memory_plan import Buffer
-from micscompile.memory_stats import MemoryStats
 from micscompile.program import Kind, Program
 from micscompile.trace import TrainGraph
 

@@ -30,7 +30,14 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch, make_context
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.passes.pipeline_split import (
-    PipelineSplit, Transfer, cut_points, forward_units, split, unit_costs, unit_state)
+    PipelineSplit,
+    Transfer,
+    cut_points,
+    forward_units,
+    split,
+    unit_costs,
+    unit_state,
+)
 from micscompile.passes.schedule import Schedule, hierarchical_buckets, schedule, with_schedule
 from micscompile.pipeline_program import PipelineProgram, simulate_pipeline
 from micscompile.pipeline_schedule import make_schedule

@@ -35,12 +35,12 @@ from micscompile import collectives as C
 from micscompile.arena import Arena, OutsideArena
 from micscompile.codegen import CodegenReport, compile_regions
 from micscompile.collectives import Comm, CommStats, GroupInfo
+from micscompile.cost_model.specs import Cluster
 from micscompile.launch import local_device
 from micscompile.lifetimes import arena_plan, buffers_as_run
+from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.memory_stats import MemoryStats
 from micscompile.optim_check import check_elementwise
-from micscompile.materialize import check_initializable, fingerprint, local_state
-from micscompile.cost_model.specs import Cluster
 from micscompile.passes.context import Prefetch
 from micscompile.passes.manager import PassRecord
 from micscompile.passes.schedule import schedule

@@ -33,13 +33,13 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, optimization_hint
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.nn.attention import SDPBackend
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, optimization_hint
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from tqdm import tqdm

@@ -28,9 +28,9 @@ import torch.fx
 
 from micscompile.cost_model.flops import FLOP_RULES
 from micscompile.cost_model.node_cost import mutates_first
+from micscompile.offload import META_OFFLOAD
 from micscompile.passes.buckets import block_of
 from micscompile.passes.context import PassContext
-from micscompile.offload import META_OFFLOAD
 from micscompile.plan import PlanError
 from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, REGION_BWD
 

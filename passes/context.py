@@ -11,7 +11,6 @@ from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.sharding import BucketLayout, build_layouts
 from micscompile.trace import TrainGraph
 
-
 CPU = torch.device("cpu")
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from micscompile.passes.context import PassContext
-from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.offload import offload_pass
+from micscompile.passes.checkpoint import checkpoint_pass
+from micscompile.passes.context import PassContext
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.retarget_device import retarget_device_pass
 from micscompile.plan import Plan

@@ -45,7 +45,17 @@ from micscompile.passes.stage_balance import balance
 from micscompile.pipeline_schedule import make_schedule
 from micscompile.plan import PlanError, ResolvedPlan
 from micscompile.program import Action, Kind
-from micscompile.trace import LOSS_FQN, META_BYTES, META_DTYPE, META_FQN, META_REGION, META_SHAPE, REGION_BWD, REGION_FWD, TrainGraph
+from micscompile.trace import (
+    LOSS_FQN,
+    META_BYTES,
+    META_DTYPE,
+    META_FQN,
+    META_REGION,
+    META_SHAPE,
+    REGION_BWD,
+    REGION_FWD,
+    TrainGraph,
+)
 
 _ADD = torch.ops.aten.add.Tensor
 

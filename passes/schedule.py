@@ -133,8 +133,8 @@ def with_keep_live(program: Program, keep: int) -> Program:
     check_keep_live(keep, len(pairs))
     drop = set()
     for i, j in sorted(pairs, reverse=True)[:keep]:
-        wait = next(w for w in range(j + 1, len(actions))
-                    if actions[w].kind is Kind.WAIT and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == actions[j].bucket)
+        wait = next(w for w in range(j + 1, len(actions)) if actions[w].kind is Kind.WAIT
+                    and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == actions[j].bucket)
         drop |= {i, j, wait}
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 

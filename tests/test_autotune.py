@@ -8,15 +8,15 @@ import itertools
 
 import pytest
 import torch
+from harness import launch
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_loss
 from micscompile import repricing
+from micscompile.models import GPT, GPTConfig, lm_loss
 from micscompile.pipeline_program import lower_pipeline, simulate_pipeline
 from micscompile.predict import planned_groups
 from micscompile.repricing import Pricer
 from micscompile.search_space import configs, prefetches
-from harness import launch
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=2)

@@ -16,13 +16,13 @@ import operator
 import pytest
 import torch
 import torch.fx
-
-import micscompile as mc
 from dist_cases import Case, run_case
 from harness import assert_parity, launch, run_cases
+from models import MODELS, Branchy, ConvNet, TiedLM, lm_loss
+
+import micscompile as mc
 from micscompile.codegen import compile_regions, find_regions
 from micscompile.parity import TOLERANCE
-from models import MODELS, Branchy, ConvNet, TiedLM, lm_loss
 
 WORLD = 4
 

@@ -4,13 +4,16 @@ import json
 
 import pytest
 import torch
+from models import TiedLM, lm_loss, meta_lm_trace
 
 import micscompile as mc
 from micscompile.cost_model.collective_time import (
-    collective_time_s, effective_bandwidth_bps, hierarchical_time_s, inter_node_bytes,
+    collective_time_s,
+    effective_bandwidth_bps,
+    hierarchical_time_s,
+    inter_node_bytes,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
-from models import TiedLM, lm_loss, meta_lm_trace
 
 GB = 1 << 30
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from models import meta_lm_trace
 
 import micscompile as mc
 from micscompile import cli, demo, launch, runtime
-from micscompile.launch import collective_device
 from micscompile.cost_model import calibrate, profile
 from micscompile.cost_model.specs import Link
-from models import meta_lm_trace
+from micscompile.launch import collective_device
 
 autotune = importlib.import_module("micscompile.autotune")  # the module: the package exports a function of that name
 CUDA0, META = torch.device("cuda", 0), torch.device("meta")

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from harness import assert_parity, launch, run_cases
 
 import micscompile as mc
-from harness import assert_parity, launch, run_cases
 from micscompile import hf_models
 from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import launch
 
 import micscompile as mc
-from harness import launch
 from micscompile import collectives as C
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
 from micscompile.runtime import _groups

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.fx
+from models import ConvNet, cls_loss
 
 import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
@@ -18,7 +19,6 @@ from micscompile.passes.schedule import schedule
 from micscompile.pipeline_program import lower_pipeline
 from micscompile.predict import planned_groups, step_buffers_of
 from micscompile.trace import META_REGION, REGION_BWD, REGION_FWD
-from models import ConvNet, cls_loss
 
 WORLD = 4
 

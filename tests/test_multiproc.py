@@ -6,10 +6,22 @@ import dataclasses
 
 import pytest
 import torch
-
-from dist_cases import (ARENA_OFF, ARENA_PAIRS, CKPT, CKPT_TWINS, CASES, EXTRA, MIXED, MIXED_TWINS, REAL_TWINS, STEPS,
-                        Case, run_all)
+from dist_cases import (
+    ARENA_OFF,
+    ARENA_PAIRS,
+    CASES,
+    CKPT,
+    CKPT_TWINS,
+    EXTRA,
+    MIXED,
+    MIXED_TWINS,
+    REAL_TWINS,
+    STEPS,
+    Case,
+    run_all,
+)
 from harness import assert_parity, launch
+
 from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error
 
 WORLD = 4

@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.fx
+from models import ConvNet, TiedLM, cls_loss, lm_loss
 
 import micscompile as mc
 from micscompile import collectives as C
@@ -15,7 +16,6 @@ from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.program import Kind, build_program
 from micscompile.sharding import unpack_param
 from micscompile.trace import META_REGION
-from models import ConvNet, TiedLM, cls_loss, lm_loss
 
 
 def lm_trace():

@@ -8,13 +8,20 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-import micscompile as mc
 from harness import assert_parity, launch, run_cases
-from micscompile.materialize import initialize
-from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, state_error, train_reference, train_reference_mixed
 from models import MODELS, TiedLM
 from nccl_semantics import nccl_p2p
+
+import micscompile as mc
+from micscompile.materialize import initialize
+from micscompile.parity import (
+    LOW_PRECISION_TOLERANCE,
+    TOLERANCE,
+    rel_error,
+    state_error,
+    train_reference,
+    train_reference_mixed,
+)
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
 pytestmark = pytest.mark.multiproc

@@ -6,7 +6,14 @@ import pytest
 
 import micscompile.pipeline_schedule as ps
 from micscompile.pipeline_schedule import (
-    Op, PipeAction, PipeSchedule, ScheduleError, gpipe, interleaved_1f1b, make_schedule, one_f_one_b,
+    Op,
+    PipeAction,
+    PipeSchedule,
+    ScheduleError,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
 )
 
 GRID_1F1B_4x8 = """\

@@ -10,6 +10,7 @@ import torch
 import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import MODELS, meta_lm_trace
 
 import micscompile as mc
 from micscompile.cost_model.simulator import simulate_program
@@ -18,7 +19,6 @@ from micscompile.passes.pipeline_split import split
 from micscompile.passes.stage_balance import balance
 from micscompile.pipeline_program import _halves, lower_pipeline
 from micscompile.predict import planned_groups
-from models import MODELS, meta_lm_trace
 
 
 def _resolved(chunks: int, stages: int | None = None) -> mc.ResolvedPlan:

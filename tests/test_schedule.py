@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from models import meta_lm_trace
 
 import micscompile as mc
 from micscompile import collectives as C
@@ -14,9 +15,8 @@ from micscompile.models import lm_loss as gpt_loss
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.schedule import schedule, with_keep_live, with_prefetch
-from micscompile.program import Kind, ProgramError
 from micscompile.predict import planned_groups
-from models import meta_lm_trace
+from micscompile.program import Kind, ProgramError
 
 
 @pytest.fixture(scope="module")

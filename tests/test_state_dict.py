@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from harness import launch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import MODELS, TiedLM
 
 import micscompile as mc
-from harness import launch
 from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
 from micscompile.state_dict import flat_boxes
-from models import MODELS, TiedLM
 
 WORLD, GLOBAL_BATCH, K, J = 4, 8, 3, 3
 RESHARD_RTOL = 1e-6

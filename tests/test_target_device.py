@@ -153,9 +153,10 @@ def test_cuda_target_records_the_cuda_kernels_without_a_gpu():
 
 def _meta_state(device, init_fn=None):
     """local_state of a meta TiedLM + Normalize buffers for one rank of one, from seed 0."""
+    from models import Normalize, TiedLM
+
     from micscompile.materialize import local_state
     from micscompile.sharding import build_layouts
-    from models import Normalize, TiedLM
 
     with torch.device("meta"):
         model = nn.Sequential(TiedLM(), Normalize(3))
@@ -181,8 +182,9 @@ def test_meta_model_is_initialised_on_the_cpu_for_any_device():
 
 
 def test_meta_model_values_are_the_cpu_initialisation():
-    from micscompile.materialize import initialize
     from models import Normalize, TiedLM
+
+    from micscompile.materialize import initialize
 
     shards, buffers = _meta_state("cpu")
     reference = nn.Sequential(TiedLM(), Normalize(3))

@@ -1,12 +1,20 @@
 import pytest
 import torch
+from models import ConvNet, TiedLM, cls_loss, lm_loss
 from torch import nn
 
 import micscompile as mc
 from micscompile.trace import (
-    LOSS_FQN, META_BYTES, META_DTYPE, META_FLOPS, META_FQN, META_REGION, META_SHAPE, REGION_BWD, REGION_FWD,
+    LOSS_FQN,
+    META_BYTES,
+    META_DTYPE,
+    META_FLOPS,
+    META_FQN,
+    META_REGION,
+    META_SHAPE,
+    REGION_BWD,
+    REGION_FWD,
 )
-from models import ConvNet, TiedLM, cls_loss, lm_loss
 
 
 def _lm_graph(meta: bool = True):
