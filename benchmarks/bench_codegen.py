@@ -9,7 +9,7 @@ C++ on CPU). ``step``: the median over ``--steps`` steps of the slowest rank; ``
 > 1: Inductor is faster, the median over rounds of eager's time over Inductor's in the same
 round (the two steps are timed in alternation, one of each per round, so drift on the machine
 reaches both); ``won``: the rounds in which Inductor was faster. ``param err``: the largest relative difference of the two
-runs' parameters after the run (design.md's metric). ``compile``: ``mc.compile``'s wall time, slowest rank, cold Inductor
+runs' parameters after the run (docs/design.md's metric). ``compile``: ``mc.compile``'s wall time, slowest rank, cold Inductor
 caches (``torch._inductor.utils.fresh_cache``), after one warm-up compile in the process (the
 one-time import and compiler start-up, reported separately).
 
@@ -43,7 +43,7 @@ def slowest(seconds: float) -> float:
 
 def sgd(params):
     """SGD with momentum: the parity yardstick (AdamW turns the rounding noise of gradients that are
-    mathematically zero, e.g. the attention key bias, into lr-sized steps; design.md)."""
+    mathematically zero, e.g. the attention key bias, into lr-sized steps; docs/design.md)."""
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 

@@ -18,7 +18,7 @@ receives, activations, temporaries). Columns:
   buffers) and its ratio to that subset's L.
 
 Then checkpointing and offload on the GPT in bf16 (``Plan.param_dtype``) against the
-formulas (design.md: a checkpointed layer keeps b*s*h*2 bytes; Korthikanti et al.'s
+formulas (docs/design.md: a checkpointed layer keeps b*s*h*2 bytes; Korthikanti et al.'s
 dropout-free 32 sbh plus the fused attention's log-sum-exp without it;
 ``mc.activation_bytes_per_layer``): the device L and the peak of saved activations per option,
 and whether each drop is at least what the formula predicts (checkpointing: every layer's full

@@ -2,7 +2,7 @@
 
 ``CommCounter`` is a TorchDispatchMode that sees every c10d collective any system issues
 (micscompile's, FSDP2's, DeepSpeed's, DDP's reducer: they all reach the dispatcher as
-``c10d.*`` ops) and counts, per rank, the bytes the ring algorithm sends for it (design.md:
+``c10d.*`` ops) and counts, per rank, the bytes the ring algorithm sends for it (docs/design.md:
 (g-1)/g of the buffer for all-gather and reduce-scatter, twice that for all-reduce). Bytes
 that cross nodes: under a ring in group order each rank sends to the next rank of the
 group, so a rank's bytes cross nodes when that next rank is on another node (``k`` ranks

@@ -1,6 +1,6 @@
 """Time of a collective over a concrete set of ranks: alpha-beta models.
 
-Assumptions (design.md "Ring collectives", thesis 3.2.3 and its footnote on [110]):
+Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on [110]):
 
 * Ring all-gather / reduce-scatter of a full buffer of N bytes over g ranks:
   ``(g-1) * alpha + (g-1)/g * N / B``; ring all-reduce twice that. Tree all-reduce:

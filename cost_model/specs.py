@@ -3,7 +3,7 @@
 Units: FLOP/s, bytes, bytes/s, seconds (``_flops``, ``_bytes``, ``_bps`` = bytes per
 second, ``_s``). Link bandwidths are one direction.
 
-Sources of the preset constants (design.md "Hardware facts", vendor pages):
+Sources of the preset constants (docs/design.md "Hardware facts", vendor pages):
 V100-32GB: 125 TFLOP/s fp16 tensor core, 900 GB/s HBM2; p3dn.24xlarge: 8 GPUs,
 NVLink ~150 GB/s per GPU one way, 100 Gbps EFA per node. A100: 312 TFLOP/s bf16,
 1555 GB/s (40GB) / 2039 GB/s (80GB) HBM2e; p4d/p4de.24xlarge: 8 GPUs, NVSwitch
@@ -11,7 +11,7 @@ NVLink ~150 GB/s per GPU one way, 100 Gbps EFA per node. A100: 312 TFLOP/s bf16,
 InfiniBand. H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
 (450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. Latencies (alpha) are typical
 NCCL figures: ~5 us per intra-node hop, ~15-25 us per inter-node hop on EFA/IB.
-Achieved efficiencies default to design.md's "40-55% of peak": calibrate for real.
+Achieved efficiencies default to docs/design.md's "40-55% of peak": calibrate for real.
 """
 
 from __future__ import annotations

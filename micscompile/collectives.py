@@ -8,7 +8,7 @@ result. On NCCL, ``Work.wait()`` makes the current stream wait on the collective
 stream (no device-wide sync), and c10d keeps the buffers alive until it finishes.
 
 Byte accounting (``CommStats``): ``bytes`` is what one rank sends on the wire under
-the ring algorithm (design.md): all-gather and reduce-scatter move (g-1)/g of the
+the ring algorithm (docs/design.md): all-gather and reduce-scatter move (g-1)/g of the
 full buffer, all-reduce 2(g-1)/g. A collective whose group spans several nodes is
 counted as inter-node (the ring's slowest hop carries all of it), otherwise intra.
 """

@@ -1,6 +1,6 @@
 """The correctness yardstick: single-process eager PyTorch on the same global batch.
 
-Parity metric (design.md), per tensor: max|a - b| / max(max|b|, 1e-2) <= 1e-5 in fp32.
+Parity metric (docs/design.md), per tensor: max|a - b| / max(max|b|, 1e-2) <= 1e-5 in fp32.
 """
 
 from __future__ import annotations

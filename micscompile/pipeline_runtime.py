@@ -1,6 +1,6 @@
 """Emit for pipeline plans (MiCS-Pipe): ``PipelineStep`` runs this rank's schedule.
 
-Topology (design.md): n = S * t * d. A ("replicate", "pipe", "shard") DeviceMesh of
+Topology (docs/design.md): n = S * t * d. A ("replicate", "pipe", "shard") DeviceMesh of
 shape (d, S, t): every S*t consecutive ranks are one pipeline, every t consecutive
 ranks inside it a stage's partition group ("shard"); "pipe" links the S ranks that
 carry the same micro-batches from stage to stage, "replicate" the d ranks holding

@@ -1,6 +1,6 @@
 """The Plan: how one training step is partitioned and scheduled.
 
-Terms (design.md): n ranks, k ranks per node, p partition-group size (p | n),
+Terms (docs/design.md): n ranks, k ranks per node, p partition-group size (p | n),
 d = n / p replication-group size, s micro-batches per optimizer step.
 
 A Plan is checked twice: ``__post_init__`` checks what the Plan alone can know

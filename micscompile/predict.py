@@ -137,7 +137,7 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
 def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, itemsize: int = 2,
                                checkpoint: bool = False, fused_attention: bool = True) -> float:
     """Bytes one transformer layer keeps for its backward. Checkpointed: its input, b*s*h*itemsize
-    (design.md: b*s*h*2 in 16-bit). Otherwise Korthikanti et al.'s sbh(34 + 5as/h) 16-bit bytes less
+    (docs/design.md: b*s*h*2 in 16-bit). Otherwise Korthikanti et al.'s sbh(34 + 5as/h) 16-bit bytes less
     what dropout adds (three masks and the dropped-out attention probabilities): sbh(32 + 2as/h)
     with the attention probabilities materialized (math attention), scaled to ``itemsize``. A fused
     attention kernel (what ``mc.trace`` records, as flash attention runs) keeps no probabilities,
@@ -151,7 +151,7 @@ def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, it
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
-    """FLOPs of one training iteration of a transformer (design.md, thesis eq. 3.4):
+    """FLOPs of one training iteration of a transformer (docs/design.md, thesis eq. 3.4):
     96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with activation recomputation; 72 instead of 96 without."""
     factor = 96 if recompute else 72
     return factor * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))

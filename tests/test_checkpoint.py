@@ -105,7 +105,7 @@ def _peak(buffers) -> int:
 
 
 def test_planned_peak_falls_by_the_activations_the_formula_says_checkpointing_drops(deep_bf16):
-    """design.md: a checkpointed layer keeps b*s*h*2 bytes; without checkpointing it keeps
+    """docs/design.md: a checkpointed layer keeps b*s*h*2 bytes; without checkpointing it keeps
     32 sbh 16-bit bytes plus the fused attention's log-sum-exp (Korthikanti et al., dropout-free,
     no probabilities kept: ``activation_bytes_per_layer``). All layers' activations are live at the
     end of forward without checkpointing; with it, every layer's input and one layer's recomputed
@@ -118,7 +118,7 @@ def test_planned_peak_falls_by_the_activations_the_formula_says_checkpointing_dr
 
 
 def test_offload_moves_the_checkpointed_outputs_to_host_and_lowers_the_device_peak(deep_bf16):
-    """The checkpointed outputs (design.md's b*s*h*2 bytes per layer) go to host memory: the
+    """The checkpointed outputs (docs/design.md's b*s*h*2 bytes per layer) go to host memory: the
     device keeps at most two of them (the one its backward reads and the one reloaded ahead), so
     the peak of saved activations falls by the other layers' outputs, and the planned peak falls."""
     ckpt = _device_buffers(deep_bf16, checkpoint=True)
