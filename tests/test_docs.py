@@ -27,3 +27,12 @@ def test_readme_links_name_files_that_exist():
     links = re.findall(r"\]\(((?:docs|benchmarks|examples|tests)/[^)#\s]+)\)", (ROOT / "README.md").read_text())
     assert "docs/design.md" in links and "docs/gpu.md" in links
     assert [link for link in links if not (ROOT / link).exists()] == []
+
+
+def test_docs_pages_link_files_that_exist():
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not link.startswith(("http://", "https://")) and not (page.parent / link).exists():
+                missing.append(f"{page.name}: {link}")
+    assert missing == []
