@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
-from micscompile.launch import collective_device, local_device
+from micscompile.launch import collective_device, step_device
 
 COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))
@@ -226,7 +226,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes, per_node = _topology(world)
-    device = local_device() if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    device = step_device()
     say = log or (lambda s: None)
 
     # compute: matmul throughput per dtype, memory bandwidth, per-op overhead

@@ -40,6 +40,16 @@ def local_device() -> torch.device:
     raise RuntimeError("cannot tell which GPU this rank owns: set LOCAL_RANK (torchrun does), or RANK")
 
 
+def step_device() -> torch.device:
+    """The device a step of this rank runs on: its GPU, made current (``local_device``: never cuda:0
+    for every rank), where the default group serves NCCL; else the CPU."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device = local_device()
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
 def collective_device(group=None) -> torch.device:
     """Where a small host-side collective on ``group`` (default: the world), a count or a time, must
     put its tensor: the current GPU where the group's backend serves CUDA only (plain "nccl"), else

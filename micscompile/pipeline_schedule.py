@@ -162,15 +162,15 @@ class PipeSchedule:
         """What must come earlier on a's rank: for a send, the compute whose result it ships; for a
         compute, each input (F(mb, c-1); F(mb, c) and B(mb, c+1)), or the receive that brings it
         from another rank. These orders are what make receives carry every data dependency."""
-        mb, c, local, last = a.mb, a.chunk, self.stages == 1, self.stages * self.chunks - 1
         if a.op in _SENDS:
-            return [PipeAction(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, mb, c)]
-        if a.op is Op.FORWARD and c > 0:
-            return [PipeAction(Op.FORWARD, mb, c - 1) if local else PipeAction(Op.RECV_ACT, mb, c)]
-        if a.op is Op.BACKWARD:
-            grad = PipeAction(Op.BACKWARD, mb, c + 1) if local else PipeAction(Op.RECV_GRAD, mb, c)
-            return [PipeAction(Op.FORWARD, mb, c)] + ([grad] if c < last else [])
-        return []
+            return [PipeAction(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, a.mb, a.chunk)]
+        if a.op not in (Op.FORWARD, Op.BACKWARD):
+            return []
+        own = [PipeAction(Op.FORWARD, a.mb, a.chunk)] if a.op is Op.BACKWARD else []
+        if (recv := self._input_recv(a)) is not None:
+            return own + [recv]
+        producer = a.chunk + (-1 if a.op is Op.FORWARD else 1)  # on this rank: F(mb, c-1) / B(mb, c+1)
+        return own + ([PipeAction(a.op, a.mb, producer)] if 0 <= producer < self.stages * self.chunks else [])
 
     def _check_structure(self) -> None:
         """Everything validate() checks except deadlock; simulate() relies on it."""
@@ -386,15 +386,13 @@ class _NcclModel:
         self.computes: list[list[list]] = [[] for _ in range(S)]  # per rank: [compute or AR, batch it waits for]
         self.before: list[list[int]] = [[] for _ in range(S)]  # per batch: computes ahead of it
         self.reader: dict[PipeAction, list] = {}  # receive -> the computes entry that waits for it
-        for r, acts in enumerate(s.ranks):
-            for a in acts:
-                if a.op in _PEER:
-                    if not self.items[r] or not isinstance(self.items[r][-1], list):
-                        self.batches[r].append([])
-                        self.before[r].append(len(self.computes[r]))
-                        self.items[r].append(self.batches[r][-1])
-                    self.batches[r][-1].append(a)
-                    self.home[a] = (r, len(self.batches[r]) - 1)
+        for r in range(S):
+            for a in s.batched(r):
+                if isinstance(a, tuple):  # a batch, as the runtime posts it (editable here: a list)
+                    self.before[r].append(len(self.computes[r]))
+                    self.batches[r].append(list(a))
+                    self.items[r].append(self.batches[r][-1])
+                    self.home.update((p2p, (r, len(self.batches[r]) - 1)) for p2p in a)
                     continue
                 recv = s._input_recv(a) if a.op is not Op.ALL_REDUCE else None
                 entry = [a, -1 if recv is None else self.home[recv][1]]

@@ -36,7 +36,7 @@ from micscompile.arena import Arena, OutsideArena
 from micscompile.codegen import CodegenReport, compile_regions
 from micscompile.collectives import Comm, CommStats, GroupInfo
 from micscompile.cost_model.specs import Cluster
-from micscompile.launch import local_device
+from micscompile.launch import step_device
 from micscompile.lifetimes import arena_plan, buffers_as_run
 from micscompile.materialize import check_initializable, fingerprint, local_state
 from micscompile.memory_stats import MemoryStats
@@ -184,14 +184,7 @@ class TrainStep(Checkpointable):
         return {k: full[k] for k in self._state_keys}
 
 
-def _device() -> torch.device:
-    """This rank's GPU under NCCL, made current (``launch.local_device``: never cuda:0 for every
-    rank), else the CPU."""
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        device = local_device()
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+_device = step_device
 
 
 AGREEMENT_HINTS = {
