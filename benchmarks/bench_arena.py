@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import micscompile as mc
-from micscompile.collectives import fmt_bytes
-from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.core.collectives import fmt_bytes
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 
 def main() -> None:

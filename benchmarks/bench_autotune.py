@@ -19,7 +19,7 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.models import BERT_10B, GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
 
 BERT_104B = GPTConfig(vocab_size=50000, seq_len=4096, layers=128, hidden=8192, heads=64, causal=False)
 CASES = {

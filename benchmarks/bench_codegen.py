@@ -31,8 +31,8 @@ from timing import interleaved_times_s
 from torch._inductor.utils import fresh_cache
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
-from micscompile.parity import rel_error
+from micscompile.cli.parity import rel_error
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 
 def slowest(seconds: float) -> float:

@@ -23,8 +23,9 @@ from timing import median_step_s
 
 import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
-from micscompile.cost_model.profile import META_TIME_S, profile_trace
-from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.cost_model.node_cost import META_TIME_S
+from micscompile.tune.profile import profile_trace
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 MODELS = {
     "gpt-small": GPTConfig(vocab_size=512, seq_len=64, layers=2, hidden=128),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import micscompile as mc
-from micscompile.collectives import fmt_bytes
+from micscompile.core.collectives import fmt_bytes
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s, inter_node_bytes
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 GIB = 1 << 30
 LAYERS, HIDDEN, HEADS, VOCAB, P = 64, 8192, 64, 50000, 64

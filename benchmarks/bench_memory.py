@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_memory.py --quick    # GPT only
 
 For each model (traced once on the meta device) and plan (4 ranks; rank 0's Program,
-pipelines included) the step's buffers come from the Program (``micscompile.lifetimes``:
+pipelines included) the step's buffers come from the Program (``micscompile.memory.lifetimes``:
 gathered parameters, gradient buckets and shards, hierarchical stages, pipeline
 receives, activations, temporaries). Columns:
 
@@ -38,9 +38,9 @@ import torch
 
 import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
-from micscompile.lifetimes import arena_plan, on_device
-from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.predict import step_buffers_of
+from micscompile.lowering.predict import step_buffers_of
+from micscompile.memory.lifetimes import arena_plan, on_device
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 MIB = 1 << 20
 WORLD = 4

@@ -15,7 +15,7 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.models import BERT_10B, GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
 
 
 def main() -> None:

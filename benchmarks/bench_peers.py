@@ -44,8 +44,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
-from micscompile.collectives import fmt_bytes
-from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.core.collectives import fmt_bytes
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 SYSTEMS = [  # (name, partition size): micscompile's default schedule first in each group
     ("micscompile p=1", 1), ("DDP (no_sync)", 1),

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 GIB = 1 << 30
 DTYPE = "float16"

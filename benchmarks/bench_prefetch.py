@@ -22,7 +22,7 @@ import torch.distributed as dist
 from timing import interleaved_times_s
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 ROWS = {
     "no prefetch": (mc.Prefetch(0),),

@@ -15,8 +15,8 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.collectives import fmt_bytes
-from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.core.collectives import fmt_bytes
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from micscompile.arena import OutsideArena as LiveBytes  # noqa: F401 - re-exported for the benchmarks
-from micscompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ring_wire_bytes
+from micscompile.core.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ring_wire_bytes
+from micscompile.memory.arena import OutsideArena as LiveBytes  # noqa: F401 - re-exported for the benchmarks
 
 # c10d op -> (kind, index of the argument holding the full buffer(s))
 _OPS = {

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 4 examples/hf_llama.py --partition-size 2 --stages 2 --check
 
 Any ``transformers`` causal LM works the same way: build it (``use_cache=False``), pass it to
-``mc.compile`` with a loss that reads ``output.logits``. ``micscompile.hf_models`` lists what is
+``mc.compile`` with a loss that reads ``output.logits``. ``micscompile.zoo.hf_models`` lists what is
 supported. With --check, rank 0 also trains the model eagerly in one process on the whole global
 batch and compares losses and parameters.
 """
@@ -20,8 +20,8 @@ import torch.distributed as dist
 import transformers
 
 import micscompile as mc
-from micscompile.hf_models import lm_loss
-from micscompile.parity import TOLERANCE, state_error, train_reference
+from micscompile.cli.parity import TOLERANCE, state_error, train_reference
+from micscompile.zoo.hf_models import lm_loss
 
 
 def main() -> None:

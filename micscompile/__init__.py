@@ -6,20 +6,19 @@
     loss = step(x, y)
 """
 
-from micscompile.autotune import Candidate, autotune
-from micscompile.codegen import CodegenError, CodegenReport
-from micscompile.collectives import CollectiveError, CommStats
+from micscompile.core.collectives import CollectiveError, CommStats
+from micscompile.core.plan import Plan, PlanError, ResolvedPlan
+from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
-from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, plan_memory
-from micscompile.memory_stats import MemoryStats
-from micscompile.passes.context import Prefetch
-from micscompile.plan import Plan, PlanError, ResolvedPlan
-from micscompile.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
-from micscompile.program import Action, Kind, Program
-from micscompile.runtime import TrainStep, compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
+from micscompile.lowering.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
+from micscompile.memory.planner import Buffer, MemoryPlan, MemoryPlanError, plan_memory
+from micscompile.memory.stats import MemoryStats
+from micscompile.runtime.codegen import CodegenError, CodegenReport
+from micscompile.runtime.step import TrainStep, compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
 from micscompile.trace import TraceError, TrainGraph, trace
+from micscompile.tune.autotune import Candidate, autotune
 
 __all__ = [
     "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",

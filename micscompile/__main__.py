@@ -1,8 +1,8 @@
-"""``python -m micscompile <command>``: the ``micscompile`` command (``micscompile.cli``)."""
+"""``python -m micscompile <command>``: the ``micscompile`` command (``micscompile.cli.command``)."""
 
 import sys
 
-from micscompile.cli import main
+from micscompile.cli.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,9 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from tqdm import tqdm
 
+from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.flops import node_flops
 from micscompile.cost_model.node_cost import is_shape_arithmetic
-from micscompile.passes.buckets import find_blocks
 
 META_FQN = "mc_fqn"
 """FQN of the innermost module that produced the node ("" = root, LOSS_FQN = loss_fn)."""
@@ -65,9 +65,40 @@ META_BATCH_EXPR = "mc_batch_expr"
 """Symbolic-batch traces: {META_BYTES / META_FLOPS / META_SHAPE: sympy expression(s) in the batch
 symbol} for the node's values that depend on the micro-batch size."""
 
-REGION_FWD = "fwd"
-REGION_BWD = "bwd"
 LOSS_FQN = "<loss>"
+
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Block FQNs in ``named_modules`` order."""
+    blocks: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if isinstance(child, CONTAINERS) or _holds_layer_stack(child):
+                visit(child, fqn + ".")
+            else:
+                blocks.append(fqn)
+
+    visit(model, "")
+    return blocks
+
+
+def _is_layer_stack(module: nn.Module) -> bool:
+    if not isinstance(module, CONTAINERS):
+        return False
+    kinds: dict[type, int] = {}
+    for child in module.children():
+        if next(child.children(), None) is not None:
+            kinds[type(child)] = kinds.get(type(child), 0) + 1
+    return any(n >= 2 for n in kinds.values())
+
+
+def _holds_layer_stack(module: nn.Module) -> bool:
+    return any(_is_layer_stack(m) for m in module.modules())
 
 
 MODULE_MARKS: list[tuple[Callable[[str], None], Callable[[], None]]] = []
@@ -98,7 +129,7 @@ class TrainGraph:
     """Shape and dtype of each batch input of ONE micro-batch."""
     num_model_inputs: int
     blocks: list[str]
-    """FQNs of the model's blocks (passes.buckets.find_blocks): the default gather units."""
+    """FQNs of the model's blocks (find_blocks): the default gather units."""
     compute_dtype: torch.dtype | None = None
     """Mixed precision (``trace(param_dtype=...)``): the dtype the graph's floating parameters and
     batch inputs have (the graph casts the inputs itself); None: the model's own dtypes."""

@@ -20,10 +20,10 @@ from harness import run_cases
 from models import MODELS
 
 import micscompile as mc
+from micscompile.cli.parity import rel_error, state_error, train_reference, train_reference_mixed
+from micscompile.core.sharding import shard_of
 from micscompile.cost_model.node_cost import _is_view
-from micscompile.materialize import initialize
-from micscompile.parity import rel_error, state_error, train_reference, train_reference_mixed
-from micscompile.sharding import shard_of
+from micscompile.runtime.materialize import initialize
 
 STEPS = 5
 LOCAL_BATCH = 12  # divisible by micro_batches in {1, 3, 4}

@@ -8,7 +8,7 @@ hung world is killed after ``timeout_s``.
 
 ``MICSCOMPILE_TEST_BACKEND=nccl`` (on a machine with a GPU per rank) runs the same tests over
 NCCL instead: rank r takes GPU r, the group is "cpu:gloo,cuda:nccl" bound to it
-(``micscompile.launch.init_distributed``), and the steps run on the GPUs (docs/gpu.md).
+(``micscompile.core.launch.init_distributed``), and the steps run on the GPUs (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, fn, args,
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         init = dict(init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         if os.environ.get("MICSCOMPILE_TEST_BACKEND", "gloo") == "nccl":
-            from micscompile.launch import init_distributed
+            from micscompile.core.launch import init_distributed
 
             os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r on GPU r
             init_distributed(timeout, **init)

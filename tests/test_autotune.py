@@ -11,13 +11,13 @@ import torch
 from harness import launch
 
 import micscompile as mc
-from micscompile import repricing
-from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.pipeline_program import lower_pipeline, simulate_pipeline
-from micscompile.predict import planned_groups
-from micscompile.repricing import Pricer
-from micscompile.search_space import configs, prefetches
+from micscompile.lowering.pipeline import lower_pipeline, simulate_pipeline
+from micscompile.lowering.predict import planned_groups
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
+from micscompile.tune import repricing
+from micscompile.tune.repricing import Pricer
+from micscompile.tune.search_space import configs, prefetches
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=2)
 

@@ -1,4 +1,4 @@
-"""Tests for the PyTorch CUDA caching-allocator simulator (cost_model/caching_allocator.py)."""
+"""Tests for the PyTorch CUDA caching-allocator simulator (micscompile/cost_model/caching_allocator.py)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_loss
+from micscompile.core.program import REGION_BWD
+from micscompile.lowering.flat import schedule
+from micscompile.lowering.predict import planned_groups, step_buffers_of
 from micscompile.passes.checkpoint import META_RECOMPUTE, checkpoint_pass
 from micscompile.passes.context import make_context
-from micscompile.passes.schedule import schedule
-from micscompile.predict import planned_groups, step_buffers_of
-from micscompile.trace import META_REGION, REGION_BWD
+from micscompile.trace import META_REGION
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 WORLD = 4
 CFG = GPTConfig(vocab_size=512, seq_len=128, layers=4, hidden=128, heads=4)
@@ -95,7 +96,7 @@ def deep_bf16():
 
 
 def _device_buffers(tg, **plan):
-    from micscompile.lifetimes import on_device
+    from micscompile.memory.lifetimes import on_device
 
     return on_device(step_buffers_of(tg, mc.Plan(partition_size=2, param_dtype=BF16, **plan), WORLD))
 
@@ -146,8 +147,8 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
     ``offload_done`` (the next offload, the last at the end of forward). The value's buffer (an arena
     slot: ``out=`` written) must stay planned until there, so no later op is given its bytes. The
     lifetimes check it: a done that no longer holds the value fails the plan."""
-    from micscompile.lifetimes import buffers_as_run
-    from micscompile.offload import offload, offload_done
+    from micscompile.memory.lifetimes import buffers_as_run
+    from micscompile.passes.offload import offload, offload_done
 
     lowered = _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16)
     buffers = buffers_as_run(lowered, arena=True)
@@ -178,8 +179,8 @@ def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node
 
     import torch.fx
 
-    from micscompile.offload import META_OFFLOAD, offload, offload_done, offload_pass
-    from micscompile.trace import REGION_FWD
+    from micscompile.core.program import REGION_FWD
+    from micscompile.passes.offload import META_OFFLOAD, offload, offload_done, offload_pass
 
     g = torch.fx.Graph()
     g.placeholder("comm")

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import micscompile as mc
-from micscompile import pictures
+from micscompile.cli import pictures
 from micscompile.cost_model.specs import Cluster
-from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.predict import step_buffers_of
+from micscompile.lowering.predict import step_buffers_of
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 EXE = Path(sys.executable).with_name("micscompile")  # the pyproject entry point
 PNG = b"\x89PNG\r\n\x1a\n"

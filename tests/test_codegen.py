@@ -21,8 +21,8 @@ from harness import assert_parity, launch, run_cases
 from models import MODELS, Branchy, ConvNet, TiedLM, lm_loss
 
 import micscompile as mc
-from micscompile.codegen import compile_regions, find_regions
-from micscompile.parity import TOLERANCE
+from micscompile.cli.parity import TOLERANCE
+from micscompile.runtime.codegen import compile_regions, find_regions
 
 WORLD = 4
 

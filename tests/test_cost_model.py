@@ -164,14 +164,15 @@ def test_transformer_flops_formula():
 def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
     import copy
 
-    from micscompile.cost_model.profile import META_TIME_S, profile_trace
+    from micscompile.cost_model.node_cost import META_TIME_S
+    from micscompile.tune.profile import profile_trace
 
     trace = copy.deepcopy(lm_trace)
     profile_trace(trace, "cpu", repeats=2)
     timed = [n for n in trace.gm.graph.nodes if META_TIME_S in n.meta]
     ops = [n for n in trace.gm.graph.nodes if n.op == "call_function"]
     assert len(timed) == len(ops) and all(n.meta[META_TIME_S] >= 0 for n in timed)
-    from micscompile.predict import lower
+    from micscompile.lowering.predict import lower
 
     rp = mc.Plan(partition_size=2).resolve(4)
     program = lower(trace, rp)

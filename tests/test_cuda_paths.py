@@ -20,12 +20,16 @@ import torch.distributed as dist
 from models import meta_lm_trace
 
 import micscompile as mc
-from micscompile import cli, demo, launch, runtime
-from micscompile.cost_model import calibrate, profile
+from micscompile.cli import command as cli
+from micscompile.cli import demo
+from micscompile.core import launch
+from micscompile.core.launch import collective_device
+from micscompile.cost_model import calibrate
 from micscompile.cost_model.specs import Link
-from micscompile.launch import collective_device
+from micscompile.runtime import step as runtime
+from micscompile.tune import profile
 
-autotune = importlib.import_module("micscompile.autotune")  # the module: the package exports a function of that name
+autotune = importlib.import_module("micscompile.tune.autotune")  # the module: the package exports a function of that name
 CUDA0, META = torch.device("cuda", 0), torch.device("meta")
 
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("micscompile", "passes", "cost_model", "benchmarks", "examples", "tests")
+SOURCES = [p for d in ("micscompile", "benchmarks", "examples", "tests")
            for p in sorted((ROOT / d).rglob("*.py")) if p != Path(__file__).resolve()]
 CITE = re.compile(r'([\w./-]*)design\.md(?:\s*"([^"]+)")?')
 

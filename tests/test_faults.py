@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import micscompile as mc
-from micscompile import collectives as C
-from micscompile import runtime
+from micscompile.core import collectives as C
+from micscompile.runtime import step as runtime
 
 WORLD = 4  # the last rank is the victim
 TIMEOUT_S = 4.0

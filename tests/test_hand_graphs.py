@@ -15,12 +15,13 @@ import torch.fx
 from torch import nn
 
 import micscompile as mc
-from micscompile import collectives as C
+from micscompile.core import collectives as C
+from micscompile.core.program import REGION_BWD, REGION_FWD
+from micscompile.lowering.flat import schedule
+from micscompile.lowering.predict import planned_groups
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
-from micscompile.passes.schedule import schedule
-from micscompile.predict import planned_groups
-from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, REGION_BWD, REGION_FWD, TrainGraph
+from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, TrainGraph
 
 aten = torch.ops.aten
 H, BATCH = 8, 4

@@ -12,8 +12,8 @@ import torch
 from harness import assert_parity, launch, run_cases
 
 import micscompile as mc
-from micscompile import hf_models
-from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
+from micscompile.cli.parity import TOLERANCE, rel_error, state_error, train_reference
+from micscompile.zoo import hf_models
 
 WORLD, STEPS, LOCAL_BATCH, SEQ = 4, 5, 4, 16
 pytestmark = [pytest.mark.multiproc, pytest.mark.hf]

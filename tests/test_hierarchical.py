@@ -12,10 +12,10 @@ import torch
 from harness import launch
 
 import micscompile as mc
-from micscompile import collectives as C
+from micscompile.core import collectives as C
+from micscompile.core.sharding import build_layouts
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
-from micscompile.runtime import _groups
-from micscompile.sharding import build_layouts
+from micscompile.runtime.step import _groups
 
 WORLD = 8
 CONFIGS = [(4, 2), (8, 2), (8, 4)]  # (p, k)

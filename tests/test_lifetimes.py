@@ -11,14 +11,15 @@ import torch.fx
 from models import ConvNet, cls_loss
 
 import micscompile as mc
+from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.caching_allocator import replay_buffers
 from micscompile.cost_model.node_cost import META_BYTES
-from micscompile.lifetimes import ARENA_KINDS, GraphLifetimes, _finish, pipeline_buffers, step_buffers
-from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.passes.schedule import schedule
-from micscompile.pipeline_program import lower_pipeline
-from micscompile.predict import planned_groups, step_buffers_of
-from micscompile.trace import META_REGION, REGION_BWD, REGION_FWD
+from micscompile.lowering.flat import schedule
+from micscompile.lowering.pipeline import lower_pipeline
+from micscompile.lowering.predict import planned_groups, step_buffers_of
+from micscompile.memory.lifetimes import ARENA_KINDS, GraphLifetimes, _finish, pipeline_buffers, step_buffers
+from micscompile.trace import META_REGION
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 WORLD = 4
 

@@ -1,4 +1,4 @@
-"""The static memory planner (micscompile.memory_plan): validity, optimality, reuse, scale."""
+"""The static memory planner (micscompile.memory.planner): validity, optimality, reuse, scale."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from micscompile import memory_plan as mp
-from micscompile.memory_plan import Buffer, MemoryPlan, MemoryPlanError, lower_bound_bytes, plan_memory
+from micscompile.memory import planner as mp
+from micscompile.memory.planner import Buffer, MemoryPlan, MemoryPlanError, lower_bound_bytes, plan_memory
 
 A = 512
 
@@ -352,7 +352,7 @@ def test_real_traces_within_one_percent_of_L(name):
 
 def skyline_alone(bufs, work_cap: int):
     """The squeaky-wheel skyline without the rest of the planner; (plan, aligned buffers, runs)."""
-    from micscompile.memory_skyline import skyline_search
+    from micscompile.memory.skyline import skyline_search
     p = mp._Piece(tuple(sorted((s, e, -(-z // A)) for z, s, e in bufs if live((z, s, e)))))
     res = skyline_search(p.u, p.sc, p.ec, p.T, target=p.L, deadline=time.perf_counter() + 60, work_cap=work_cap)
     assert res.offsets is not None and res.arena >= p.L

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import micscompile as mc
-from micscompile.models import GPT, GPTConfig, lm_loss
-from micscompile.predict import lower
+from micscompile.lowering.predict import lower
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=512, seq_len=128, layers=4, hidden=128, heads=4)
 BF16 = torch.bfloat16

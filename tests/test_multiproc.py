@@ -22,7 +22,7 @@ from dist_cases import (
 )
 from harness import assert_parity, launch
 
-from micscompile.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error
+from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error
 
 WORLD = 4
 pytestmark = pytest.mark.multiproc

@@ -8,13 +8,14 @@ import torch.fx
 from models import ConvNet, TiedLM, cls_loss, lm_loss
 
 import micscompile as mc
-from micscompile import collectives as C
-from micscompile.collectives import GroupInfo
+from micscompile.core import collectives as C
+from micscompile.core.collectives import GroupInfo
+from micscompile.core.program import Kind
+from micscompile.core.sharding import unpack_param
+from micscompile.lowering.build import build_program
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import META_BUCKET, insert_collectives_pass
 from micscompile.passes.manager import build_pass_list, run_passes
-from micscompile.program import Kind, build_program
-from micscompile.sharding import unpack_param
 from micscompile.trace import META_REGION
 
 
@@ -216,7 +217,7 @@ class _Body(torch.nn.Module):  # a wrapper as Hugging Face models have (GPT2Mode
 
 
 def test_layers_under_a_wrapper_are_blocks():
-    from micscompile.passes.buckets import find_blocks
+    from micscompile.trace import find_blocks
 
     model = torch.nn.Module()
     model.body, model.head = _Body(), torch.nn.Linear(4, 5)

@@ -13,8 +13,7 @@ from models import MODELS, TiedLM
 from nccl_semantics import nccl_p2p
 
 import micscompile as mc
-from micscompile.materialize import initialize
-from micscompile.parity import (
+from micscompile.cli.parity import (
     LOW_PRECISION_TOLERANCE,
     TOLERANCE,
     rel_error,
@@ -22,6 +21,7 @@ from micscompile.parity import (
     train_reference,
     train_reference_mixed,
 )
+from micscompile.runtime.materialize import initialize
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
 pytestmark = pytest.mark.multiproc

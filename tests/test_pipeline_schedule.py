@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-import micscompile.pipeline_schedule as ps
-from micscompile.pipeline_schedule import (
+import micscompile.core.pipeline_schedule as ps
+from micscompile.core.pipeline_schedule import (
     Op,
     PipeAction,
     PipeSchedule,

@@ -14,11 +14,11 @@ from models import MODELS, meta_lm_trace
 
 import micscompile as mc
 from micscompile.cost_model.simulator import simulate_program
+from micscompile.lowering.pipeline import _halves, lower_pipeline
+from micscompile.lowering.predict import planned_groups
 from micscompile.passes.phase_split import split_phases
 from micscompile.passes.pipeline_split import split
 from micscompile.passes.stage_balance import balance
-from micscompile.pipeline_program import _halves, lower_pipeline
-from micscompile.predict import planned_groups
 
 
 def _resolved(chunks: int, stages: int | None = None) -> mc.ResolvedPlan:
@@ -165,8 +165,8 @@ def test_chunk_gathers_never_stay_in_flight_between_forward_and_backward(model_n
 
 
 def test_each_chunk_keeps_its_own_micro_batches_in_flight():
-    from micscompile.pipeline_program import chunk_in_flight
-    from micscompile.pipeline_schedule import gpipe, interleaved_1f1b, one_f_one_b
+    from micscompile.core.pipeline_schedule import gpipe, interleaved_1f1b, one_f_one_b
+    from micscompile.lowering.pipeline import chunk_in_flight
 
     assert chunk_in_flight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
     assert chunk_in_flight(gpipe(2, 5)) == [5, 5]

@@ -8,15 +8,15 @@ import torch
 from models import meta_lm_trace
 
 import micscompile as mc
-from micscompile import collectives as C
+from micscompile.core import collectives as C
+from micscompile.core.program import Kind, ProgramError
 from micscompile.cost_model.specs import Cluster
-from micscompile.models import GPT, GPTConfig
-from micscompile.models import lm_loss as gpt_loss
+from micscompile.lowering.flat import schedule, with_keep_live, with_prefetch
+from micscompile.lowering.predict import planned_groups
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
-from micscompile.passes.schedule import schedule, with_keep_live, with_prefetch
-from micscompile.predict import planned_groups
-from micscompile.program import Kind, ProgramError
+from micscompile.zoo.models import GPT, GPTConfig
+from micscompile.zoo.models import lm_loss as gpt_loss
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from micscompile.sharding import build_layouts, local_piece, pack_grads, shard_of, unpack_param
+from micscompile.core.sharding import build_layouts, local_piece, pack_grads, shard_of, unpack_param
 
 shapes = st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple), min_size=1, max_size=5)
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from models import MODELS, TiedLM
 
 import micscompile as mc
-from micscompile.parity import TOLERANCE, rel_error, state_error, train_reference
-from micscompile.state_dict import flat_boxes
+from micscompile.cli.parity import TOLERANCE, rel_error, state_error, train_reference
+from micscompile.runtime.state_dict import flat_boxes
 
 WORLD, GLOBAL_BATCH, K, J = 4, 8, 3, 3
 RESHARD_RTOL = 1e-6

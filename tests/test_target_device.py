@@ -9,10 +9,11 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
 
 import micscompile as mc
+from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.node_cost import activation_bytes
-from micscompile.models import GPT, GPTConfig, lm_loss
 from micscompile.passes.retarget_device import retarget_device
-from micscompile.trace import META_FLOPS, REGION_BWD, REGION_FWD
+from micscompile.trace import META_FLOPS
+from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 aten = torch.ops.aten
 CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -91,7 +92,7 @@ def test_sdpa_traces_as_the_fused_cpu_kernel_and_matches_eager(kind):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_hf_sdpa_attention_traces_fused_and_matches_eager(family):
     hf = pytest.importorskip("transformers")
-    from micscompile import hf_models
+    from micscompile.zoo import hf_models
 
     cfg = hf_models.config(family)
     cfg._attn_implementation = "sdpa"
@@ -155,8 +156,8 @@ def _meta_state(device, init_fn=None):
     """local_state of a meta TiedLM + Normalize buffers for one rank of one, from seed 0."""
     from models import Normalize, TiedLM
 
-    from micscompile.materialize import local_state
-    from micscompile.sharding import build_layouts
+    from micscompile.core.sharding import build_layouts
+    from micscompile.runtime.materialize import local_state
 
     with torch.device("meta"):
         model = nn.Sequential(TiedLM(), Normalize(3))
@@ -167,7 +168,7 @@ def _meta_state(device, init_fn=None):
 
 
 def test_meta_model_is_initialised_on_the_cpu_for_any_device():
-    from micscompile.materialize import default_init
+    from micscompile.runtime.materialize import default_init
 
     seen = []
 
@@ -184,7 +185,7 @@ def test_meta_model_is_initialised_on_the_cpu_for_any_device():
 def test_meta_model_values_are_the_cpu_initialisation():
     from models import Normalize, TiedLM
 
-    from micscompile.materialize import initialize
+    from micscompile.runtime.materialize import initialize
 
     shards, buffers = _meta_state("cpu")
     reference = nn.Sequential(TiedLM(), Normalize(3))
@@ -209,8 +210,8 @@ class OnlyOn(torch.optim.SGD):
 
 
 def test_optimizer_probe_steps_on_the_given_device():
-    from micscompile.optim_check import check_elementwise
-    from micscompile.plan import PlanError
+    from micscompile.core.plan import PlanError
+    from micscompile.runtime.optim_check import check_elementwise
 
     check_elementwise(lambda ps: OnlyOn(ps, "cpu"), "cpu")  # accepted where it runs
     seen = []
@@ -318,6 +319,6 @@ def test_cuda_meta_init_is_the_cpu_init_bitwise():
 @cuda
 @pytest.mark.parametrize("kw", [dict(capturable=True), dict(fused=True)])
 def test_cuda_only_optimizers_pass_the_probe_on_the_gpu(kw):
-    from micscompile.optim_check import check_elementwise
+    from micscompile.runtime.optim_check import check_elementwise
 
     check_elementwise(lambda ps: torch.optim.Adam(ps, lr=1e-3, **kw), "cuda")

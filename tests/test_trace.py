@@ -139,7 +139,7 @@ def test_loss_fn_reading_a_parameter_sees_the_traced_one():
 
 
 def test_meta_parameters_without_an_initialiser_are_refused():
-    from micscompile.materialize import check_initializable
+    from micscompile.runtime.materialize import check_initializable
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2))

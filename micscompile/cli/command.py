@@ -1,0 +1,283 @@
+"""The ``micscompile`` command (also ``python -m micscompile``).
+
+    micscompile demo                                            # what `make demo` runs: 4 gloo ranks
+    micscompile plan gpt:13b --cluster p4d.24xlarge --nodes 16  # Program summary + pictures
+    micscompile simulate bert:52b --nodes 16 -p 8 64 128        # predictions side by side
+    micscompile autotune gpt:175b --cluster p4de.24xlarge --nodes 128 --global-batch-size 1536
+    micscompile calibrate                                       # measure this machine
+
+MODEL_SPEC is a preset (``gpt:13b``, ``bert:104b``, ``hf:llama-7b``, ...) or ``module:function``
+returning (model, example_inputs, loss_fn) (``model_specs``). Everything but ``demo`` and
+``calibrate`` traces on the meta device and prices with the cost model: no GPU, no process
+group. A bad input exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO_DEFAULTS = ["--partition-size", "2", "--micro-batches", "4", "--steps", "5", "--check"]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- calibrate and demo: real ranks under torchrun -------------------------------------------
+
+def _torchrun(nproc: int, module: str, args: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *args]
+    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if "RANK" not in os.environ:  # not under torchrun yet: relaunch with --nproc ranks
+        return _torchrun(args.nproc, "micscompile", ["calibrate", "--out", args.out, "--repeats", str(args.repeats)])
+    import torch
+    import torch.distributed as dist
+
+    from micscompile.core.launch import init_distributed
+    from micscompile.cost_model.calibrate import calibrate
+
+    init_distributed(timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = dist.get_rank()
+    cluster = calibrate(repeats=args.repeats, log=print if rank == 0 else None)
+    if rank == 0:
+        cluster.save(args.out)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return _torchrun(args.nproc, "micscompile.cli.demo", args.rest or DEMO_DEFAULTS)
+
+
+# ---- plan, simulate, autotune: one meta trace, the cost model ----------------------------------
+
+def _cluster(args: argparse.Namespace):
+    from micscompile.cost_model.specs import Cluster
+
+    if args.cluster.endswith(".json"):
+        return Cluster.load(args.cluster).with_nodes(args.nodes)
+    return Cluster.preset(args.cluster, nodes=args.nodes)
+
+
+def _dtype(args: argparse.Namespace, cluster):
+    """--param-dtype, or the device's 16-bit format: bfloat16 where it has a bf16 peak, else float16."""
+    import torch
+
+    name = args.param_dtype or ("bfloat16" if "bfloat16" in cluster.gpu.peak_flops else "float16")
+    return getattr(torch, name)
+
+
+def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
+
+    import micscompile as mc
+    from micscompile.cli.model_specs import load
+
+    t0 = time.perf_counter()
+    model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
+                                   seq_len=args.seq)
+    tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
+                  device=cluster.gpu.device_type)  # the attention kernel the cluster's devices run
+    _say(f"{args.model}: {tg.summary()}; traced on meta in {time.perf_counter() - t0:.1f} s")
+    return tg
+
+
+def _plans(args: argparse.Namespace, cluster) -> list:
+
+    import micscompile as mc
+
+    sizes = args.partition_size or [min(cluster.gpus_per_node, cluster.world_size)]
+    sizes = sizes if isinstance(sizes, list) else [sizes]
+    dtype = _dtype(args, cluster)
+    return [mc.Plan(partition_size=p, pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches,
+                    pipeline_schedule="interleaved" if args.chunks > 1 else args.schedule,
+                    pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
+                    hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype)
+            for p in sizes]
+
+
+def _pipeline_comm(pp):
+    """Rank 0's collectives over one step of a pipeline: its chunks' Programs together."""
+    from micscompile.core.collectives import CommStats
+
+    total = CommStats()
+    for c in pp.my_chunks():
+        pp.program(c).comm_stats(total)
+    return total
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import micscompile as mc
+    from micscompile.cli import pictures
+    from micscompile.core.collectives import fmt_bytes
+    from micscompile.lowering.pipeline import lower_pipeline
+    from micscompile.lowering.predict import concrete, lower, planned_groups, step_buffers_of
+
+    cluster = _cluster(args)
+    plan = _plans(args, cluster)[0]
+    rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)  # a Plan that cannot work fails here
+    tg = _trace(args, cluster)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if rp.stages > 1:
+        pp = lower_pipeline(concrete(tg), rp, cluster, planned_groups(rp))
+        comm, text = _pipeline_comm(pp), str(pp)
+    else:
+        program = lower(tg, rp, cluster=cluster)
+        comm, text = program.comm_stats(), str(program)
+    pred = mc.simulate(tg, plan, cluster)
+    buffers = step_buffers_of(tg, plan, cluster.world_size, gpus_per_node=cluster.gpus_per_node, cluster=cluster)
+    memory = mc.MemoryStats.of(buffers, None)
+    _say(f"lowered and simulated in {time.perf_counter() - t0:.1f} s\n")
+    _say(f"plan: {rp}\ncluster: {cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name})\n")
+    _say(f"collectives of one step on rank 0 (ring wire bytes per rank):\n{comm}\n")
+    intra = sum(r.intra_node_bytes for r in comm.rows.values())
+    inter = sum(r.inter_node_bytes for r in comm.rows.values())
+    _say(f"per step: {fmt_bytes(intra)} intra-node, {fmt_bytes(inter)} inter-node (through this node's NICs)\n")
+    _say(f"predicted: {pred}\n")
+    fits = "fits" if pred.peak_memory_bytes <= cluster.gpu.memory_bytes else \
+        "does NOT fit (try --checkpoint, a larger -p, or `micscompile autotune`)"
+    _say(f"peak memory {fmt_bytes(pred.peak_memory_bytes)} of {fmt_bytes(cluster.gpu.memory_bytes)}: {fits}")
+    sp, ca = memory.step_plan, memory.caching_allocator
+    _say(f"step buffers of one rank: static plan {fmt_bytes(sp.arena_bytes)} (lower bound L "
+         f"{fmt_bytes(sp.lower_bound_bytes)}); PyTorch's caching allocator would reserve "
+         f"{fmt_bytes(ca.peak_reserved_bytes)}\n")
+    (out / "program.txt").write_text(text + "\n")
+    pred.to_chrome_trace(out / "trace.json")
+    title = f"{args.model}, {rp}, {cluster.world_size} x {cluster.gpu.name}"
+    pictures.timeline_png(pred, out / "timeline.png", title=f"timeline: {title}")
+    pictures.memory_png(buffers, out / "memory.png", title=f"memory: {title}")
+    for name in ("program.txt", "trace.json", "timeline.png", "memory.png"):
+        _say(f"wrote {out / name}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import micscompile as mc
+
+    cluster = _cluster(args)
+    plans = _plans(args, cluster)
+    for plan in plans:
+        plan.resolve(cluster.world_size, cluster.gpus_per_node)
+    tg = _trace(args, cluster)
+    cap = cluster.gpu.memory_bytes
+    _say(f"{cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name}), {cap / 2**30:.0f} GiB each")
+    head = f"{'p':>5}{'S':>4}{'m':>5}{'step ms':>12}{'TFLOP/s':>9}{'exposed ms':>12}{'peak GiB':>10}{'fits':>6}"
+    _say(head + "\n" + "-" * len(head))
+    for plan in plans:
+        pred = mc.simulate(tg, plan, cluster)
+        _say(f"{plan.partition_size:>5}{plan.pipeline_stages:>4}{plan.micro_batches:>5}{pred.step_time_s * 1e3:>12.1f}"
+             f"{pred.tflops_per_gpu:>9.1f}{pred.exposed_comm_s * 1e3:>12.1f}{pred.peak_memory_bytes / 2**30:>10.2f}"
+             f"{'yes' if pred.peak_memory_bytes <= cap else 'no':>6}")
+    return 0
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    import micscompile as mc
+
+    cluster = _cluster(args)
+    tg = _trace(args, cluster, symbolic=True)
+    t0 = time.perf_counter()
+    ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
+                         pipeline_stages=None if args.pipelines else (1,))
+    _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
+    return 0 if ranked and ranked[0].feasible else 1
+
+
+# ---- argument parsing --------------------------------------------------------------------------
+
+def _model_args(sp: argparse.ArgumentParser) -> None:
+    from micscompile.cost_model.specs import PRESETS
+
+    sp.add_argument("model", metavar="MODEL_SPEC",
+                    help="a preset (gpt:1.3b, gpt:13b, gpt:175b, bert:10b, bert:52b, bert:104b, hf:llama-7b, ...; "
+                         "see micscompile.cli.model_specs) or module:function returning (model, example_inputs, loss_fn)")
+    sp.add_argument("--seq", type=int, default=None, help="sequence length of a preset (default: the preset's)")
+    sp.add_argument("-b", "--micro-batch-size", type=int, default=1, help="samples per micro-batch of a preset")
+    sp.add_argument("--param-dtype", choices=DTYPES, default=None,
+                    help="dtype of gathers and compute, fp32 master weights (default: bfloat16 where the "
+                         "device has it, else float16)")
+    sp.add_argument("--cluster", default="p4d.24xlarge",
+                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a calibrated cluster .json")
+    sp.add_argument("--nodes", type=int, default=1, help="nodes of the cluster")
+
+
+def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
+    sp.add_argument("-p", "--partition-size", type=int, nargs="+" if several else None, default=None,
+                    help="ranks sharding one replica (t inside a stage); default: one node"
+                         + ("; several: one row each" if several else ""))
+    sp.add_argument("-S", "--pipeline-stages", type=int, default=1, help="MiCS-Pipe stages S")
+    sp.add_argument("-m", "--micro-batches", type=int, default=1,
+                    help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")
+    sp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    sp.add_argument("--chunks", type=int, default=1, help="interleaved 1F1B with this many chunks per rank (v)")
+    sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
+    sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="micscompile", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.split("\n\n")[1].splitlines()))
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="train a small GPT on 4 local gloo ranks against eager PyTorch",
+                          description="Launch micscompile.cli.demo under torchrun; arguments after `--` go to it "
+                                      f"(default: {' '.join(DEMO_DEFAULTS)}; see python -m micscompile.cli.demo -h).")
+    demo.add_argument("--nproc", type=int, default=4, help="local ranks")
+    demo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for micscompile.cli.demo")
+    plan = sub.add_parser("plan", help="trace on meta, lower one plan, print its Program summary, write pictures")
+    _model_args(plan)
+    _plan_args(plan, several=False)
+    plan.add_argument("--out", default="micscompile-plan",
+                      help="directory for program.txt, trace.json (Perfetto), timeline.png, memory.png")
+    sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and peak memory of one or more plans")
+    _model_args(sim)
+    _plan_args(sim, several=True)
+    tune = sub.add_parser("autotune", help="search partition size, stages, micro-batch size and memory options")
+    _model_args(tune)
+    tune.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
+    tune.add_argument("--top", type=int, default=10, help="rows of the printed table")
+    tune.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=True,
+                      help="search pipeline stages too")
+    cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
+    cal.add_argument("--nproc", type=int, default=4, help="ranks to measure with (when not under torchrun)")
+    cal.add_argument("--out", default="local_cluster.json", help="where to write the calibrated cluster")
+    cal.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
+    return ap
+
+
+COMMANDS = {"demo": _demo, "plan": _plan, "simulate": _simulate, "autotune": _autotune, "calibrate": _calibrate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "demo" and args.rest[:1] == ["--"]:
+        args.rest = args.rest[1:]
+    from micscompile.cli.model_specs import SpecError
+    from micscompile.core.plan import PlanError
+    from micscompile.trace import TraceError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (SpecError, PlanError, TraceError, KeyError, FileNotFoundError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"micscompile {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

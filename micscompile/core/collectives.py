@@ -1,0 +1,443 @@
+"""Collectives as graph operations, and the accounting of what they move.
+
+The rewritten graph calls the functions at the bottom of this file. Each takes the
+``Comm`` (the graph's first placeholder) explicitly: process groups, layouts and
+statistics are never global. Issue functions start an asynchronous collective and
+return a ``Pending``; ``collective_wait`` blocks on it where the graph needs the
+result. On NCCL, ``Work.wait()`` makes the current stream wait on the collective's
+stream (no device-wide sync), and c10d keeps the buffers alive until it finishes.
+
+Byte accounting (``CommStats``): ``bytes`` is what one rank sends on the wire under
+the ring algorithm (docs/design.md): all-gather and reduce-scatter move (g-1)/g of the
+full buffer, all-reduce 2(g-1)/g. A collective whose group spans several nodes is
+counted as inter-node (the ring's slowest hop carries all of it), otherwise intra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from micscompile.core.sharding import BucketLayout, pack_grads, unpack_param
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+
+
+def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a ring collective over ``nbytes`` (the full buffer)."""
+    factor = 2 if kind == ALL_REDUCE else 1
+    return factor * nbytes * (group_size - 1) // group_size
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group and what the accounting needs to know about it."""
+
+    name: str
+    """"shard" (partition group), "replicate" (replication group) or "world"."""
+    group: Any
+    """The ProcessGroup (None = default group)."""
+    ranks: tuple[int, ...]
+    """Global ranks in group order."""
+    rank: int
+    """This rank's index in the group."""
+    spans_nodes: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def label(self) -> str:
+        if len(self.ranks) <= 6:
+            return f"{self.name}{list(self.ranks)}"
+        r = self.ranks
+        return f"{self.name}[{r[0]}, {r[1]}, ..., {r[-1]}]"
+
+
+@dataclass
+class CommRow:
+    calls: int = 0
+    bytes: int = 0
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    """What the node's inter-node link carries for these collectives: a ring spanning nodes sends
+    all its bytes through its slowest hop; the k rings of a hierarchical gather share the link."""
+    tensor_bytes: int = 0
+    """Sum of the full buffers' sizes (not what crossed the wire)."""
+
+
+class CommStats:
+    """Calls and bytes per (collective kind, group name), for one rank."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], CommRow] = {}
+        self.groups: dict[str, GroupInfo] = {}
+        self.live_gathered_bytes = 0
+        """Gathered-parameter bytes between their all-gather issue and their release."""
+        self.peak_gathered_bytes = 0
+
+    def gathered(self, nbytes: int) -> None:
+        """``nbytes`` of gathered parameters became live (> 0) or were released (< 0)."""
+        self.live_gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.live_gathered_bytes)
+
+    def record(self, kind: str, group: GroupInfo, nbytes: int, parallel_rings: int = 1) -> None:
+        """``parallel_rings``: this many rings like this rank's run at once through the node's
+        inter-node link (the k rings of a hierarchical gather's first stage)."""
+        row = self.rows.setdefault((kind, group.name), CommRow())
+        self.groups[group.name] = group
+        wire = ring_wire_bytes(kind, nbytes, group.size)
+        row.calls += 1
+        row.bytes += wire
+        row.tensor_bytes += nbytes
+        if group.spans_nodes:
+            row.inter_node_bytes += wire * parallel_rings
+        else:
+            row.intra_node_bytes += wire
+
+    def __getitem__(self, key: tuple[str, str]) -> CommRow:
+        return self.rows.get(key, CommRow())
+
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows.values())
+
+    def reset(self) -> None:
+        self.rows.clear()
+        self.peak_gathered_bytes = self.live_gathered_bytes
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {f"{k}/{g}": vars(r).copy() for (k, g), r in sorted(self.rows.items())}
+
+    def __str__(self) -> str:
+        head = f"{'collective':<16}{'group':<22}{'calls':>7}{'bytes/rank':>14}{'intra-node':>14}{'inter-node':>14}"
+        lines = [head, "-" * len(head)]
+        for (kind, gname), r in sorted(self.rows.items()):
+            label = self.groups[gname].label()
+            lines.append(
+                f"{kind:<16}{label:<22}{r.calls:>7}{fmt_bytes(r.bytes):>14}"
+                f"{fmt_bytes(r.intra_node_bytes):>14}{fmt_bytes(r.inter_node_bytes):>14}"
+            )
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class Comm:
+    """Everything the graph's collectives need on one rank."""
+
+    layouts: tuple[BucketLayout, ...]
+    shard: GroupInfo
+    replicate: GroupInfo
+    world: GroupInfo
+    inter: GroupInfo | None = None
+    """Hierarchical stage groups (when the partition group spans nodes): the group's ranks with
+    this rank's local index, one per node ..."""
+    intra: GroupInfo | None = None
+    """... and the group's ranks on this rank's node."""
+    stats: CommStats = field(default_factory=CommStats)
+    micro_step: int = 0
+    micro_steps: int = 1
+    """Set by the runtime before each micro-step (the Program's carried gathers depend on them)."""
+    carried: deque = field(default_factory=deque)
+    """(bucket, Pending) gathers issued for the next micro-step, in issue order."""
+    arena: Any = None
+    """The rank's ``Arena`` (planned buffers), or None: allocate as usual."""
+    copy_stream: Any = None
+    """CUDA stream of activation offload copies (micscompile.passes.offload), made on first use."""
+
+    def alloc(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A flat buffer for a collective (``like``'s device, ``dtype`` or its dtype): the arena's next
+        planned one, else a new tensor."""
+        dtype = dtype or like.dtype
+        if self.arena is None:
+            return like.new_empty(numel, dtype=dtype)
+        return self.arena.take(name, numel, dtype)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out in the middle of a step: another rank died, hung or left
+    the step. Raised instead of the backend's error, naming the collective and its group."""
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Turn the backend's error from a collective into a ``CollectiveError`` that names ``what`` was
+    waited for: gloo's RuntimeError (the peer closed its connection, or the group's timeout passed),
+    NCCL's ``DistBackendError`` (a RuntimeError: the collective timed out or failed in a blocking
+    wait, its communicator aborted)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveError(f"{what} failed: {first}") from exc
+
+
+def step_failure(exc: CollectiveError, rank: int, step: int, timeout: datetime.timedelta | None) -> CollectiveError:
+    """The error a step raises when one of its collectives failed: which rank, which step, what."""
+    limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's"
+    return CollectiveError(f"rank {rank}, step {step}: {exc}. Another rank died, hung or left the step "
+                           f"(collectives give up after {limit}: mc.compile(timeout=...)); this rank stops here")
+
+
+def default_timeout() -> datetime.timedelta:
+    """The default process group's timeout (what ``init_process_group`` was given)."""
+    pg = dist.group.WORLD
+    for device in getattr(pg, "_device_types", ()):
+        with contextlib.suppress(Exception):
+            return pg._get_backend(device).options._timeout
+    return dist.default_pg_timeout
+
+
+def set_timeout(groups, timeout: datetime.timedelta) -> None:
+    """Every collective on these groups gives up after ``timeout``, counted from its issue (c10d's
+    per-group timeout: on gloo, and on NCCL with blocking wait, the waiting rank raises; on NCCL
+    without it the watchdog kills the process, ``check_nccl_timeout``). A DeviceMesh's groups
+    otherwise get the backend's default (30 min on gloo, 10 on NCCL), whatever
+    ``init_process_group`` was given."""
+    seen = set()
+    for g in groups:
+        pg = g.group if g.group is not None else dist.group.WORLD
+        if id(pg) not in seen:
+            seen.add(id(pg))
+            dist.distributed_c10d._set_pg_timeout(timeout, pg)
+
+
+BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+"""What ProcessGroupNCCL reads, first name first, when each process group is created."""
+
+
+def nccl_blocking_wait(environ=os.environ) -> bool:
+    """Whether ProcessGroupNCCL's ``Work.wait()`` blocks the host until the collective is done and
+    raises ``DistBackendError`` past the group's timeout (c10d's getCvarBool: 1/y/yes/t/true)."""
+    for name in BLOCKING_WAIT_VARS:
+        if name in environ:
+            return environ[name].strip().lower() in ("1", "y", "yes", "t", "true")
+    return False
+
+
+NCCL_WITHOUT_BLOCKING_WAIT = (
+    "mc.compile(timeout=...) on NCCL without TORCH_NCCL_BLOCKING_WAIT=1: a dead or hung rank will not "
+    "raise CollectiveError. NCCL's Work.wait() does not block the host, so the step never sees the "
+    "failure; ProcessGroupNCCL's watchdog finds the collective past the timeout and kills the process "
+    "(SIGABRT, 'Watchdog caught collective operation timeout' in the log) about 60 s later "
+    "(4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC). For CollectiveError within the timeout, launch every "
+    "rank with TORCH_NCCL_BLOCKING_WAIT=1 in its environment (read when init_process_group creates "
+    "the group; e.g. TORCH_NCCL_BLOCKING_WAIT=1 torchrun ...): each collective wait then also blocks "
+    "the host until the collective is done. docs/gpu.md, 'A dead or hung rank on NCCL'")
+
+
+def check_nccl_timeout(backend: str, device: torch.device, environ=os.environ) -> None:
+    """Warn when the step's collectives run on NCCL (``device`` is a GPU and ``backend``, as
+    ``dist.get_backend()`` names it, has NCCL) without blocking wait: ``timeout`` then cannot raise
+    ``CollectiveError``, only arm the watchdog."""
+    if device.type == "cuda" and "nccl" in backend and not nccl_blocking_wait(environ):
+        warnings.warn(NCCL_WITHOUT_BLOCKING_WAIT, RuntimeWarning, stacklevel=3)
+
+
+class Pending(NamedTuple):
+    work: Any
+    """The async Work handle (None when nothing was sent)."""
+    result: torch.Tensor | None
+    """Valid after the wait."""
+    finish: Callable[[], torch.Tensor] | None = None
+    """Run at the wait, after ``work``: the rest of a chained collective; returns the result."""
+    what: str = "collective"
+    """What is waited for, e.g. "all_gather of bucket 3 over shard[0, 1]" (for errors)."""
+
+
+def gather_full(layouts, shards: list[torch.Tensor], shard: GroupInfo, aliases: dict[str, list[str]]) -> dict:
+    """Every parameter of ``layouts`` unsharded on CPU, under each of its aliases (an all-gather per
+    bucket over the partition group: every rank of it must call this)."""
+    full = {}
+    for lay, local in zip(layouts, shards):
+        gathered = local
+        if lay.partition_size > 1:
+            gathered = local.new_empty(lay.padded_numel)
+            dist.all_gather_single(gathered, local, group=shard.group)
+        for slot in lay.slots:
+            t = unpack_param(gathered, slot.offset, slot.numel, slot.shape).detach().cpu().clone()
+            for alias in aliases[slot.name]:
+                full[alias] = t
+    return full
+
+
+# ---- operations inserted into the graph (call_function targets) ----------------------
+
+
+def _gather_input(shard: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
+    """What a rank sends into the gather ``out``: its ``shard``, or, with mixed precision, the
+    shard cast into its own chunk of ``out`` (an in-place gather: the cast needs no buffer and the
+    wire carries the low precision)."""
+    if out.dtype == shard.dtype and out.numel() > shard.numel():
+        return shard
+    own = out.view(-1, shard.numel())[index]
+    own.copy_(shard)
+    return own
+
+
+def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> Pending:
+    """Start gathering a bucket over the partition group into a [p * row_numel] buffer in the
+    layout's ``gather_dtype`` (p = 1, mixed precision: only the cast)."""
+    layout = comm.layouts[bucket]
+    if hierarchical:
+        pending = _hierarchical_all_gather(comm, layout, shard, f"AG{bucket}")
+    else:
+        out = comm.alloc(f"AG{bucket}", layout.padded_numel, shard, layout.gather_dtype)
+        src = _gather_input(shard, out, comm.shard.rank)
+        work = None
+        if layout.partition_size > 1:
+            work = dist.all_gather_single(out, src, group=comm.shard.group, async_op=True)
+            comm.stats.record(ALL_GATHER, comm.shard, layout.full_bytes)
+        pending = Pending(work, out, what=_what(ALL_GATHER, bucket, comm.shard))
+    comm.stats.gathered(layout.full_bytes)
+    return pending
+
+
+def all_gather_next(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> None:
+    """Start the next micro-step's gather of a bucket (nothing on the last micro-step)."""
+    if comm.micro_step < comm.micro_steps - 1:
+        comm.carried.append((bucket, all_gather_issue(comm, bucket, shard, hierarchical)))
+
+
+def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical: bool = False) -> Pending:
+    """The gather the previous micro-step issued for this one; issued here on the first micro-step."""
+    if comm.micro_step == 0:
+        return all_gather_issue(comm, bucket, shard, hierarchical)
+    carried_bucket, pending = comm.carried.popleft()
+    if carried_bucket != bucket:
+        raise RuntimeError(f"the previous micro-step gathered bucket {carried_bucket} for this one, "
+                           f"which needs bucket {bucket}: the graph's carried gathers are out of order")
+    return pending
+
+
+def _what(kind: str, bucket: int, group: GroupInfo) -> str:
+    return f"{kind} of bucket {bucket} over {group.label()}"
+
+
+def collective_wait(comm: Comm, pending: Pending) -> torch.Tensor:
+    """Block until the collective is done and return its result: the host on gloo; on NCCL the
+    current stream, and the host too with TORCH_NCCL_BLOCKING_WAIT=1 (only then can a timeout
+    raise here)."""
+    with guarded(pending.what):
+        if pending.work is not None:
+            pending.work.wait()
+        return pending.finish() if pending.finish is not None else pending.result
+
+
+def release(comm: Comm, bucket: int, *params: torch.Tensor) -> None:
+    """The gathered parameters' last use: the graph drops them right after this node."""
+    comm.stats.gathered(-comm.layouts[bucket].full_bytes)
+
+
+def _packed(comm: Comm, bucket: int, like: torch.Tensor, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """The bucket's gradients packed, in ``grad_dtype``, into its flat buffer (the arena's, planned)."""
+    layout = comm.layouts[bucket]
+    return pack_grads(layout, grads, comm.alloc(f"RS{bucket}", layout.padded_numel, like, layout.grad_dtype))
+
+
+def reduce_scatter_issue(
+    comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None, hierarchical: bool = False,
+) -> Pending:
+    """Start summing a bucket's gradients over the partition group; result = own shard."""
+    layout = comm.layouts[bucket]
+    flat = _packed(comm, bucket, like, grads)
+    if hierarchical:
+        return _hierarchical_reduce_scatter(comm, layout, flat, f"RS{bucket}")
+    out = comm.alloc(f"RS{bucket}", layout.row_numel, flat)
+    work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=comm.shard.group, async_op=True)
+    comm.stats.record(REDUCE_SCATTER, comm.shard, layout.grad_bytes)
+    return Pending(work, out, what=_what(REDUCE_SCATTER, bucket, comm.shard))
+
+
+def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> Pending:
+    """grad_sync="every_step": sum full gradients over all ranks; result = own shard's row."""
+    layout = comm.layouts[bucket]
+    flat = _packed(comm, bucket, like, grads)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.world.group, async_op=True)
+    comm.stats.record(ALL_REDUCE, comm.world, layout.grad_bytes)
+    return Pending(work, flat.view(layout.partition_size, layout.row_numel)[comm.shard.rank],
+                   what=_what(ALL_REDUCE, bucket, comm.world))
+
+
+def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
+    """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
+    return _packed(comm, bucket, like, grads)
+
+
+
+def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype) -> Pending:
+    """The boundary all-reduce of a gradient accumulator (or the loss), summed in ``dtype``
+    (Plan.reduce_dtype): in place when ``acc`` has that dtype, else through a cast copy written
+    back at the wait (``collective_wait``)."""
+    buf = acc if acc.dtype == dtype else acc.to(dtype)
+    work = dist.all_reduce(buf, group=group.group, async_op=True)
+    stats.record(ALL_REDUCE, group, buf.numel() * buf.element_size())
+    return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf),
+                   what=f"boundary all_reduce over {group.label()}")
+
+
+# ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------
+#
+# Group index i = node * k + local. Stage groups: ``inter`` (the m ranks with this rank's local
+# index, by node) and ``intra`` (the k ranks of this node, by local index). Flat buffers only
+# (gloo has no coalescing); the same calls run on NCCL.
+
+
+def _hierarchical_all_gather(comm: Comm, layout: BucketLayout, shard: torch.Tensor, name: str) -> Pending:
+    """(1) all-gather across nodes among the ranks with this local index (the k of them run at once,
+    sharing the node's link): [C_local, C_{k+local}, ...]; at the wait, (3) all-gather those inside
+    the node and (2) reorder [local][node] -> [node][local]: exactly the flat [C0, ..., C_{p-1}]."""
+    inter, intra = comm.inter, comm.intra
+    m, k, row = inter.size, intra.size, layout.row_numel
+    across = comm.alloc(name, m * row, shard, layout.gather_dtype)
+    work = dist.all_gather_single(across, _gather_input(shard, across, inter.rank), group=inter.group, async_op=True)
+    comm.stats.record(ALL_GATHER, inter, across.numel() * across.element_size(), parallel_rings=k)
+
+    def finish() -> torch.Tensor:
+        inside = comm.alloc(name, k * m * row, across)
+        dist.all_gather_single(inside, across, group=intra.group)
+        comm.stats.record(ALL_GATHER, intra, inside.numel() * inside.element_size())
+        result = comm.alloc(name, k * m * row, across)
+        result.view(m, k, row).copy_(inside.view(k, m, row).transpose(0, 1))
+        return result
+
+    return Pending(work, None, finish, what=f"hierarchical {_what(ALL_GATHER, layout.index, comm.shard)}")
+
+
+def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.Tensor, name: str) -> Pending:
+    """Inside the node first: reorder [node][local] -> [local][node] and reduce-scatter over the k
+    ranks (each gets the node's sum of the m chunks with its local index); then across nodes,
+    asynchronously: reduce-scatter those m chunks over the inter group. Result: own chunk, summed
+    over all p ranks."""
+    inter, intra = comm.inter, comm.intra
+    m, k, row = inter.size, intra.size, layout.row_numel
+    by_local = comm.alloc(name, k * m * row, flat)
+    by_local.view(k, m, row).copy_(flat.view(m, k, row).transpose(0, 1))
+    partial = comm.alloc(name, m * row, flat)
+    with guarded(f"hierarchical {_what(REDUCE_SCATTER, layout.index, intra)}"):
+        dist.reduce_scatter_single(partial, by_local, op=dist.ReduceOp.SUM, group=intra.group)
+    comm.stats.record(REDUCE_SCATTER, intra, by_local.numel() * by_local.element_size())
+    out = comm.alloc(name, row, flat)
+    work = dist.reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=inter.group, async_op=True)
+    comm.stats.record(REDUCE_SCATTER, inter, partial.numel() * partial.element_size(), parallel_rings=k)
+    return Pending(work, out, what=f"hierarchical {_what(REDUCE_SCATTER, layout.index, inter)}")

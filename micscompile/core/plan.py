@@ -1,0 +1,231 @@
+"""The Plan: how one training step is partitioned and scheduled.
+
+Terms (docs/design.md): n ranks, k ranks per node, p partition-group size (p | n),
+d = n / p replication-group size, s micro-batches per optimizer step.
+
+A Plan is checked twice: ``__post_init__`` checks what the Plan alone can know
+(and, if a process group is already initialized, the world size), and
+``Plan.resolve(world_size, local_world_size)`` turns it into concrete group sizes
+before any collective runs. Options that later passes will implement are refused
+with a clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PRECISIONS = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes Plan.param_dtype and Plan.reduce_dtype accept."""
+
+
+class PlanError(ValueError):
+    """A Plan that cannot work on this world; the message says what would."""
+
+
+def divisors(n: int) -> list[int]:
+    return [q for q in range(1, n + 1) if n % q == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A MiCS partitioning plan for one training step."""
+
+    partition_size: int | None = None
+    """p: ranks that together hold one model replica (1 = data parallel, n = ZeRO-3); None = one node."""
+    micro_batches: int = 1
+    """s: micro-batches (gradient-accumulation steps) per optimizer step."""
+    pipeline_stages: int = 1
+    """S: pipeline stages (MiCS-Pipe). With S > 1, ``partition_size`` is the intra-stage partition
+    size t, every S*t consecutive ranks form one pipeline, and n = S * t * d."""
+    pipeline_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
+    """The pipeline schedule (S > 1): synchronous 1F1B, interleaved 1F1B or GPipe."""
+    pipeline_chunks: int = 1
+    """v: model chunks per pipeline rank ("interleaved" needs v > 1; the others v = 1)."""
+    gpus_per_node: int | None = None
+    """k: ranks per node, used for intra/inter-node accounting; None = LOCAL_WORLD_SIZE."""
+    hierarchical: Literal["auto", True, False] = "auto"
+    """Hierarchical (inter-node, then intra-node) all-gathers and reduce-scatters when a partition
+    group spans whole nodes: True / False force it for every bucket; "auto" lets the cost model
+    pick per bucket on the cluster the Program is scheduled for (flat without one)."""
+    memory_budget_bytes: int | None = None
+    """Budget for gathered parameters live at once; None = no limit (device capacity)."""
+    max_gathers_in_flight: int | None = None
+    """Most all-gathers issued and not yet waited for at once (caps the prefetch distance); None = no cap."""
+    bucket_bytes: int | None = None
+    """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per block."""
+    checkpoint: Literal[False, True, "selective"] = False
+    """Activation checkpointing (passes.checkpoint): True recomputes in backward every forward value
+    of a segment but its outputs; "selective" also keeps matmul outputs (recomputes the cheap ops)."""
+    checkpoint_every: int = 1
+    """Blocks per checkpointed segment (its outputs are kept, everything inside recomputed)."""
+    offload_activations: bool = False
+    """Checkpointed segment outputs go to host memory after their last forward use and come back
+    before their backward (needs ``checkpoint``; micscompile.passes.offload)."""
+    param_dtype: torch.dtype = torch.float32
+    """Mixed precision: dtype of the gathered parameters and of compute (bfloat16 / float16). Each
+    rank casts its fp32 shard to it as it gathers (the wire carries it); the shards, their
+    gradients and the optimizer state stay fp32 (master weights). float16 gets no loss scaling."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype the gradients are summed in: the reduce-scatter (or all-reduce) of every micro-step and
+    the boundary all-reduce; accumulation across micro-steps is fp32."""
+    grad_sync: Literal["2hop", "every_step"] = "2hop"
+    """"2hop": reduce-scatter in the partition group per micro-step, all-reduce in the
+    replication group at the boundary; "every_step": all-reduce over all ranks every micro-step."""
+    codegen: Literal["eager", "inductor"] = "eager"
+    """How the compute between communication points runs: "eager" op by op (ops with an ``out=``
+    overload write into the arena); "inductor": each region compiled by Inductor (C++ on CPU, Triton
+    on GPU), identical regions compiled once (micscompile.runtime.codegen)."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | None, optional: bool = False) -> None:
+            if value is None and optional:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"Plan.{name} must be a positive int, got {value!r}")
+
+        positive("partition_size", self.partition_size, optional=True)
+        positive("micro_batches", self.micro_batches)
+        positive("pipeline_stages", self.pipeline_stages)
+        positive("pipeline_chunks", self.pipeline_chunks)
+        if self.pipeline_schedule not in ("1f1b", "interleaved", "gpipe"):
+            raise PlanError(f"Plan.pipeline_schedule must be '1f1b', 'interleaved' or 'gpipe', "
+                            f"got {self.pipeline_schedule!r}")
+        if (self.pipeline_schedule == "interleaved") != (self.pipeline_chunks > 1):
+            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} with pipeline_chunks="
+                            f"{self.pipeline_chunks}: 'interleaved' runs v > 1 chunks per rank, the others one")
+        if self.pipeline_stages > 1 and self.grad_sync != "2hop":
+            raise PlanError("pipeline_stages > 1 syncs gradients in two hops (grad_sync='2hop'): "
+                            "reduce-scatter inside the stage, all-reduce across replicas at the boundary")
+        positive("gpus_per_node", self.gpus_per_node, optional=True)
+        positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
+        positive("bucket_bytes", self.bucket_bytes, optional=True)
+        positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
+        if self.hierarchical not in ("auto", True, False):
+            raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
+        if self.checkpoint not in (False, True, "selective"):
+            raise PlanError(f"Plan.checkpoint must be False, True or 'selective', got {self.checkpoint!r}")
+        positive("checkpoint_every", self.checkpoint_every)
+        if self.offload_activations and not self.checkpoint:
+            raise PlanError("offload_activations=True offloads the checkpointed segment outputs: set checkpoint=True "
+                            "(or 'selective') too")
+        if self.grad_sync not in ("2hop", "every_step"):
+            raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
+        if self.codegen not in ("eager", "inductor"):
+            raise PlanError(f"Plan.codegen must be 'eager' or 'inductor', got {self.codegen!r}")
+        if self.codegen == "inductor" and (self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32):
+            raise PlanError("Plan.codegen='inductor' runs fp32 plans only: with bfloat16 parameters the regions "
+                            "Inductor compiled on CPU returned non-finite layer-norm gradients for the tied LM (not "
+                            "understood yet); use codegen='eager' for mixed precision")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in PRECISIONS:
+                raise PlanError(f"Plan.{name} must be one of {', '.join(map(str, PRECISIONS))}, "
+                                f"got {getattr(self, name)!r}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.resolve(torch.distributed.get_world_size())
+
+    def replace(self, **changes) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedPlan:
+        """Concrete group sizes for ``world_size`` ranks; raises PlanError if impossible."""
+        n = world_size
+        k = self.gpus_per_node or local_world_size or n
+        if k > n:
+            k = n
+        if n % k:
+            raise PlanError(
+                f"gpus_per_node={k} does not divide world size {n}; valid: {', '.join(map(str, divisors(n)))}"
+            )
+        S = self.pipeline_stages
+        if n % S:
+            raise PlanError(f"pipeline_stages={S} does not divide world size {n}; "
+                            f"valid: {', '.join(map(str, divisors(n)))}")
+        per_stage = n // S  # t * d ranks hold each stage
+        p = self.partition_size if self.partition_size is not None else min(k, per_stage)
+        if p > per_stage or per_stage % p:
+            what = "partition_size" if S == 1 else f"partition_size (t) with pipeline_stages={S}: S * t * d = n"
+            raise PlanError(
+                f"{what}: {p} does not divide {per_stage} (world size {n}); "
+                f"valid partition sizes: {', '.join(map(str, divisors(per_stage)))}"
+            )
+        if self.hierarchical is True and not (p > k and p % k == 0):
+            raise PlanError(
+                f"hierarchical=True needs a partition group spanning whole nodes (partition_size a multiple of "
+                f"gpus_per_node={k}, larger than it), got partition_size={p}; valid: "
+                f"{', '.join(str(q) for q in divisors(n) if q > k and q % k == 0) or 'none on this world'}"
+            )
+        if S > 1 and p > k:
+            raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
+                            f"(partition_size <= gpus_per_node={k}), got {p}")
+        return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A Plan with its group sizes fixed for one world."""
+
+    plan: Plan
+    world_size: int
+    """n: number of ranks."""
+    gpus_per_node: int
+    """k: ranks per node."""
+    partition_size: int
+    """p: ranks per partition group."""
+    replicas: int
+    """d = n / (S * p): ranks per replication group."""
+    stages: int = 1
+    """S: pipeline stages; each rank holds one stage (v chunks of the model with interleaving)."""
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.micro_batches
+
+    def __str__(self) -> str:
+        pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.pipeline_chunks}" if self.stages > 1 else ""
+        plan = self.plan
+        mixed = "" if plan.param_dtype == plan.reduce_dtype == torch.float32 else \
+            f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"
+        return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas}{pipe} "
+                f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}")
+
+    @property
+    def spans_nodes(self) -> bool:
+        """The partition group spans whole nodes: hierarchical collectives apply."""
+        return self.partition_size > self.gpus_per_node and self.partition_size % self.gpus_per_node == 0
+
+    def inter_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s partition group with its local index, one per node (stage 1)."""
+        first, k = rank - rank % self.partition_size, self.gpus_per_node
+        return tuple(range(first + rank % k, first + self.partition_size, k))
+
+    def intra_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s partition group on its node (stage 3)."""
+        first = rank - rank % self.gpus_per_node
+        return tuple(range(first, first + self.gpus_per_node))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def partition_ranks(self, rank: int) -> tuple[int, ...]:
+        """The p consecutive ranks that hold one replica together with ``rank``."""
+        first = rank - rank % self.partition_size
+        return tuple(range(first, first + self.partition_size))
+
+    def replication_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks with the same local index in every partition group (of the same stage)."""
+        span = self.stages * self.partition_size
+        return tuple(range(rank % span, self.world_size, span))
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage ``rank`` runs (0 without pipelining)."""
+        return rank % (self.stages * self.partition_size) // self.partition_size
+
+    def pipe_ranks(self, rank: int) -> tuple[int, ...]:
+        """The S ranks, one per stage, that carry ``rank``'s micro-batches through the pipeline."""
+        span = self.stages * self.partition_size
+        first = rank - rank % span + rank % self.partition_size
+        return tuple(range(first, first + span, self.partition_size))

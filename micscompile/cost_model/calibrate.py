@@ -1,0 +1,309 @@
+"""Calibrate a ``local`` Cluster on the machine at hand, inside a process group.
+
+Every rank measures at the same time (barrier-aligned), because that is how
+training runs: on a shared machine, concurrent ranks split its cores and memory
+bandwidth. Measured: matmul throughput, memory bandwidth, per-op overhead, alpha
+and beta of all-gather / reduce-scatter / all-reduce for every group size that
+divides the world (consecutive-rank groups, all running at once), and what a
+collective in flight costs compute. Times are medians over repeats of the slowest
+rank's time. On CUDA every timed window ends with a device sync (the host returns
+once kernels are launched), matmul peaks are measured per dtype (fp32, bf16, fp16),
+and the memory is the GPU's; the topology is torchrun's (LOCAL_WORLD_SIZE per node).
+
+Run it as ``python -m micscompile calibrate --nproc 4`` (writes local_cluster.json).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from micscompile.core.launch import collective_device, step_device
+from micscompile.cost_model.collective_time import fit_key
+from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+
+COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Measured peaks, keyed like ``GpuSpec.peak_flops``: a bf16 plan is priced at the bf16 peak."""
+
+
+MIN_WINDOW_S = 0.1
+"""Each timed sample runs at least this long: short windows on an oversubscribed machine
+measure a rank running alone, not its fair share of the cores."""
+
+
+def device_sync(device: torch.device | str | None = None) -> None:
+    """Wait until ``device`` has run what was queued on it (None: the current GPU, if this process
+    uses CUDA); nothing on the CPU. Every timed window starts and ends with it: on CUDA the host
+    returns as soon as kernels are launched. For measurements only, never inside a training step."""
+    if device is None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest_rank_times(times: list[float]) -> list[float]:
+    """Per aligned sample, the slowest rank's time (every rank must call it with as many samples)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(times)
+    t = torch.tensor(times, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def slowest_rank_median(times: list[float]) -> float:
+    """The median over aligned samples of the slowest rank's time in each: a step waits for its
+    slowest rank, and which rank is slowest changes from step to step, so the median of
+    per-sample maxima exceeds the slowest median."""
+    return statistics.median(slowest_rank_times(times))
+
+
+def _inner_count(fn: Callable[[], object], device: torch.device) -> int:
+    """Calls of ``fn`` per window of >= MIN_WINDOW_S, the same on every rank (collectives must match)."""
+    device_sync(device)
+    t0 = time.perf_counter()
+    fn()
+    device_sync(device)
+    inner = torch.tensor([max(1, int(MIN_WINDOW_S / max(time.perf_counter() - t0, 1e-6)))],
+                         device=collective_device())
+    dist.all_reduce(inner, op=dist.ReduceOp.MAX)
+    return int(inner)
+
+
+def _window(fn: Callable[[], object], inner: int, device: torch.device) -> float:
+    """Seconds per call over ``inner`` calls on ``device``, all ranks starting together."""
+    device_sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    device_sync(device)
+    return (time.perf_counter() - t0) / inner
+
+
+def _timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` on ``device``: median over ``repeats`` windows of >= MIN_WINDOW_S
+    each of the slowest rank's time."""
+    inner = _inner_count(fn, device)
+    return slowest_rank_median([_window(fn, inner, device) for _ in range(repeats)])
+
+
+def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds per call that ``fn`` takes beyond ``base``, from alternating windows: a shared
+    machine drifts by more than the difference between two windows timed apart."""
+    inner_fn, inner_base = _inner_count(fn, device), _inner_count(base, device)
+    return slowest_rank_median([_window(fn, inner_fn, device) - _window(base, inner_base, device)
+                                for _ in range(repeats)])
+
+
+def _matmul_peaks(device: torch.device, repeats: int) -> dict[str, float]:
+    """Per dtype of MATMUL_DTYPES (by name), the median matmul FLOP/s over MATMUL_SHAPES."""
+    peaks = {}
+    for dtype in MATMUL_DTYPES:
+        rates = []
+        for m, k, n in MATMUL_SHAPES:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+            rates.append(2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), repeats, device))
+        peaks[str(dtype).removeprefix("torch.")] = statistics.median(rates)
+    return peaks
+
+
+def _topology(world: int) -> tuple[int, int]:
+    """(nodes, ranks per node): torchrun's LOCAL_WORLD_SIZE ranks per node (one node without it)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the {world} ranks: "
+                           "every node must run as many ranks")
+    return world // per_node, per_node
+
+
+def _memory_bytes(device: torch.device, per_node: int) -> int:
+    """One rank's memory: its GPU's on CUDA, else its share of this node's host memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(host // per_node)
+
+
+def _links(fits: dict[str, dict[str, float]], world: int, per_node: int) -> tuple[Link, Link]:
+    """(intra, inter): from the all-gather fits over one node's consecutive ranks and over the
+    world; the one without a fit of its own (one rank per node, or one node) takes the other's."""
+
+    def link(g: int) -> Link | None:
+        fit = fits.get(fit_key("all_gather", g))
+        if g < 2 or fit is None:
+            return None
+        return Link(bandwidth_bps=(g - 1) / g / fit["beta_s_per_byte"], latency_s=fit["alpha_s"] / (g - 1))
+
+    intra, inter = link(per_node), link(world) if world > per_node else None
+    fallback = Link(bandwidth_bps=1e9, latency_s=0.0)  # one rank: no collective uses it
+    return intra or inter or fallback, inter or intra or fallback
+
+
+def _fit(sizes: list[float], times: list[float]) -> dict[str, float]:
+    """T = alpha + beta * N by least squares on the *relative* error, clipped to non-negative:
+    sizes span 1000x, and a plain fit lets the largest message decide the small ones."""
+    w = [1 / max(t, 1e-12) ** 2 for t in times]
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, sizes)) / sw, sum(wi * y for wi, y in zip(w, times)) / sw
+    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, times)) / sum(
+        wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+    beta = max(beta, 1e-15)
+    alpha = max(my - beta * mx, 0.0)
+    return {"alpha_s": alpha, "beta_s_per_byte": beta}
+
+
+def _groups(world: int, rank: int) -> dict[int, object]:
+    """One consecutive-rank group per size g | world, g >= 2 (every rank creates all of them)."""
+    out = {}
+    for g in range(2, world + 1):
+        if world % g:
+            continue
+        for first in range(0, world, g):
+            ranks = list(range(first, first + g))
+            pg = dist.new_group(ranks) if g < world else dist.group.WORLD
+            if rank in ranks:
+                out[g] = pg
+    return out
+
+
+def _collective(kind: str, nbytes: int, g: int, group, device: torch.device) -> Callable[[], object]:
+    """One blocking collective over a full buffer of ``nbytes`` in ``group`` (of size ``g``)."""
+    full = torch.zeros(nbytes // 4, device=device)
+    part = torch.zeros(nbytes // 4 // g, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(full, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, full, group=group)
+    return lambda: dist.all_reduce(full, group=group)
+
+
+def _program_pattern(
+    nbytes: int, g: int, chunks: int, a: torch.Tensor, b: torch.Tensor, group,
+) -> Callable[[], None]:
+    """``chunks`` times: issue an all-gather of ``nbytes`` in ``group``, one matmul, wait
+    (what a Program does)."""
+    out = torch.zeros(nbytes // 4, device=a.device)
+    inp = torch.zeros(out.numel() // g, device=a.device)
+
+    def pattern() -> None:
+        for _ in range(chunks):
+            work = dist.all_gather_single(out, inp, group=group, async_op=True)
+            torch.mm(a, b)
+            work.wait()
+
+    return pattern
+
+
+def _gathers_at_once(nbytes: int, g: int, at_once: int, group, device: torch.device) -> Callable[[], None]:
+    """Issue ``at_once`` all-gathers of ``nbytes`` in ``group``, then wait for them all."""
+    bufs = [(torch.zeros(nbytes // 4, device=device), torch.zeros(nbytes // 4 // g, device=device))
+            for _ in range(at_once)]
+
+    def run() -> None:
+        for work in [dist.all_gather_single(full, part, group=group, async_op=True) for full, part in bufs]:
+            work.wait()
+
+    return run
+
+
+def _matmuls(a: torch.Tensor, b: torch.Tensor, chunks: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(chunks):
+            torch.mm(a, b)
+
+    return run
+
+
+def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Cluster:
+    """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes, per_node = _topology(world)
+    device = step_device()
+    say = log or (lambda s: None)
+
+    # compute: matmul throughput per dtype, memory bandwidth, per-op overhead
+    peaks = _matmul_peaks(device, repeats)
+    x, y, z = (torch.randn(1 << 22, device=device) for _ in range(3))
+    bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats, device)
+    tiny = torch.ones(8, device=device)
+    op_overhead = _timed(lambda: tiny.add(tiny), repeats, device)
+    say("matmul " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()) + " GFLOP/s, "
+        f"memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
+
+    # optimizer step (AdamW), laid out as TrainStep lays it out: 48 parameters and their gradients
+    # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements.
+    # One per-element cost: with realistic sizes the per-tensor term is below the noise.
+    elements, tensors = 1 << 22, 48
+    flat, grad = torch.randn(elements, device=device), torch.randn(elements, device=device)
+    size = elements // tensors
+    params = []
+    for i in range(tensors):
+        p = torch.nn.Parameter(flat[i * size : (i + 1) * size])
+        p.grad = grad[i * size : (i + 1) * size]
+        params.append(p)
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    per_element = _timed(adamw.step, repeats, device) / (size * tensors)
+    del adamw, params, flat, grad
+    say(f"AdamW step {per_element * 1e9:.2f} ns per element")
+
+    # collectives: alpha/beta per kind and group size
+    fits: dict[str, dict[str, float]] = {}
+    groups = _groups(world, rank)
+    for g, pg in groups.items():
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            times = []
+            for nbytes in COLLECTIVE_SIZES_BYTES:
+                times.append(_timed(_collective(kind, nbytes, g, pg, device), repeats, device))
+            fits[fit_key(kind, g)] = _fit([float(s) for s in COLLECTIVE_SIZES_BYTES], times)
+            say(f"{kind:>14} g={g}: alpha {fits[fit_key(kind, g)]['alpha_s'] * 1e6:.0f} us, "
+                f"{1 / fits[fit_key(kind, g)]['beta_s_per_byte'] / 1e9:.2f} GB/s")
+
+    # What a collective costs the compute stream in the Program's pattern (issue, compute X, wait),
+    # per group size (two 2-rank groups load the cores less than one 4-rank group): measured at two
+    # compute lengths, extra = exposed_fraction * duration + slowdown * X (cores shared with the
+    # communication threads: on 4 ranks over 2 cores nothing hides, and compute alongside slows);
+    # and what a collective issued while another of its group is in flight adds (gloo runs a group's
+    # collectives on 2 threads: two at once take ~1.6x one, not 2x).
+    chunks, pattern_repeats = 32, max(repeats, 11)  # small signals on a shared machine: more samples
+    small, big = ((torch.randn(n, n, device=device), torch.randn(n, n, device=device)) for n in (256, 512))
+    x_small, x_big = (_timed(_matmuls(*m, chunks), repeats, device) / chunks for m in (small, big))
+    interference: dict[str, dict[str, float]] = {}
+    for g, pg in groups.items():
+        exposed, slowdown, queued, shown = [], [], [], []
+        for nbytes in (64 << 10, 1 << 20, 4 << 20):
+            d = _timed(_gathers_at_once(nbytes, g, 1, pg, device), repeats, device)
+            queued.append(min(max(_timed(_gathers_at_once(nbytes, g, 2, pg, device), repeats, device) / d - 1, 0.0), 1.0))
+            extra_small, extra_big = (
+                _timed_extra(_program_pattern(nbytes, g, chunks, *m, pg), _matmuls(*m, chunks), pattern_repeats,
+                             device) / chunks
+                for m in (small, big)
+            )
+            phi = min(max((extra_big - extra_small) / (x_big - x_small), 0.0), 1.0)
+            slowdown.append(phi)
+            exposed.append(min(max((extra_small - phi * x_small) / d, 0.0), 1.0) if d > 0 else 0.0)
+            shown.append(f"{nbytes >> 10} KiB ({d * 1e3:.1f} ms): +{extra_small * 1e3:.1f} / +{extra_big * 1e3:.1f} ms")
+        phi = statistics.median(slowdown)
+        interference[str(g)] = {"exposed_fraction": statistics.median(exposed), "slowdown": phi,
+                                "max_slowdown_s": phi * x_big, "queued_fraction": statistics.median(queued)}
+        say(f"gather in flight, g={g}, beside {x_small * 1e3:.1f} / {x_big * 1e3:.1f} ms of matmul: "
+            + ", ".join(shown) + f" -> {interference[str(g)]['exposed_fraction']:.0%} of its duration exposed, "
+            f"compute alongside {phi:.0%} slower; a second gather in flight adds "
+            f"{interference[str(g)]['queued_fraction']:.0%} of its duration")
+
+    intra, inter = _links(fits, world, per_node)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu rank (1/{per_node} of this machine)"
+    gpu = GpuSpec(
+        name=name, peak_flops=peaks, memory_bandwidth_bps=bandwidth, memory_bytes=_memory_bytes(device, per_node),
+        matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
+        optimizer_element_s=per_element, device_type=device.type,
+    )
+    return Cluster(name="local", nodes=nodes, gpus_per_node=per_node, gpu=gpu, intra=intra, inter=inter,
+                   collective_interference=interference, collective_fits=fits)

@@ -1,0 +1,349 @@
+"""Event-driven simulation of one rank's Program on a Cluster.
+
+Streams: one compute stream; one communication stream per process group ("shard",
+"replicate", "world"), each running its collectives in issue order (as NCCL and
+gloo do per group). An issue action enqueues its collective on its group's stream
+at the compute stream's current time; a WAIT blocks the compute stream until that
+collective ends (the blocked time is *exposed* communication); COMPUTE advances
+the compute stream by the roofline time of its ops.
+
+Compute time of an action (cost_model.specs.GpuSpec):
+``matmul_flops / (peak * matmul_efficiency) + mem_bytes / (bandwidth * memory_efficiency)
++ ops * op_overhead_s``. Packing gradients before a reduction costs a read and a
+write of the bucket on the compute stream. ``Cluster.overlap`` < 1 charges the
+compute stream ``(1 - overlap)`` of every collective's time (cores shared with the
+communication library, as gloo on a small CPU machine), plus
+``Cluster.collective_overhead_s`` per collective. A calibrated cluster instead has, per
+group size, ``Cluster.collective_interference``: the exposed fraction of the collective's
+duration, charged at issue, and a slowdown of the compute that runs while it is in flight
+(until its wait), up to a maximum (measured on 4 gloo ranks over 2 cores: ~all of a
+gather's duration is exposed and compute beside it runs 10-50% slower); a collective
+issued while another of its group is in flight takes ``queued_fraction`` of its duration
+(gloo runs a group's collectives on two threads).
+
+Memory per rank: static (parameter shard + gradient shard + optimizer state:
+``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
+buckets (issue -> release), packed gradient buckets (issue -> wait) and activations
+(Program.activation_bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from micscompile.core.collectives import fmt_bytes
+from micscompile.core.program import COLLECTIVE_OF_KIND, Action, Kind, Program
+from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s
+from micscompile.cost_model.specs import Cluster, GpuSpec
+
+
+@dataclass
+class _InFlight:
+    """A collective issued and not yet waited for."""
+
+    end_s: float
+    group: str
+    frees_bytes: int
+    """Released at its wait (a packed gradient bucket; gathered buckets are released explicitly)."""
+    finish_s: float = 0.0
+    """Compute-stream time its wait adds (a hierarchical gather's reorder and intra-node stage)."""
+    slowdown: float = 0.0
+    """Fraction by which compute beside it runs slower..."""
+    slowdown_left_s: float = 0.0
+    """...until it has cost this much."""
+
+
+@dataclass(frozen=True)
+class Event:
+    track: str
+    """"compute" or a communication stream ("comm:shard", ...)."""
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Prediction:
+    """What one optimizer step of a plan costs on a cluster (one rank; ranks are symmetric)."""
+
+    step_time_s: float
+    compute_s: float
+    """Busy time of the compute stream (compute, packing, optimizer)."""
+    exposed_comm_s: float
+    """Time the compute stream spent blocked on communication."""
+    stream_busy_s: dict[str, float]
+    peak_memory_bytes: int
+    static_memory_bytes: int
+    flops_per_step: float
+    """FLOPs one rank performs per step (graph FLOPs, or the caller's formula)."""
+    world_size: int
+    events: list[Event] = field(default_factory=list, repr=False)
+    memory: list[tuple[float, int]] = field(default_factory=list, repr=False)
+    scaling_efficiency: float | None = None
+    """Per-GPU throughput relative to training on one partition group alone."""
+    bubble_fraction: float | None = None
+    """Pipelines: idle time of the busiest pipeline rank over its busy time."""
+    action_spans: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
+    """(start, end, live bytes after) per action of the first micro-step, then per boundary action;
+    a collective's span runs from its issue to its completion."""
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops_per_step / self.step_time_s / 1e12
+
+    def __str__(self) -> str:
+        busy = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self.stream_busy_s.items()))
+        eff = f", scaling efficiency {self.scaling_efficiency:.1%}" if self.scaling_efficiency is not None else ""
+        eff += f", pipeline bubble {self.bubble_fraction:.1%}" if self.bubble_fraction is not None else ""
+        return (
+            f"step {self.step_time_s * 1e3:.2f} ms on {self.world_size} ranks: compute {self.compute_s * 1e3:.2f} ms, "
+            f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms, {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
+            f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
+            f"stream busy: {busy}"
+        )
+
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """A Perfetto / chrome://tracing timeline: compute and comm tracks, memory counter."""
+        tracks = {t: i for i, t in enumerate(dict.fromkeys(e.track for e in self.events))}
+        trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": t}} for t, i in tracks.items()]
+        trace += [
+            {"name": e.name, "ph": "X", "pid": 0, "tid": tracks[e.track], "ts": e.start_s * 1e6,
+             "dur": (e.end_s - e.start_s) * 1e6}
+            for e in self.events
+        ]
+        trace += [{"name": "memory", "ph": "C", "pid": 0, "ts": t * 1e6, "args": {"bytes": b}} for t, b in self.memory]
+        Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+
+def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> float:
+    if action.measured_s is not None:
+        return action.measured_s
+    return (
+        action.matmul_flops / (gpu.flops(dtype) * gpu.matmul_efficiency)
+        + action.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
+        + action.ops * gpu.op_overhead_s
+    )
+
+
+def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
+    return nbytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + ops * gpu.op_overhead_s
+
+
+def simulate_program(
+    program: Program,
+    cluster: Cluster,
+    *,
+    state_bytes_per_param: int = 16,
+    optimizer_bytes_per_param: int = 28,
+    buffer_bytes: int = 0,
+    flops_per_step: float | None = None,
+    compute_dtype: str | None = None,
+    record: bool = True,
+    accumulate: bool = True,
+) -> Prediction:
+    """Simulate ``program`` for one optimizer step on ``cluster``.
+
+    ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
+    element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
+    ``compute_dtype`` prices matmuls at that dtype's peak (default: the Plan's param_dtype;
+    a what-if such as fp16 peak for an fp32 Program otherwise). ``record=False`` (no timeline):
+    once a middle micro-step starts in the state the previous one started in (times relative to
+    its start), the remaining middle ones repeat it and are skipped ahead in one go, so a step of
+    many micro-batches costs about four (equal to simulating each one up to float rounding).
+    """
+    gpu = cluster.gpu
+    compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
+    groups = program.groups
+    layouts = program.layouts
+    shard_numel = sum(lay.row_numel for lay in layouts)
+    static = shard_numel * state_bytes_per_param + buffer_bytes
+
+    t = 0.0
+    busy: dict[str, float] = defaultdict(float)
+    stream_free: dict[str, float] = defaultdict(float)
+    pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
+    events: list[Event] = []
+    memory: list[tuple[float, int]] = []
+    dynamic = 0  # gathered + packed buckets
+    peak = static
+    exposed = 0.0
+
+    def note_memory(extra: int = 0) -> None:
+        nonlocal peak
+        peak = max(peak, static + dynamic + extra)
+        if record:
+            memory.append((t, static + dynamic + extra))
+
+    def run_compute(duration: float, name: str) -> None:
+        nonlocal t
+        if record and duration > 0:
+            events.append(Event("compute", name, t, t + duration))
+        t += duration
+        busy["compute"] += duration
+
+    priced: dict[tuple, tuple[float, float, float]] = {}
+    slowing = [0]  # collectives in flight that slow compute down
+
+    def issue(a: Action, frees_bytes: int = 0) -> _InFlight:
+        """Enqueue ``a`` on its stream and charge compute its exposed share. A hierarchical
+        collective's inter-node stage is what runs on the stream; its reorder and intra-node
+        stage run on the compute stream (at the wait for a gather, before the issue for a
+        reduce-scatter), as collectives.py runs them."""
+        group = groups[a.group]
+        cost = cluster.collective_interference.get(str(group.size))
+        finish_s = 0.0
+        key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
+        if key not in priced:  # (a step repeats few distinct collectives)
+            priced[key] = (hierarchical_stages_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
+                           if a.hierarchical else
+                           (collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster), 0.0, 0.0))
+        duration, reorder, intra = priced[key]
+        if a.hierarchical:
+            if a.kind is Kind.REDUCE_SCATTER:
+                run_compute(reorder + intra, (f"intra-node {a}" if record else ""))
+            else:
+                finish_s = reorder + intra
+        stream = f"comm:{a.group}"
+        if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
+            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
+        start = max(t, stream_free[stream])
+        stream_free[stream] = start + duration
+        busy[stream] += duration
+        if record and duration > 0:
+            events.append(Event(stream, str(a), start, start + duration))
+        flight = _InFlight(start + duration, a.group, frees_bytes, finish_s=finish_s)
+        if duration <= 0:
+            return flight
+        if cost is None:
+            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, (f"comm cpu {a}" if record else ""))
+            return flight
+        run_compute(cost["exposed_fraction"] * duration, (f"comm cpu {a}" if record else ""))
+        flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
+        slowing[0] += flight.slowdown > 0
+        return flight
+
+    def run_compute_beside_collectives(duration: float, name: str) -> None:
+        """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
+        collective's maximum."""
+        extra = 0.0
+        for queue in pending.values() if slowing[0] else ():  # (none slow compute on an uncalibrated cluster)
+            for c in queue:
+                take = min(c.slowdown * duration, c.slowdown_left_s)
+                c.slowdown_left_s -= take
+                extra += take
+        run_compute(duration, name)
+        if extra > 0:
+            run_compute(extra, "slowed by collectives in flight")
+
+    def wait_until(end: float) -> None:
+        nonlocal t, exposed
+        if end > t:
+            exposed += end - t
+            t = end
+
+    activations = 0
+    spans: list[tuple[float, float, int]] = []
+
+    def note_span(start: float, end: float) -> None:
+        if record:
+            spans.append((start, end, static + dynamic + activations))
+
+    def relative_state() -> tuple:
+        """Everything the rest of the step depends on, relative to now (``fast_forward``)."""
+        flights = tuple((key, tuple((round(f.end_s - t, 12), f.group, f.frees_bytes, f.finish_s, f.slowdown,
+                                     round(f.slowdown_left_s, 12)) for f in q))
+                        for key, q in sorted(pending.items(), key=str) if q)
+        streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(stream_free.items()))
+        return dynamic, activations, flights, streams
+
+    def fast_forward(steps: int, before: tuple) -> None:
+        """Every middle micro-step repeats the one just simulated (it started in the same relative
+        state): advance the clocks, streams and counters by ``steps`` more of it."""
+        nonlocal t, exposed
+        t0, busy0, exposed0 = before
+        period = t - t0
+        t += steps * period
+        exposed += steps * (exposed - exposed0)
+        for k in list(busy):
+            busy[k] += steps * (busy[k] - busy0.get(k, 0.0))
+        for k in stream_free:
+            stream_free[k] += steps * period
+        for queue in pending.values():
+            for f in queue:
+                f.end_s += steps * period
+
+    micro_batches = program.plan.micro_batches
+    mb, seen = 0, None
+    while mb < micro_batches:
+        if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
+            state = relative_state()
+            if seen is not None and seen[0] == state:
+                fast_forward(micro_batches - 1 - mb, seen[1])
+                mb, seen = micro_batches - 1, None
+                continue
+            seen = state, (t, dict(busy), exposed)
+        for a in program.issued_in(mb):
+            start, end = t, None
+            if a.kind is Kind.COMPUTE:
+                note_memory(a.activation_peak_bytes)
+                run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
+                activations = a.activation_bytes
+            elif a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+                dynamic += a.tensor_bytes
+                note_memory(activations)
+                flight = issue(a)
+                pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
+                end = flight.end_s
+            elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
+                run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), (f"pack {a}" if record else ""))
+                dynamic += a.tensor_bytes
+                note_memory(activations)
+                if a.kind is Kind.PACK:
+                    dynamic -= a.tensor_bytes  # consumed by accumulation right away
+                else:
+                    flight = issue(a, frees_bytes=a.tensor_bytes)
+                    pending[(a.kind, a.bucket)].append(flight)
+                    end = flight.end_s
+            elif a.kind is Kind.WAIT:
+                flight = pending[(a.waits_for, a.bucket)].popleft()
+                slowing[0] -= flight.slowdown > 0
+                wait_until(flight.end_s)
+                dynamic -= flight.frees_bytes
+                if flight.finish_s > 0:
+                    run_compute(flight.finish_s, (f"intra-node {a}" if record else ""))
+            elif a.kind is Kind.RELEASE:
+                dynamic -= a.tensor_bytes
+                note_memory(activations)
+            if mb == 0:
+                note_span(start, t if end is None else end)
+        # gradient accumulation into the shard accumulators
+        if accumulate:  # (not for a pipeline chunk's forward half)
+            run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
+        mb += 1
+
+    ends = []
+    for a in program.boundary:
+        start = t
+        if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
+            ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
+            note_span(start, ends[-1])
+        elif a.kind is Kind.OPTIMIZER:
+            wait_until(max(ends, default=t))
+            n_params = sum(len(lay.slots) for lay in layouts)
+            if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
+                opt_s = n_params * gpu.optimizer_param_s + shard_numel * gpu.optimizer_element_s
+            else:
+                opt_s = _memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params)
+            run_compute(opt_s, "optimizer")
+            note_span(start, t)
+    step = max([t, *stream_free.values()])
+    graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
+    return Prediction(
+        step_time_s=step, compute_s=busy["compute"], exposed_comm_s=exposed,
+        stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
+        flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
+        world_size=program.plan.world_size, events=events, memory=memory, action_spans=spans,
+    )

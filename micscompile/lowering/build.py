@@ -1,0 +1,85 @@
+"""Lower a rewritten graph to a Program: each collective node an action, each run of compute
+nodes between them one COMPUTE action, then the boundary actions (docs/design.md#data-flow)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch.fx
+
+from micscompile.core import collectives as C
+from micscompile.core.collectives import GroupInfo
+from micscompile.core.plan import ResolvedPlan
+from micscompile.core.program import ISSUE_KIND, Action, Kind, Program
+from micscompile.core.sharding import BucketLayout
+from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
+from micscompile.trace import META_FLOPS, META_FQN, META_REGION
+
+
+def _peak(values):
+    """The most of ``values`` (ints, or numpy arrays over micro-batch sizes: elementwise)."""
+    most = functools.reduce(np.maximum, values)
+    return int(most) if np.ndim(most) == 0 else most
+
+
+def build_program(
+    graph: torch.fx.Graph, plan: ResolvedPlan, layouts: tuple[BucketLayout, ...],
+    groups: dict[str, GroupInfo], rank: int,
+) -> Program:
+    """Lower a rewritten graph (insert_collectives output) to a Program."""
+    actions: list[Action] = []
+    issued: dict[torch.fx.Node, Kind] = {}
+    run: list[torch.fx.Node] = []
+    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target is C.collective_wait}
+    live = activation_bytes(graph, exclude=collective_nodes)
+
+    def flush() -> None:
+        if run:
+            regions = [f"{n.meta.get(META_REGION, '')}:{n.meta.get(META_FQN, '') or '<root>'}" for n in run]
+            region = regions[0] if regions[0] == regions[-1] else f"{regions[0]} .. {regions[-1]}"
+            work = sum((node_work(n) for n in run), NodeWork())
+            timed = [n.meta[META_TIME_S] for n in run if META_TIME_S in n.meta]
+            actions.append(Action(
+                Kind.COMPUTE, ops=work.ops, flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
+                matmul_flops=work.matmul_flops, mem_bytes=work.mem_bytes, activation_bytes=live[run[-1]],
+                activation_peak_bytes=_peak(live[n] for n in run), region=region,
+                measured_s=sum(timed) if timed else None,
+            ))
+            run.clear()
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        kind = ISSUE_KIND.get(node.target)
+        if node.target is C.collective_wait:
+            flush()
+            actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]]))
+        elif kind is not None:
+            flush()
+            bucket = node.args[1]
+            group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
+                     Kind.ALL_REDUCE: "world"}.get(kind)
+            lay = layouts[bucket]
+            nbytes = lay.grad_bytes if kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK) else lay.full_bytes
+            actions.append(Action(kind, bucket, group=group, tensor_bytes=nbytes,
+                                  carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, ""),
+                                  hierarchical=node.kwargs.get("hierarchical", False)))
+            issued[node] = kind
+        else:
+            if run and run[-1].meta.get(META_REGION) != node.meta.get(META_REGION):
+                flush()  # forward and backward never share a compute action (a pipeline runs them apart)
+            run.append(node)
+    flush()
+    return Program(rank, plan, layouts, groups, actions, boundary_actions(plan, layouts, actions))
+
+
+def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:
+    """What runs once per step after the micro-steps: the replication all-reduce of every reduced
+    bucket (2-hop, d > 1), the loss all-reduce and the optimizer step."""
+    boundary = []
+    if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
+        reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
+        boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
+                     for b in reduced]
+    return boundary + [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]

@@ -1,0 +1,295 @@
+"""insert_collectives: MiCS partitioning of a traced training graph.
+
+Input: a TrainGraph's graph (placeholders: params, buffers, inputs; output: loss and
+one gradient per trainable parameter). Output graph signature::
+
+    (comm, shard_0, ..., shard_{B-1}, *buffers, *inputs) -> (loss, grad_shard_0, ..., grad_shard_{B-1})
+
+Rewrite, per bucket b (a gather unit, see passes.buckets):
+
+* A *use interval* is a maximal run of the bucket's consumers (nodes that read a
+  parameter, directly or through parameter-only views) with the same phase
+  (forward/backward) and region (block). A tied weight used by two blocks therefore
+  gets one interval per block it is used in.
+* Per interval: ``all_gather_issue`` (``ctx.prefetch.distance`` intervals ahead of its
+  use: the issue sits right after the wait of the interval that many before; 0: right
+  before its own wait), ``collective_wait`` just before the
+  first consumer, one ``unpack_param`` (a view of the gathered bucket) per parameter
+  used, parameter-only views
+  re-derived from them inside the interval, and ``release`` after the last consumer.
+  Forward views that the backward used to share are re-derived from the backward's
+  own gather, so nothing gathered in forward stays alive into backward, except for
+  ``ctx.prefetch.keep_live`` buckets (those whose forward use ends last): their last
+  forward interval and first backward interval merge into one gather.
+* ``ctx.prefetch.across_micro_steps`` (distance d >= 1): the first d gathers are
+  ``all_gather_carried`` (taken from the previous micro-step when it issued them) and
+  ``all_gather_next`` issues them for the next micro-step right after the waits of the
+  last d intervals, where gathers n, ..., n + d - 1 would go.
+* Gradients: after the bucket's last gradient is produced, ``reduce_scatter_issue``
+  over the partition group (2hop) or ``all_reduce_issue`` over all ranks
+  (every_step); each is waited just before the next bucket's reduction is issued,
+  the last one before the output. The boundary all-reduce of 2hop runs outside
+  the graph, once per optimizer step (runtime).
+* A pipeline chunk (``plan.stages > 1``) runs its forward and backward as two graphs:
+  a backward gather is issued no earlier than the first backward node, and outputs
+  after the gradients (the chunk's sends) pass through.
+* Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
+  reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
+* p = 1: no gathers (parameters are views of the local shard; with mixed precision,
+  of a cast copy made where the gather would be) and ``pack_local`` instead of a
+  reduce-scatter.
+
+Invariants: every consumer of a parameter sits inside an interval of its bucket;
+intervals of one bucket are disjoint; every rank gets the same graph, so every rank
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from micscompile.core import collectives as C
+from micscompile.core.plan import PlanError
+from micscompile.core.program import REGION_BWD
+from micscompile.core.sharding import unpack_param
+from micscompile.passes.buckets import block_of, param_derived
+from micscompile.passes.context import PassContext
+from micscompile.trace import LOSS_FQN, META_FQN, META_REGION
+
+META_BUCKET = "mc_bucket"
+"""Bucket index of an inserted collective / unpack / release node."""
+
+
+@dataclass
+class Interval:
+    bucket: int
+    key: tuple[str, str]
+    """(phase, region) of its consumers."""
+    first: torch.fx.Node
+    last: torch.fx.Node
+    params: set[str] = field(default_factory=set)
+    unpacked: dict[str, torch.fx.Node] = field(default_factory=dict)
+
+
+def _region(node: torch.fx.Node, ctx: PassContext) -> tuple[str, str]:
+    if node.op == "output":
+        return (REGION_BWD, "<output>")
+    fqn = node.meta.get(META_FQN, "")
+    block = LOSS_FQN if fqn == LOSS_FQN else block_of(fqn, ctx.graph.blocks)
+    return (node.meta.get(META_REGION, REGION_BWD), str(ctx.block_bucket.get(block, block)))
+
+
+def _tag(node: torch.fx.Node, like: torch.fx.Node, bucket: int | None = None) -> torch.fx.Node:
+    node.meta[META_REGION] = like.meta.get(META_REGION, REGION_BWD)
+    node.meta[META_FQN] = like.meta.get(META_FQN, "")
+    if bucket is not None:
+        node.meta[META_BUCKET] = bucket
+    return node
+
+
+def check_keep_live(keep: int, available: int) -> None:
+    if keep > available:
+        raise PlanError(f"Prefetch.keep_live={keep}, but only {available} buckets are used in both "
+                        f"forward and backward")
+
+
+def _keep_live(
+    intervals: list[Interval], active: dict, order: dict, keep: int,
+) -> list[Interval]:
+    """Merge, for the ``keep`` buckets whose forward use ends last, their last forward interval with
+    their next (backward) one: one gather serves both, released after the backward use."""
+    last_fwd: dict[int, int] = {}
+    for i, iv in enumerate(intervals):
+        if iv.key[0] != REGION_BWD:
+            last_fwd[iv.bucket] = i
+    pairs = []
+    for b, i in last_fwd.items():
+        nxt = next((j for j in range(i + 1, len(intervals)) if intervals[j].bucket == b), None)
+        if nxt is not None:
+            pairs.append((i, nxt))
+    check_keep_live(keep, len(pairs))
+    pairs.sort(key=lambda ij: order[intervals[ij[0]].last], reverse=True)
+    merged = {}
+    for i, j in pairs[:keep]:
+        fwd, bwd = intervals[i], intervals[j]
+        fwd.last = bwd.last
+        fwd.params |= bwd.params
+        merged[id(bwd)] = fwd
+    for key, iv in active.items():
+        active[key] = merged.get(id(iv), iv)
+    return [iv for iv in intervals if id(iv) not in merged]
+
+
+def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
+    tg = ctx.graph
+    p = ctx.plan.partition_size
+    layouts = ctx.layouts
+    gathers = p > 1 or any(lay.gather_dtype != lay.dtype for lay in layouts)  # p = 1: a cast still "gathers"
+    bucket_of = {slot.name: lay.index for lay in layouts for slot in lay.slots}
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    param_nodes = dict(zip(placeholders[: tg.num_params], tg.param_names))
+    derived = param_derived(graph, param_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    # ---- analysis: consumers and their use intervals -------------------------------
+    consumers = [
+        n for n in graph.nodes
+        if n not in derived and n.op != "placeholder" and any(i in derived for i in n.all_input_nodes)
+    ]
+    intervals: list[Interval] = []
+    open_by_bucket: dict[int, Interval] = {}
+    active: dict[tuple[torch.fx.Node, int], Interval] = {}  # (consumer, bucket) -> interval
+    for c in consumers:
+        key = _region(c, ctx)
+        used = frozenset().union(*(derived[i] for i in c.all_input_nodes if i in derived))
+        for b in sorted({bucket_of[name] for name in used}):
+            iv = open_by_bucket.get(b)
+            if iv is None or iv.key != key:
+                iv = open_by_bucket[b] = Interval(b, key, c, c)
+                intervals.append(iv)
+            iv.last = c
+            iv.params |= {name for name in used if bucket_of[name] == b}
+            active[(c, b)] = iv
+    intervals.sort(key=lambda iv: (order[iv.first], iv.bucket))
+    if gathers and ctx.prefetch.keep_live:
+        intervals = _keep_live(intervals, active, order, ctx.prefetch.keep_live)
+
+    # ---- new signature: comm, one shard per bucket -----------------------------------
+    with graph.inserting_before(placeholders[0]):
+        comm = graph.placeholder("comm")
+        shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
+
+    # ---- gathers, unpacks, releases ----------------------------------------------------
+    distance = ctx.prefetch.distance
+
+    def hier(bucket: int) -> dict:
+        return {"hierarchical": True} if bucket in ctx.hierarchical else {}
+
+    # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
+    across = ctx.prefetch.across_micro_steps and ctx.plan.micro_batches > 1
+    carried = distance if across and 1 <= distance < len(intervals) else 0
+    # a pipeline chunk runs forward and backward as two graphs (passes.phase_split): no gather in flight across
+    cut = next((n for n in graph.nodes if n.op == "call_function" and n.meta.get(META_REGION) == REGION_BWD), None) \
+        if ctx.plan.stages > 1 else None
+    waits: list[torch.fx.Node] = []
+    last_at_cut = None
+    for k, iv in enumerate(intervals):
+        lay = layouts[iv.bucket]
+        if not gathers:
+            src = shards[iv.bucket]
+            anchor = iv.first
+        else:
+            # issued right after the wait of the interval `distance` before (the first
+            # `distance` ones up front, before the first wait); distance 0: right before its wait.
+            # A pipeline chunk: a backward gather whose turn falls in forward is issued when backward
+            # starts (in order, before any backward wait)
+            at_cut = (cut is not None and k > 0 and distance > 0 and iv.key[0] == REGION_BWD
+                      and (k < distance or intervals[k - distance].key[0] != REGION_BWD))
+            if at_cut:
+                where = graph.inserting_before(cut) if last_at_cut is None else graph.inserting_after(last_at_cut)
+            elif distance == 0 or k == 0:
+                where = graph.inserting_before(iv.first)
+            elif k < distance:
+                where = graph.inserting_before(waits[0])
+            else:
+                where = graph.inserting_after(waits[k - distance])
+            with where:
+                fn = C.all_gather_carried if k < carried else C.all_gather_issue
+                issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
+            last_at_cut = issue if at_cut else last_at_cut
+            with graph.inserting_before(iv.first):
+                src = graph.call_function(C.collective_wait, (comm, issue))
+            _tag(issue, iv.first, iv.bucket)
+            _tag(src, iv.first, iv.bucket)
+            waits.append(src)
+            anchor = iv.first
+        for slot in lay.slots:
+            if slot.name in iv.params:
+                args = (src, slot.offset, slot.numel, slot.shape)
+                with graph.inserting_before(anchor):
+                    iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
+                # what it holds (the compiled regions of micscompile.runtime.codegen read shapes from "val")
+                iv.unpacked[slot.name].meta["val"] = torch.empty(
+                    slot.shape, dtype=lay.gather_dtype if gathers else lay.dtype, device="meta")
+        if gathers:
+            with graph.inserting_after(iv.last):
+                rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
+            _tag(rel, iv.last, iv.bucket)
+    for j in range(carried):  # the next micro-step's gather j, where gather n + j would be issued
+        at = waits[len(intervals) - distance + j]
+        bucket = intervals[j].bucket
+        with graph.inserting_after(at):
+            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket]), hier(bucket)),
+                 intervals[j].first, bucket)
+
+    # ---- consumers read parameter views re-derived inside their interval ---------------
+    memo: dict[tuple, torch.fx.Node] = {}
+
+    def rederive(node: torch.fx.Node, consumer: torch.fx.Node) -> torch.fx.Node:
+        ivs = tuple(sorted(id(active[(consumer, bucket_of[n])]) for n in derived[node]))
+        key = (node, ivs)
+        if key not in memo:
+            if node in param_nodes:
+                memo[key] = active[(consumer, bucket_of[param_nodes[node]])].unpacked[param_nodes[node]]
+            else:
+                with graph.inserting_before(consumer):
+                    memo[key] = _tag(graph.node_copy(node, lambda a: rederive(a, consumer)), consumer)
+        return memo[key]
+
+    for c in consumers:
+        for i in [i for i in c.all_input_nodes if i in derived]:
+            c.replace_input_with(i, rederive(i, c))
+
+    # ---- gradient reduction --------------------------------------------------------------
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    loss, *rest = output.args[0]
+    grads, extra = rest[: len(tg.trainable)], rest[len(tg.trainable):]  # extra: a pipeline chunk's sends
+    grad_of = dict(zip(tg.trainable, grads))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
+    if p == 1 and reduce_fn is C.reduce_scatter_issue:
+        reduce_fn = C.pack_local
+    jobs = []
+    for lay in layouts:
+        gs = [grad_of.get(s.name) for s in lay.slots]
+        producers = [g for g in gs if isinstance(g, torch.fx.Node)]
+        if not producers:
+            continue  # nothing in this bucket gets a gradient: nothing to reduce
+        at = max(producers, key=order.__getitem__)
+        jobs.append((order[at], lay.index, at, gs))
+    jobs.sort(key=lambda j: (j[0], j[1]))
+    results: dict[int, torch.fx.Node] = {}
+    anchor, pending = None, None
+    for _, b, at, gs in jobs:
+        if anchor is not None and order.get(anchor, -1) >= order[at]:
+            at = anchor
+        with graph.inserting_after(at):
+            kwargs = hier(b) if reduce_fn is C.reduce_scatter_issue else {}
+            issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
+        anchor = issue
+        order[issue] = order[at]
+        if reduce_fn is C.pack_local:
+            results[b] = issue
+            continue
+        if pending is not None:
+            with graph.inserting_before(issue):
+                results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), at, pending[0])
+        pending = (b, issue)
+    if pending is not None:
+        with graph.inserting_before(output):
+            results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0])
+    output.args = ((loss, *(results.get(lay.index) for lay in layouts), *extra),)
+
+    # ---- drop the full-parameter placeholders and what only they fed -------------------
+    for node in reversed(list(graph.nodes)):
+        if node in derived and not node.users:
+            graph.erase_node(node)
+    alive = set(graph.nodes)  # (membership in graph.nodes is a linear scan)
+    left = [name for n, name in param_nodes.items() if n in alive]
+    if left:
+        raise RuntimeError(f"insert_collectives: parameters still read outside any interval: {left}")
+    return graph

@@ -1,0 +1,417 @@
+"""Emit for pipeline plans (MiCS-Pipe): ``PipelineStep`` runs this rank's schedule.
+
+Topology (docs/design.md): n = S * t * d. A ("replicate", "pipe", "shard") DeviceMesh of
+shape (d, S, t): every S*t consecutive ranks are one pipeline, every t consecutive
+ranks inside it a stage's partition group ("shard"); "pipe" links the S ranks that
+carry the same micro-batches from stage to stage, "replicate" the d ranks holding
+the same shard of a stage. The ranks of one pipeline chain get the same local batch.
+
+Each of this rank's chunks is a rewritten graph split into a forward and a backward
+GraphModule (passes.phase_split) with the MiCS collectives of its own partition group
+inside. The schedule's actions run in order: F and B call those modules; each run of adjacent
+P2P actions goes out as one ``batch_isend_irecv`` over the "pipe" group (``PipeSchedule.batched``,
+ordered to be deadlock-free under NCCL's rules); a batch's Work is waited for right before the
+first compute that reads one of its receives (on NCCL the batch is one coalesced Work, its receive
+buffers valid only after it; on gloo the receives' own Works), and every batch at the end of the
+step; what a forward sends is dropped once posted, and a backward gets only the values it reads.
+AR is the boundary: all-reduce each chunk's gradient shards over "replicate" (2-hop),
+sum a tied parameter's partial gradients between the chunks that hold it, all-reduce
+the loss, scale by 1 / (t * d * m) and step the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from micscompile.core import collectives as C
+from micscompile.core.collectives import Comm, CommStats, GroupInfo
+from micscompile.core.pipeline_schedule import Op
+from micscompile.core.plan import ResolvedPlan
+from micscompile.core.program import Kind, ProgramError
+from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
+from micscompile.lowering.pipeline import PipelineProgram
+from micscompile.memory.arena import Arena, OutsideArena
+from micscompile.memory.lifetimes import arena_plan
+from micscompile.memory.stats import MemoryStats
+from micscompile.passes.phase_split import Phases, split_phases
+from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.runtime.materialize import local_state
+from micscompile.runtime.state_dict import Checkpointable, Home
+from micscompile.trace import TrainGraph, check_batch, split_batch
+
+
+class _Posted:
+    """One posted batch of P2P ops and its Works: one for the whole batch where the backend coalesces
+    ``batch_isend_irecv`` (NCCL), else one per op (gloo); each waited for once."""
+
+    def __init__(self, works: list, n_ops: int, receives: list[int], what: str) -> None:
+        self.works, self.coalesced, self.receives, self.what = works, len(works) < n_ops, receives, what
+        self.waited: set[int] = set()
+
+    def wait(self, receives_only: bool = False) -> None:
+        """Wait for the batch, or for what its receives need: on NCCL the batch's one Work (the compute
+        stream then waits for the whole batch, its sends included), on gloo the receives' own Works."""
+        todo = self.receives if receives_only and not self.coalesced else range(len(self.works))
+        todo = [i for i in todo if i not in self.waited]
+        if todo:
+            with C.guarded(self.what):
+                for i in todo:
+                    self.works[i].wait()
+                    self.waited.add(i)
+
+
+@dataclass
+class _Chunk:
+    index: int
+    phases: Phases
+    comm: Comm
+    shards: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    batch_inputs: tuple[int, ...]
+    n_send_act: int
+    fwd_used: list[bool]
+    """Which forward placeholders the forward reads (the others get None)."""
+    bwd_used: list[bool]
+    boundary_buckets: list[int]
+
+
+def _used(gm: torch.fx.GraphModule) -> list[bool]:
+    return [bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _pick(args: Sequence, used: list[bool]) -> list:
+    return [a if u else None for a, u in zip(args, used)]
+
+
+def split_chunks(pp: PipelineProgram, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
+    """This rank's chunks as forward and backward GraphModules (``passes.phase_split``; after
+    ``lifetimes.buffers_as_run`` rewrote their graphs for the arena); with
+    ``Plan.codegen="inductor"`` their compute regions compiled, identical ones once across chunks."""
+    phases, regions, cache = {}, [], {}
+    for c in pp.my_chunks():
+        st, sched = pp.split.stages[c], pp.chunks[c]
+        n_buckets = len(sched.ctx.layouts)
+        forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
+        phases[c] = split_phases(torch.fx.GraphModule(st.graph.gm, sched.graph), forward_outputs)
+        if pp.plan.plan.codegen == "inductor":
+            for name, gm in ((f"chunk {c} forward", phases[c].forward), (f"chunk {c} backward", phases[c].backward)):
+                regions += compile_regions(gm, device, graph_name=name, cache=cache, first_index=len(regions))
+    return phases, (CodegenReport(regions) if pp.plan.plan.codegen == "inductor" else None)
+
+
+def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
+    """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
+    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size)  # never a flat plan's (d, p, k) key
+    if key not in cache:
+        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
+                                mesh_dim_names=("replicate", "pipe", "shard"))
+        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard")}
+    for name, pg in cache[key].items():
+        actual = tuple(dist.get_process_group_ranks(pg))
+        if actual != groups[name].ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+        groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)
+
+
+def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, GroupInfo]:
+    """Tied parameter -> the group of this chain's ranks whose chunks hold it (every rank creates
+    every chain's group, in the same order, as ``new_group`` requires)."""
+    rp, sched = pp.plan, pp.schedule
+    out = {}
+    for name, chunks in sorted(pp.split.tied.items()):
+        positions = tuple(sorted({sched.rank_of(c) for c in chunks}))
+        if len(positions) < 2:
+            continue  # all on this rank: summed locally
+        key = ("tied", rp.world_size, rp.stages, rp.partition_size, positions)
+        if key not in cache:
+            chains = [r for r in range(rp.world_size) if rp.stage_of(r) == 0]
+            cache[key] = {}
+            for first in chains:
+                ranks = [rp.pipe_ranks(first)[s] for s in positions]
+                pg = dist.new_group(ranks)
+                for r in ranks:
+                    cache[key][r] = pg
+        if rank in cache[key]:
+            pg = cache[key][rank]
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            out[name] = GroupInfo("tied", pg, ranks, ranks.index(rank), False)
+    return out
+
+
+class PipelineStep(Checkpointable):
+    """One optimizer step of a pipeline plan; call it with this rank's local batch (the same on
+    every rank of one pipeline chain)."""
+
+    def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
+                 optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
+                 chunk_phases: dict[int, Phases], step_buffers: list, arena: bool = True, timeout=None,
+                 codegen: CodegenReport | None = None) -> None:
+        self.program = pp
+        self.codegen = codegen
+        """With ``Plan.codegen="inductor"``: the compiled regions of this rank's chunks (print it)."""
+        self.graph = graph
+        self.device = device
+        rp = pp.plan
+        self._rp = rp
+        self._groups = groups
+        self._state_keys = state_keys
+        self._stats = CommStats()
+        self._scale = 1.0 / (rp.partition_size * rp.replicas * rp.micro_batches)
+        self._stage = rp.stage_of(pp.rank)
+        self._pipe = groups["pipe"]
+        self._chunks: dict[int, _Chunk] = {}
+        self._step_buffers = step_buffers
+        self._arena = Arena(*arena_plan(self._step_buffers), device) if arena else None
+        self.track_memory = False
+        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
+        ops run eagerly: the kernels of ``Plan.codegen="inductor"`` allocate below the dispatcher, unseen (their
+        regions' output bytes are in ``codegen``)."""
+        self._outside_peak_bytes: int | None = None
+        self.params: dict[str, nn.Parameter] = {}
+        self._chunk_params: dict[int, dict[str, nn.Parameter]] = {}
+        params: list[nn.Parameter] = []
+        unused = graph.unused_params
+        shard_rank = groups["shard"].rank
+        for c in pp.my_chunks():
+            st, sched = pp.split.stages[c], pp.chunks[c]
+            layouts = sched.ctx.layouts
+            phases = chunk_phases[c]
+            comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats,
+                        arena=self._arena)
+            shards, buffers = local_state(model, layouts, shard_rank, device, init_fn)
+            grads = [torch.zeros_like(s) for s in shards]
+            boundary = [a.bucket for a in sched.program.boundary if a.kind is Kind.ALL_REDUCE]
+            self._chunks[c] = _Chunk(c, phases, comm, shards, grads, [buffers[n] for n in st.graph.buffer_names],
+                                     st.batch_inputs, len(st.send_act), _used(phases.forward),
+                                     _used(phases.backward), boundary)
+            self._chunk_params[c] = {}
+            for name, p in shard_parameters(layouts, shards, grads, shard_rank, set(st.graph.trainable), unused):
+                self._chunk_params[c][name] = p
+                self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
+                params.append(p)
+        self._tied = _tied_groups(pp, pp.rank, cache)
+        self.optimizer = optimizer_factory(params)
+        self.steps = 0
+        self.timeout = timeout
+        """How long any collective of the step may take (None: the process groups' own)."""
+        if timeout is not None:
+            C.set_timeout([*groups.values(), *self._tied.values()], timeout)
+
+    # ---- tied parameters -----------------------------------------------------------------
+    def _tied_pieces(self, name: str) -> list[torch.Tensor]:
+        """This rank's piece of a tied parameter's gradient in each of its chunks holding it."""
+        rank = self._groups["shard"].rank
+        out = []
+        for ch in self._chunks.values():
+            for lay in ch.comm.layouts:
+                for slot in lay.slots:
+                    if slot.name == name:
+                        out.append(local_piece(lay, slot, ch.grads[lay.index], rank))
+        return out
+
+    # ---- the step ------------------------------------------------------------------------
+    def _peer(self, chunk: int) -> int:
+        return self._pipe.ranks[self.program.schedule.rank_of(chunk)]
+
+    def _tag(self, mb: int, chunk: int, backward: bool, i: int) -> int:
+        return ((mb * len(self.program.chunks) + chunk) * 2 + backward) * 256 + i
+
+    def _post(self, batch, outbox: dict, inbox: dict, posted: list) -> None:
+        """Post one batch of adjacent P2P actions as one ``batch_isend_irecv``. Its Work is waited for
+        right before the first compute that reads one of its receives (``_received``), and at the end
+        of the step: on NCCL the batch is one coalesced Work, and its buffers are valid only after it."""
+        stages = self.program.split.stages
+        ops, received, receives = [], [], []
+        for a in batch:
+            backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
+            if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                peer = self._peer(a.chunk + (-1 if backward else 1))
+                for i, t in enumerate(outbox.pop((a.op, a.mb, a.chunk))):
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pipe.group,
+                                          self._tag(a.mb, a.chunk, backward, i)))
+            else:
+                src = a.chunk + (1 if backward else -1)
+                specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
+                bufs = [self._recv_buffer(f"{a.op.value}{a.chunk}", t) for t in specs]
+                received.append(((a.op, a.mb, a.chunk), bufs))
+                for i, t in enumerate(bufs):
+                    receives.append(len(ops))
+                    ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
+                                          self._tag(a.mb, src, backward, i)))
+        what = f"pipeline P2P over {self._pipe.label()} ({' '.join(map(str, batch))})"
+        with C.guarded(what):
+            work = _Posted(dist.batch_isend_irecv(ops) if ops else [], len(ops), receives, what)
+        posted.append(work)
+        for key, bufs in received:
+            inbox[key] = (bufs, work)
+
+    @staticmethod
+    def _received(inbox: dict, key) -> list[torch.Tensor]:
+        """A receive's buffers, after waiting for the batch that brings them (none: a local input)."""
+        if key not in inbox:
+            return []
+        bufs, work = inbox.pop(key)
+        work.wait(receives_only=True)
+        return bufs
+
+    def _recv_buffer(self, name: str, spec) -> torch.Tensor:
+        if self._arena is None:
+            return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype).view(spec.shape)
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One optimizer step (raises ``CollectiveError`` as ``TrainStep`` does)."""
+        check_batch(batch, self.graph.input_specs, self._rp.micro_batches, "this pipeline chain's")
+        try:
+            return self._step(batch)
+        except C.CollectiveError as exc:
+            raise C.step_failure(exc, self.program.rank, self.steps + 1, self.timeout) from exc
+
+    def _step(self, batch) -> torch.Tensor:
+        rp, pp = self._rp, self.program
+        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
+        outbox: dict = {}
+        inbox: dict = {}  # receive -> (its buffers, its batch's _Posted)
+        saved: dict = {}
+        posted: list[_Posted] = []
+        probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
+        if self._arena is not None:
+            self._arena.begin_step()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
+        with torch.no_grad(), probe:
+            for ch in self._chunks.values():
+                for g in ch.grads:
+                    g.zero_()
+            for a in pp.schedule.batched(self._stage):
+                if isinstance(a, tuple):
+                    self._post(a, outbox, inbox, posted)
+                elif a.op is Op.FORWARD:
+                    ch = self._chunks[a.chunk]
+                    acts = self._received(inbox, (Op.RECV_ACT, a.mb, a.chunk))
+                    inputs = [micro[a.mb][k] for k in ch.batch_inputs]
+                    n_grad = len(pp.split.stages[a.chunk].recv_grad)
+                    args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *([None] * n_grad)]
+                    out = ch.phases.forward(*_pick(args, ch.fwd_used))
+                    if out[0] is not None:
+                        loss_sum += out[0].float()
+                    if ch.n_send_act:
+                        outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
+                    saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
+                    del out, args, acts
+                elif a.op is Op.BACKWARD:
+                    ch = self._chunks[a.chunk]
+                    inputs, acts, kept = saved.pop((a.mb, a.chunk))
+                    grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
+                    args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
+                    del acts, kept, grads_in
+                    out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
+                    n = len(ch.grads)
+                    for acc, g in zip(ch.grads, out[:n]):
+                        if g is not None:
+                            acc.add_(g)
+                    if len(out) > n:
+                        outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
+                    del out
+                elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
+                    raise ProgramError(f"unknown pipeline action {a}")
+            for work in posted:  # the sends (and any receive nothing read)
+                work.wait()
+        if self._arena is not None:
+            self._arena.end_step()
+        with torch.no_grad():
+            loss_buf = self._boundary(loss_sum)
+        if self.track_memory:
+            self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
+        self._drop_provisional_state()
+        self.optimizer.step()
+        self.steps += 1
+        return (loss_buf[0] * self._scale).detach()
+
+    def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        replicate, world = self._groups["replicate"], self._groups["world"]
+        reduce_dtype = self._rp.plan.reduce_dtype
+        works = [C.all_reduce_start(self._stats, replicate, ch.grads[b], reduce_dtype)
+                 for ch in self._chunks.values() for b in ch.boundary_buckets]
+        loss_buf = loss_sum.reshape(1)
+        works.append(C.all_reduce_start(self._stats, world, loss_buf, torch.float32))
+        for w in works:
+            C.collective_wait(None, w)
+        for name in sorted(self.program.split.tied):
+            pieces = self._tied_pieces(name)
+            if not pieces:
+                continue
+            total = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
+            if name in self._tied:
+                tied = self._tied[name]
+                with C.guarded(f"all_reduce of tied {name} over {tied.label()}"):
+                    dist.all_reduce(total, group=tied.group)
+                self._stats.record(C.ALL_REDUCE, tied, total.numel() * total.element_size())
+            for piece in pieces:
+                piece.copy_(total)
+        for ch in self._chunks.values():
+            for g in ch.grads:
+                g.mul_(self._scale)
+        return loss_buf
+
+    # ---- inspection and export -------------------------------------------------------------
+    def memory_stats(self) -> MemoryStats:
+        """As ``TrainStep.memory_stats``: the arena, what stays outside it, the caching-allocator comparison."""
+        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan,
+                              None if self.codegen else self._outside_peak_bytes)
+
+    def comm_stats(self) -> CommStats:
+        return self._stats
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter its chunks hold (1-D, possibly empty)."""
+        rank = self._groups["shard"].rank
+        return {k: v for ch in self._chunks.values() for k, v in local_pieces(ch.comm.layouts, ch.shards, rank).items()}
+
+    def _homes(self) -> list[Home]:
+        """A tied weight is saved from the lowest chunk holding it and loaded into every one."""
+        r, tied = self._groups["shard"].rank, self.program.split.tied
+        return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
+                     self._chunk_params[ch.index].get(slot.name), ch.index == min(tied.get(slot.name, [ch.index])))
+                for ch in self._chunks.values() for lay, shard in zip(ch.comm.layouts, ch.shards) for slot in lay.slots]
+
+    def _state_buffers(self) -> dict[str, torch.Tensor]:
+        stages = self.program.split.stages
+        return {n: b for ch in self._chunks.values() for n, b in zip(stages[ch.index].graph.buffer_names, ch.buffers)
+                if n in self._state_keys}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank
+        must call it. Each stage gathers its chunks over its partition group; then each tensor is
+        broadcast from the one rank that holds it (the first replica's shard rank 0 of its stage) on
+        the step's device, one at a time: only names and shapes travel as objects."""
+        mine: dict[str, torch.Tensor] = {}
+        shard = self._groups["shard"]
+        for ch in self._chunks.values():
+            mine.update(C.gather_full(ch.comm.layouts, ch.shards, shard, self.graph.param_aliases))
+            names = self.program.split.stages[ch.index].graph.buffer_names
+            mine.update({n: b.detach().cpu().clone() for n, b in zip(names, ch.buffers)})
+        if shard.rank or self._groups["replicate"].rank:
+            mine = {}
+        specs: list = [None] * self._rp.world_size
+        dist.all_gather_object(specs, {k: (tuple(v.shape), v.dtype) for k, v in mine.items() if k in self._state_keys})
+        owner = {}
+        for r, part in enumerate(specs):
+            for k, spec in part.items():
+                owner.setdefault(k, (r, spec))
+        rank, full = dist.get_rank(), {}
+        for k in self._state_keys:
+            src, (shape, dtype) = owner[k]
+            t = mine[k].to(self.device) if rank == src else torch.empty(shape, dtype=dtype, device=self.device)
+            with C.guarded(f"broadcast of {k} from rank {src}"):
+                dist.broadcast(t, src=src)
+            full[k] = mine[k] if rank == src else t.cpu()
+        return full

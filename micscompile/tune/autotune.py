@@ -1,0 +1,265 @@
+"""``mc.autotune``: choose partition size, pipeline stages, micro-batch size and memory options.
+
+From one trace (``mc.trace(..., symbolic_batch=True)``: every node's bytes and FLOPs are sympy
+expressions in the micro-batch size) and the cost model, without the cluster:
+
+1. ``search_space.configs`` lists every valid (S, p or t, b, checkpoint, offload, hierarchical)
+   for the world size and global batch; each is priced with each prefetch choice that applies.
+2. A candidate whose model states alone exceed the device (a lower bound of its planned peak)
+   is infeasible without pricing. Every other one is priced by ``repricing.Pricer``: the same
+   passes, Program and event simulation as ``mc.simulate``, lowered once per plan structure.
+   Its memory is the simulated peak of the planned Program (model states, gathered and reduced
+   buckets, activations with their planned lifetimes, offloaded or not); over the device's
+   capacity it is infeasible, with the reason kept.
+3. Feasible candidates are ranked by predicted step time; each says why it beat the next.
+
+``measure=True`` then runs the top candidates for a few steps on the process group
+(``mc.compile``) and re-ranks them by measured step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from micscompile.core.collectives import fmt_bytes
+from micscompile.core.launch import collective_device
+from micscompile.core.plan import Plan, PlanError
+from micscompile.core.program import Prefetch
+from micscompile.cost_model.calibrate import device_sync
+from micscompile.cost_model.simulator import Prediction
+from micscompile.cost_model.specs import Cluster
+from micscompile.runtime.step import compile as compile_step
+from micscompile.trace import TrainGraph
+from micscompile.tune.repricing import Pricer
+from micscompile.tune.search_space import configs, prefetches, state_floor_bytes
+
+
+@dataclass
+class Candidate:
+    """One plan (with its micro-batch size and prefetch choice) and what it is predicted to cost."""
+
+    plan: Plan
+    micro_batch_size: int
+    prefetch: Prefetch
+    feasible: bool
+    reason: str = ""
+    """Why it is infeasible (empty when feasible)."""
+    prediction: Prediction | None = None
+    why: str = ""
+    """Why it ranks above the next candidate."""
+    measured_step_s: float | None = None
+    """``measure=True``: mean measured step time on the process group."""
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.prediction.step_time_s if self.prediction else None
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        return self.prediction.tflops_per_gpu if self.prediction else None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return self.prediction.peak_memory_bytes if self.prediction else None
+
+    @property
+    def exposed_comm_s(self) -> float | None:
+        return self.prediction.exposed_comm_s if self.prediction else None
+
+    def label(self) -> str:
+        p = self.plan
+        pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
+        parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
+                 f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
+        if p.checkpoint:
+            parts.append("ckpt" if p.checkpoint is True else "sel-ckpt")
+        if p.offload_activations:
+            parts.append("offload")
+        if p.hierarchical is False:
+            parts.append("flat")
+        if self.prefetch != Prefetch(distance=0):
+            parts.append(short(self.prefetch))
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        if not self.feasible:
+            return f"{self.label()}: infeasible: {self.reason}"
+        pred = self.prediction
+        return (f"{self.label()}: {pred.step_time_s:.3f} s/step, {pred.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                f"peak {fmt_bytes(pred.peak_memory_bytes)}, exposed comm {pred.exposed_comm_s:.3f} s")
+
+
+def short(pf: Prefetch) -> str:
+    """``d2``: gathers 2 ahead; ``+x`` across micro-steps; ``+keep2``: 2 buckets kept live."""
+    return f"d{pf.distance}" + ("+x" if pf.across_micro_steps else "") + (f"+keep{pf.keep_live}" if pf.keep_live else "")
+
+
+def _why(a: Candidate, b: Candidate) -> str:
+    """Why ``a`` ranks above ``b``: the part of the step time that differs most."""
+    pa, pb = a.prediction, b.prediction
+    gain = pb.step_time_s - pa.step_time_s
+    parts = {"exposed communication": pb.exposed_comm_s - pa.exposed_comm_s,
+             "compute (recomputation, packing, optimizer)": pb.compute_s - pa.compute_s}
+    if (pa.bubble_fraction or 0) or (pb.bubble_fraction or 0):
+        parts["pipeline bubble"] = gain - sum(parts.values())
+    what, most = max(parts.items(), key=lambda kv: kv[1])
+    if gain <= 0:
+        return f"as fast as {b.label()} (predicted), priced first"
+    head = f"{gain / pb.step_time_s:.2%} faster than {b.label()}"
+    return head + (f": {most:.3f} s less {what}" if most > 0 else "")
+
+
+def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
+    """The top feasible candidates, the columns users compare."""
+    rows = [c for c in cands if c.feasible][:top]
+    measured = any(c.measured_step_s is not None for c in rows)
+    head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} "
+            f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
+    head += f" {'measured s':>10}" if measured else ""
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for i, c in enumerate(rows):
+        p, pred = c.plan, c.prediction
+        d = pred.world_size // (p.pipeline_stages * p.partition_size)
+        bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
+        ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
+        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
+                f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
+                f"{short(c.prefetch):<9} {pred.step_time_s:>8.4f} {pred.tflops_per_gpu:>8.1f} "
+                f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
+        line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
+        print(line, file=file)
+
+
+def autotune(
+    trace: TrainGraph,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    base_plan: Plan | None = None,
+    partition_sizes: Sequence[int] | None = None,
+    pipeline_stages: Sequence[int] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    checkpoint: Sequence = (False, True, "selective"),
+    offload: Sequence[bool] = (False, True),
+    hierarchical: Sequence = ("auto", False),
+    pipeline_chunks: Sequence[int] = (1, 2),
+    flops_per_sample: float | None = None,
+    progress: bool = True,
+    top: int = 10,
+    verbose: bool = True,
+    measure: bool = False,
+    **measure_kwargs,
+) -> list[Candidate]:
+    """Every candidate plan for training ``trace``'s model with ``global_batch_size`` samples per step
+    on ``cluster``, best first: the feasible ones by predicted step time, then the infeasible ones
+    with their reasons.
+
+    ``trace``: ``mc.trace(..., symbolic_batch=True)`` searches ``micro_batch_sizes`` (default: every
+    size up to 32 that splits the batch); a concrete trace searches only its own micro-batch size.
+    ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
+    compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
+    where v > 1). ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
+    recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
+    ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    n, k = cluster.world_size, cluster.gpus_per_node
+    base = base_plan or Plan(param_dtype=trace.compute_dtype or torch.float32)
+    base = dataclasses.replace(base, gpus_per_node=k)
+    sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
+    space = configs(n, k, global_batch_size, len(trace.blocks), partition_sizes=partition_sizes,
+                    pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint,
+                    offload=offload, hierarchical=hierarchical, chunks=pipeline_chunks)
+    if not space:
+        raise PlanError(f"no plan splits a global batch of {global_batch_size} over {n} ranks with micro-batch sizes "
+                        f"{list(sizes or [])  or 'up to 32'}: choose a global batch divisible by n / S for some "
+                        "pipeline depth S")
+    pricer = Pricer(trace, cluster, sorted({c.micro_batch for c in space}))
+    num_params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
+    capacity = cluster.gpu.memory_bytes
+    out: list[Candidate] = []
+    # one structure at a time: its lowering is shared by all its candidates
+    space.sort(key=lambda c: (str(c.structure), c.partition, str(c.hierarchical), c.micro_batch))
+    bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan", disable=not progress,
+               leave=False)
+    for cfg in space:
+        plan = cfg.plan(base)
+        floor = state_floor_bytes(num_params, cfg)
+        per_sample = flops_per_sample or pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
+        for pf in prefetches(cfg):
+            bar.update()
+            if floor > capacity:
+                out.append(Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need {fmt_bytes(floor)} "
+                                     f"per GPU (16 B per parameter over S*p = {cfg.stages * cfg.partition} ranks), "
+                                     f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
+                continue
+            pred = pricer.predict(plan, cfg.micro_batch, pf)
+            pred.flops_per_step = per_sample * global_batch_size / n
+            feasible = pred.peak_memory_bytes <= capacity
+            reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
+                                          f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
+            out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))
+    bar.close()
+    ranked = rank(out)
+    if measure:
+        ranked = measure_top(ranked, **measure_kwargs)
+    if verbose:
+        good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
+        print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced} ruled out by their model states "
+              f"alone), {good} feasible")
+        print_table(ranked, top)
+    return ranked
+
+
+def rank(cands: list[Candidate], key: Callable[[Candidate], float] = lambda c: c.step_time_s) -> list[Candidate]:
+    """Feasible candidates by ``key`` (ties: the order they were priced in), then the infeasible ones;
+    each feasible one says why it beat the next."""
+    good = sorted((c for c in cands if c.feasible), key=key)
+    for a, b in zip(good, good[1:]):
+        a.why = _why(a, b)
+    return good + [c for c in cands if not c.feasible]
+
+
+def measure_top(ranked: list[Candidate], *, model: torch.nn.Module, loss_fn, make_batch: Callable[[int], tuple],
+                optimizer=None, top_k: int = 3, steps: int = 3, warmup: int = 1, **compile_kwargs) -> list[Candidate]:
+    """Run the ``top_k`` feasible candidates for ``steps`` steps each (after ``warmup``) on the
+    initialized process group and re-rank them by mean measured step time; the rest follow in
+    predicted order. ``make_batch(n)`` returns this rank's batch inputs for ``n`` samples (the
+    model's inputs, then the loss's)."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("measure=True runs candidates on the process group: call "
+                           "torch.distributed.init_process_group first (e.g. under torchrun)")
+    optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
+    tried = [c for c in ranked if c.feasible][:top_k]
+    for c in tried:
+        local = c.micro_batch_size * c.plan.micro_batches  # this rank's (its pipeline's) samples per step
+        example = make_batch(c.micro_batch_size)
+        step = compile_step(model, c.plan, loss_fn=loss_fn, optimizer=optimizer, example_inputs=example,
+                          prefetch=[c.prefetch], **compile_kwargs)
+        batch = make_batch(local)
+        for _ in range(warmup):
+            step(*batch)
+        device_sync()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(*batch)
+        device_sync()
+        torch.distributed.barrier()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], device=collective_device())
+        torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        c.measured_step_s = float(elapsed)
+    done = sorted(tried, key=lambda c: c.measured_step_s)
+    for a, b in zip(done, done[1:]):
+        a.why = (f"measured {a.measured_step_s:.4f} s against {b.measured_step_s:.4f} s for {b.label()} "
+                 f"(predicted {a.step_time_s:.4f} s and {b.step_time_s:.4f} s)")
+    return done + [c for c in ranked if c not in tried]

@@ -1,0 +1,221 @@
+"""Lower once per plan structure, price every partition size and micro-batch size from it.
+
+What ``mc.autotune`` runs per candidate. A plan's *structure* is what changes the rewritten
+graph: checkpointing, offload and whether parameters are gathered at all (p = 1 without a cast
+gathers nothing); a pipeline is lowered chunk by chunk, once per chunk shape (``chunk_keys``) and
+structure, whatever its depth. Within one structure:
+
+* the micro-batch size b changes only the numbers on the nodes: the trace is evaluated at
+  every searched b at once (``TrainGraph.at_batch(sizes)``: every batch-dependent byte and
+  FLOP count a numpy array over the sizes), lowered once, and ``at_index`` picks one size's
+  Program out of it;
+* the partition size p changes only the buckets' sizes and groups: ``for_partition`` puts the
+  layouts, groups, hierarchical choice and replication all-reduces of p into the Program
+  lowered for another p (tests: equal to lowering p directly).
+
+Each candidate then costs one ``passes.schedule.with_schedule`` and one simulation. Predictions
+equal ``mc.simulate(trace.at_batch(b), plan, cluster, prefetch=[pf], scaling=False)`` (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from micscompile.core.pipeline_schedule import make_schedule
+from micscompile.core.plan import Plan, ResolvedPlan
+from micscompile.core.program import Action, Kind, Prefetch, Program
+from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.build import boundary_actions, build_program
+from micscompile.lowering.flat import Schedule, hierarchical_buckets, schedule, with_schedule
+from micscompile.lowering.pipeline import PipelineProgram, simulate_pipeline
+from micscompile.lowering.predict import model_buffer_bytes, planned_groups
+from micscompile.passes.context import make_context
+from micscompile.passes.manager import build_pass_list, run_passes
+from micscompile.passes.pipeline_split import (
+    PipelineSplit,
+    Transfer,
+    cut_points,
+    forward_units,
+    split,
+    unit_costs,
+    unit_state,
+)
+from micscompile.trace import META_FLOPS, TrainGraph
+from micscompile.tune.chunk_keys import ChunkKeys
+
+_PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
+"""The Action fields that depend on the micro-batch size."""
+
+
+def _pick(value, i: int):
+    return int(value[i]) if isinstance(value, np.ndarray) else value
+
+
+def at_index(program: Program, i: int) -> Program:
+    """The Program of the ``i``-th micro-batch size of a Program lowered over several."""
+    def one(a: Action) -> Action:
+        if a.kind is not Kind.COMPUTE:
+            return a
+        return a._replace(**{f: _pick(getattr(a, f), i) for f in _PER_SIZE})
+    return dataclasses.replace(program, micro_step=[one(a) for a in program.micro_step])
+
+
+def for_partition(program: Program, trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster, layouts=None) -> Program:
+    """``program`` (lowered for another partition size > 1) as ``rp`` lowers it: the layouts (``trace``'s
+    under ``rp``, unless given), groups, bucket sizes, hierarchical choice ("auto": the cost model's on
+    ``cluster``) and boundary of ``rp``."""
+    layouts = layouts or make_context(trace, rp).layouts
+    groups = planned_groups(rp)
+    hier = hierarchical_buckets(rp, layouts, cluster, groups)
+
+    def one(a: Action) -> Action:
+        if a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+            return a._replace(tensor_bytes=layouts[a.bucket].full_bytes, hierarchical=a.bucket in hier)
+        if a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
+            return a._replace(tensor_bytes=layouts[a.bucket].grad_bytes,
+                              hierarchical=a.kind is Kind.REDUCE_SCATTER and a.bucket in hier)
+        return a
+
+    micro_step = [one(a) for a in program.micro_step]
+    return Program(0, rp, layouts, groups, micro_step, boundary_actions(rp, layouts, micro_step), cluster,
+                   pricer=simulate_program)
+
+
+def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
+    """The split's transfers at the ``i``-th micro-batch size."""
+    def sizes(ts: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+        return tuple(dataclasses.replace(t, shape=tuple(_pick(d, i) for d in t.shape)) for t in ts)
+    stages = tuple(dataclasses.replace(st, recv_act=sizes(st.recv_act), recv_grad=sizes(st.recv_grad),
+                                       send_act=sizes(st.send_act), send_grad=sizes(st.send_grad))
+                   for st in sp.stages)
+    return dataclasses.replace(sp, stages=stages)
+
+
+def _structure(rp: ResolvedPlan) -> tuple:
+    """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph: not the
+    partition size (``for_partition``), the micro-batch size (``at_index``) or the pipeline's depth."""
+    plan = rp.plan
+    return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1
+
+
+class Pricer:
+    """Predictions for any plan and micro-batch size in ``sizes`` from one symbolic-batch trace."""
+
+    def __init__(self, trace: TrainGraph, cluster: Cluster, sizes: Sequence[int], **costs) -> None:
+        self.cluster, self.costs = cluster, costs
+        self.sizes = list(sizes)
+        self.trace = trace.at_batch(self.sizes) if trace.batch_symbols else trace
+        if not trace.batch_symbols and self.sizes != [trace.batch_size]:
+            raise ValueError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
+                             "mc.trace(..., symbolic_batch=True) to search micro-batch sizes")
+        self.buffer_bytes = model_buffer_bytes(self.trace)
+        self._bases: dict[tuple, object] = {}
+        self._sized_cache: dict[tuple, Program] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self._flops: dict[int, int] = {}
+        self._stages: dict = {}
+        self._cut_cache: dict[tuple, tuple[int, ...]] = {}
+        self._units = None
+
+    def graph_flops(self, b: int) -> int:
+        """FLOPs of one micro-batch of size ``b`` as traced (no recomputation)."""
+        if b not in self._flops:
+            i = self._index(b)
+            self._flops[b] = sum(_pick(n.meta.get(META_FLOPS, 0), i) for n in self.trace.gm.graph.nodes)
+        return self._flops[b]
+
+    def _index(self, b: int) -> int:
+        return self.sizes.index(b)
+
+    def _base_flat(self, rp: ResolvedPlan) -> Program:
+        """The structure's Program at distance 0, lowered over every size (cached)."""
+        key = _structure(rp)
+        if key not in self._bases:
+            ctx = make_context(self.trace, rp, prefetch=Prefetch(distance=0))  # every gather at its use
+            graph, _ = run_passes(self.trace.graph_copy(), ctx, build_pass_list(rp.plan))
+            self._bases[key] = build_program(graph, rp, ctx.layouts, planned_groups(rp), 0)
+        return self._bases[key]
+
+    def _sized(self, program: Program, tg: TrainGraph, rp: ResolvedPlan, i: int) -> Program:
+        """``program`` (a structure's, at distance 0) for ``rp`` at the ``i``-th size (cached: many
+        candidates differ only in the micro-batch count and the prefetch)."""
+        key = (id(program), rp.partition_size, rp.replicas, rp.plan.hierarchical, i)
+        if key not in self._sized_cache:
+            if rp.partition_size > 1:
+                lkey = (id(tg), rp.partition_size)
+                if lkey not in self._layouts:
+                    self._layouts[lkey] = make_context(tg, rp).layouts
+                out = for_partition(program, tg, rp, self.cluster, self._layouts[lkey])
+            else:
+                out = dataclasses.replace(program, plan=rp, groups=planned_groups(rp), cluster=self.cluster,
+                                          boundary=boundary_actions(rp, program.layouts, program.micro_step))
+            self._sized_cache[key] = at_index(out, i)
+        return dataclasses.replace(self._sized_cache[key], plan=rp)
+
+    def flat(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        """What ``mc.simulate`` predicts for ``plan`` (S = 1) at micro-batch size ``b`` with ``prefetch``."""
+        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
+        program = with_schedule(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
+        return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
+
+    def _unit_analysis(self) -> tuple:
+        """(units, seconds per size, saved bytes per size, states by t, chunk keys), once."""
+        if self._units is None:
+            units = forward_units(self.trace)
+            seconds, _, saved = unit_costs(self.trace, units, self.cluster.gpu, 1)
+            self._units = units, seconds, saved, {}, ChunkKeys(self.trace, units)
+        return self._units
+
+    def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
+        """Where ``passes.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
+        units, seconds, saved, states, _ = self._unit_analysis()
+        plan, t = rp.plan, rp.partition_size
+        key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
+        if key not in self._cut_cache:  # (the same for every checkpointing, offload and prefetch choice)
+            if t not in states:
+                states[t] = unit_state(self.trace, units, t)
+            self._cut_cache[key] = cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
+                                              states[t], [_pick(a, i) for a in saved], self.cluster.gpu)
+        return self._cut_cache[key]
+
+    def _split(self, rp: ResolvedPlan, starts: tuple[int, ...]) -> tuple[list, PipelineSplit]:
+        """(each chunk's key, the split at ``starts``): only the chunks of a new shape are split for real."""
+        # a chunk without a key (chunk_keys: it may differ from others) is known by its cut alone
+        keys = [k if k is not None else ("cut", starts, c)
+                for c, k in enumerate(self._unit_analysis()[4].of(starts))]
+        first = {k: c for c, k in reversed(list(enumerate(keys)))}
+        new = {c for c, k in enumerate(keys) if k not in self._stages and first[k] == c}
+        sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=new) if new else None
+        for c in new:
+            self._stages[keys[c]] = sp.stages[c]
+        stages = tuple(dataclasses.replace(self._stages[k], chunk=c) for c, k in enumerate(keys))
+        return keys, PipelineSplit(stages, (), starts, (), {})
+
+    def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``: each chunk
+        shape (``chunk_keys``) lowered once per structure and priced once per candidate."""
+        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
+        i = self._index(b)
+        starts = self._cuts(rp, i)
+        keys, sp = self._split(rp, starts)
+        structure, groups = _structure(rp), planned_groups(rp)
+        chunks, priced = [], {}
+        for key, st in zip(keys, sp.stages):
+            key = (structure, key)
+            if key not in self._bases:
+                lowered = schedule(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
+                self._bases[key] = lowered.program, st.graph
+            if key not in priced:
+                base, graph = self._bases[key]
+                priced[key] = Schedule(with_schedule(self._sized(base, graph, rp, i), prefetch), (), prefetch)
+            chunks.append(priced[key])
+        sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        pp = PipelineProgram(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
+        return simulate_pipeline(pp, self.cluster, record=False, **self.costs)
+
+    def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)

@@ -1,0 +1,106 @@
+"""The layering rule (docs/design.md#layering), read from the source: a module imports only
+modules of its own layer or of layers below it. Every import counts, a lazy one inside a
+function or under ``TYPE_CHECKING`` too: none may hide a back-edge."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "micscompile"
+DESIGN = PACKAGE.parent / "docs/design.md#layering".partition("#")[0]
+
+LAYERS = (
+    ("zoo", ("micscompile.zoo",)),
+    ("core", ("micscompile.core",)),
+    ("cost_model", ("micscompile.cost_model",)),
+    ("frontend", ("micscompile.trace",)),
+    ("passes", ("micscompile.passes",)),
+    ("memory", ("micscompile.memory",)),
+    ("lowering", ("micscompile.lowering",)),
+    ("runtime", ("micscompile.runtime",)),
+    ("tune", ("micscompile.tune",)),
+    ("api", ("micscompile", "micscompile.__main__", "micscompile.dynamo", "micscompile.cli")),
+)
+"""Lowest first. ``micscompile`` alone is the package's ``__init__`` (the public API)."""
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix naming ``module``."""
+    best, found = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            exact_only = p == "micscompile"
+            if (module == p or (not exact_only and module.startswith(p + "."))) and len(p) > best:
+                best, found = len(p), i
+    if found is None:
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS and docs/design.md#layering")
+    return found
+
+
+def imports_of(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, module) for every micscompile module ``path`` imports, resolved to the deepest
+    module that exists (``from micscompile.core import program`` -> ``micscompile.core.program``)."""
+    module = module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                exists = (root.parent / (sub.replace(".", "/") + ".py")).exists() or \
+                    (root.parent / sub.replace(".", "/")).is_dir()
+                out.append((node.lineno, sub if exists else base))
+    return [(line, m) for line, m in out if m == "micscompile" or m.startswith("micscompile.")]
+
+
+def back_edges(root: Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        mine = layer_of(module)
+        for line, target in sorted(set(imports_of(path, root))):
+            theirs = layer_of(target)
+            if theirs > mine:
+                found.append(f"{path.relative_to(root.parent)}:{line}: {module} ({LAYERS[mine][0]}) imports "
+                             f"{target} ({LAYERS[theirs][0]}), a higher layer")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    edges = back_edges()
+    assert not edges, "layering (docs/design.md#layering) broken:\n" + "\n".join(edges)
+
+
+def test_every_module_has_a_layer_and_the_rule_is_documented():
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path))
+    design = DESIGN.read_text()
+    order = " <- ".join(name for name, _ in LAYERS)
+    assert order in design, f"docs/design.md#layering must state the order the test enforces: {order}"
+
+
+@pytest.mark.parametrize("source", [
+    "from micscompile.runtime.step import TrainStep\n",  # at module level
+    "def f():\n    from micscompile.lowering import predict\n",  # lazily, inside a function
+    "import typing\nif typing.TYPE_CHECKING:\n    import micscompile.tune.autotune\n",
+])
+def test_a_back_edge_is_caught(tmp_path, source):
+    """The check itself: a core module importing the runtime, the lowering or tune is reported."""
+    fake = tmp_path / "micscompile"
+    for module in ("core/bad.py", "runtime/step.py", "lowering/predict.py", "tune/autotune.py"):
+        (fake / module).parent.mkdir(parents=True, exist_ok=True)
+        (fake / module).write_text(source if module == "core/bad.py" else "")
+    edges = back_edges(fake)
+    assert len(edges) == 1 and "micscompile.core.bad (core) imports" in edges[0], edges
