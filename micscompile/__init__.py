@@ -16,7 +16,8 @@ from micscompile.lowering.predict import activation_bytes_per_layer, simulate, s
 from micscompile.memory.planner import Buffer, MemoryPlan, MemoryPlanError, plan_memory
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenError, CodegenReport
-from micscompile.runtime.step import TrainStep, compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
+from micscompile.runtime.compile import compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
+from micscompile.runtime.flat import TrainStep
 from micscompile.trace import TraceError, TrainGraph, trace
 from micscompile.tune.autotune import Candidate, autotune
 

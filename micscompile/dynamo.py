@@ -273,7 +273,7 @@ class MiCSBackend:
         return self._runner(replay, batch)
 
     def _runner(self, replay: Replay, batch: list[int]):
-        from micscompile.runtime.step import compile as mc_compile
+        from micscompile.runtime.compile import compile as mc_compile
 
         consts = [(i, ref) for i, (kind, ref) in enumerate(replay.slots) if kind == "const"]
 

@@ -26,7 +26,7 @@ from micscompile.core import launch
 from micscompile.core.launch import collective_device
 from micscompile.cost_model import calibrate
 from micscompile.cost_model.specs import Link
-from micscompile.runtime import step as runtime
+from micscompile.runtime import compile as runtime
 from micscompile.tune import profile
 
 autotune = importlib.import_module("micscompile.tune.autotune")  # the module: the package exports a function of that name

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import micscompile as mc
 from micscompile.core import collectives as C
-from micscompile.runtime import step as runtime
+from micscompile.runtime import compile as runtime
 
 WORLD = 4  # the last rank is the victim
 TIMEOUT_S = 4.0

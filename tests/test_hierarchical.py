@@ -15,7 +15,7 @@ import micscompile as mc
 from micscompile.core import collectives as C
 from micscompile.core.sharding import build_layouts
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
-from micscompile.runtime.step import _groups
+from micscompile.runtime.compile import _groups
 
 WORLD = 8
 CONFIGS = [(4, 2), (8, 2), (8, 4)]  # (p, k)

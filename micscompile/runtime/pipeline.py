@@ -21,7 +21,6 @@ the loss, scale by 1 / (t * d * m) and step the optimizer.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,17 +34,15 @@ from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
 from micscompile.core.pipeline_schedule import Op
 from micscompile.core.plan import ResolvedPlan
-from micscompile.core.program import Kind, ProgramError
-from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
+from micscompile.core.program import ProgramError
+from micscompile.core.sharding import local_piece
 from micscompile.lowering.pipeline import PipelineProgram
-from micscompile.memory.arena import Arena, OutsideArena
+from micscompile.memory.arena import Arena
 from micscompile.memory.lifetimes import arena_plan
-from micscompile.memory.stats import MemoryStats
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.runtime.codegen import CodegenReport, compile_regions
-from micscompile.runtime.materialize import local_state
-from micscompile.runtime.state_dict import Checkpointable, Home
-from micscompile.trace import TrainGraph, check_batch, split_batch
+from micscompile.runtime.step import Part, Step, part_fields
+from micscompile.trace import TrainGraph
 
 
 class _Posted:
@@ -69,19 +66,13 @@ class _Posted:
 
 
 @dataclass
-class _Chunk:
-    index: int
+class _Chunk(Part):
     phases: Phases
-    comm: Comm
-    shards: list[torch.Tensor]
-    grads: list[torch.Tensor]
-    buffers: list[torch.Tensor]
     batch_inputs: tuple[int, ...]
     n_send_act: int
     fwd_used: list[bool]
     """Which forward placeholders the forward reads (the others get None)."""
     bwd_used: list[bool]
-    boundary_buckets: list[int]
 
 
 def _used(gm: torch.fx.GraphModule) -> list[bool]:
@@ -147,64 +138,38 @@ def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, Group
     return out
 
 
-class PipelineStep(Checkpointable):
+class PipelineStep(Step):
     """One optimizer step of a pipeline plan; call it with this rank's local batch (the same on
     every rank of one pipeline chain)."""
+
+    _whose_batch = "this pipeline chain's"
 
     def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
                  optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
                  chunk_phases: dict[int, Phases], step_buffers: list, arena: bool = True, timeout=None,
                  codegen: CodegenReport | None = None) -> None:
-        self.program = pp
-        self.codegen = codegen
-        """With ``Plan.codegen="inductor"``: the compiled regions of this rank's chunks (print it)."""
-        self.graph = graph
-        self.device = device
         rp = pp.plan
-        self._rp = rp
-        self._groups = groups
-        self._state_keys = state_keys
-        self._stats = CommStats()
-        self._scale = 1.0 / (rp.partition_size * rp.replicas * rp.micro_batches)
-        self._stage = rp.stage_of(pp.rank)
-        self._pipe = groups["pipe"]
-        self._chunks: dict[int, _Chunk] = {}
-        self._step_buffers = step_buffers
-        self._arena = Arena(*arena_plan(self._step_buffers), device) if arena else None
-        self.track_memory = False
-        """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
-        ops run eagerly: the kernels of ``Plan.codegen="inductor"`` allocate below the dispatcher, unseen (their
-        regions' output bytes are in ``codegen``)."""
-        self._outside_peak_bytes: int | None = None
-        self.params: dict[str, nn.Parameter] = {}
-        self._chunk_params: dict[int, dict[str, nn.Parameter]] = {}
-        params: list[nn.Parameter] = []
-        unused = graph.unused_params
-        shard_rank = groups["shard"].rank
+        stats = CommStats()
+        planned_arena = Arena(*arena_plan(step_buffers), device) if arena else None
+        chunks = []
         for c in pp.my_chunks():
             st, sched = pp.split.stages[c], pp.chunks[c]
-            layouts = sched.ctx.layouts
+            comm = Comm(sched.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], stats=stats,
+                        arena=planned_arena)
             phases = chunk_phases[c]
-            comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], stats=self._stats,
-                        arena=self._arena)
-            shards, buffers = local_state(model, layouts, shard_rank, device, init_fn)
-            grads = [torch.zeros_like(s) for s in shards]
-            boundary = [a.bucket for a in sched.program.boundary if a.kind is Kind.ALL_REDUCE]
-            self._chunks[c] = _Chunk(c, phases, comm, shards, grads, [buffers[n] for n in st.graph.buffer_names],
-                                     st.batch_inputs, len(st.send_act), _used(phases.forward),
-                                     _used(phases.backward), boundary)
-            self._chunk_params[c] = {}
-            for name, p in shard_parameters(layouts, shards, grads, shard_rank, set(st.graph.trainable), unused):
-                self._chunk_params[c][name] = p
-                self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
-                params.append(p)
+            chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, model, groups["shard"].rank, device,
+                                                  init_fn, graph.unused_params, own_buffers=True),
+                                 phases=phases, batch_inputs=st.batch_inputs, n_send_act=len(st.send_act),
+                                 fwd_used=_used(phases.forward), bwd_used=_used(phases.backward)))
         self._tied = _tied_groups(pp, pp.rank, cache)
-        self.optimizer = optimizer_factory(params)
-        self.steps = 0
-        self.timeout = timeout
-        """How long any collective of the step may take (None: the process groups' own)."""
-        if timeout is not None:
-            C.set_timeout([*groups.values(), *self._tied.values()], timeout)
+        super().__init__(program=pp, graph=graph, parts=chunks, groups=groups, stats=stats, arena=planned_arena,
+                         optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,
+                         step_buffers=step_buffers, scale=1.0 / (rp.partition_size * rp.replicas * rp.micro_batches),
+                         timeout=timeout, codegen=codegen, timeout_groups=self._tied.values())
+        self._rp = rp
+        self._stage = rp.stage_of(pp.rank)
+        self._pipe = groups["pipe"]
+        self._chunks: dict[int, _Chunk] = {ch.index: ch for ch in chunks}
 
     # ---- tied parameters -----------------------------------------------------------------
     def _tied_pieces(self, name: str) -> list[torch.Tensor]:
@@ -268,83 +233,54 @@ class PipelineStep(Checkpointable):
             return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype).view(spec.shape)
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        """One optimizer step (raises ``CollectiveError`` as ``TrainStep`` does)."""
-        check_batch(batch, self.graph.input_specs, self._rp.micro_batches, "this pipeline chain's")
-        try:
-            return self._step(batch)
-        except C.CollectiveError as exc:
-            raise C.step_failure(exc, self.program.rank, self.steps + 1, self.timeout) from exc
-
-    def _step(self, batch) -> torch.Tensor:
-        rp, pp = self._rp, self.program
-        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], rp.micro_batches)
+    def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
+        pp = self.program
         outbox: dict = {}
         inbox: dict = {}  # receive -> (its buffers, its batch's _Posted)
         saved: dict = {}
         posted: list[_Posted] = []
-        probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
-        if self._arena is not None:
-            self._arena.begin_step()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
-        with torch.no_grad(), probe:
-            for ch in self._chunks.values():
-                for g in ch.grads:
-                    g.zero_()
-            for a in pp.schedule.batched(self._stage):
-                if isinstance(a, tuple):
-                    self._post(a, outbox, inbox, posted)
-                elif a.op is Op.FORWARD:
-                    ch = self._chunks[a.chunk]
-                    acts = self._received(inbox, (Op.RECV_ACT, a.mb, a.chunk))
-                    inputs = [micro[a.mb][k] for k in ch.batch_inputs]
-                    n_grad = len(pp.split.stages[a.chunk].recv_grad)
-                    args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *([None] * n_grad)]
-                    out = ch.phases.forward(*_pick(args, ch.fwd_used))
-                    if out[0] is not None:
-                        loss_sum += out[0].float()
-                    if ch.n_send_act:
-                        outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
-                    saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
-                    del out, args, acts
-                elif a.op is Op.BACKWARD:
-                    ch = self._chunks[a.chunk]
-                    inputs, acts, kept = saved.pop((a.mb, a.chunk))
-                    grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
-                    args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
-                    del acts, kept, grads_in
-                    out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
-                    n = len(ch.grads)
-                    for acc, g in zip(ch.grads, out[:n]):
-                        if g is not None:
-                            acc.add_(g)
-                    if len(out) > n:
-                        outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
-                    del out
-                elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
-                    raise ProgramError(f"unknown pipeline action {a}")
-            for work in posted:  # the sends (and any receive nothing read)
-                work.wait()
-        if self._arena is not None:
-            self._arena.end_step()
-        with torch.no_grad():
-            loss_buf = self._boundary(loss_sum)
-        if self.track_memory:
-            self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
-        self._drop_provisional_state()
-        self.optimizer.step()
-        self.steps += 1
-        return (loss_buf[0] * self._scale).detach()
+        for ch in self._chunks.values():
+            for g in ch.grads:
+                g.zero_()
+        for a in pp.schedule.batched(self._stage):
+            if isinstance(a, tuple):
+                self._post(a, outbox, inbox, posted)
+            elif a.op is Op.FORWARD:
+                ch = self._chunks[a.chunk]
+                acts = self._received(inbox, (Op.RECV_ACT, a.mb, a.chunk))
+                inputs = [micro[a.mb][k] for k in ch.batch_inputs]
+                n_grad = len(pp.split.stages[a.chunk].recv_grad)
+                args = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *([None] * n_grad)]
+                out = ch.phases.forward(*_pick(args, ch.fwd_used))
+                if out[0] is not None:
+                    loss_sum += out[0].float()
+                if ch.n_send_act:
+                    outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
+                saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
+                del out, args, acts
+            elif a.op is Op.BACKWARD:
+                ch = self._chunks[a.chunk]
+                inputs, acts, kept = saved.pop((a.mb, a.chunk))
+                grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
+                args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
+                del acts, kept, grads_in
+                out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
+                n = len(ch.grads)
+                for acc, g in zip(ch.grads, out[:n]):
+                    if g is not None:
+                        acc.add_(g)
+                if len(out) > n:
+                    outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
+                del out
+            elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
+                raise ProgramError(f"unknown pipeline action {a}")
+        for work in posted:  # the sends (and any receive nothing read)
+            work.wait()
 
-    def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        replicate, world = self._groups["replicate"], self._groups["world"]
-        reduce_dtype = self._rp.plan.reduce_dtype
-        works = [C.all_reduce_start(self._stats, replicate, ch.grads[b], reduce_dtype)
-                 for ch in self._chunks.values() for b in ch.boundary_buckets]
-        loss_buf = loss_sum.reshape(1)
-        works.append(C.all_reduce_start(self._stats, world, loss_buf, torch.float32))
-        for w in works:
-            C.collective_wait(None, w)
+    def _tied_parts(self) -> dict[str, list[int]]:
+        return self.program.split.tied
+
+    def _sum_tied(self) -> None:
         for name in sorted(self.program.split.tied):
             pieces = self._tied_pieces(name)
             if not pieces:
@@ -357,49 +293,15 @@ class PipelineStep(Checkpointable):
                 self._stats.record(C.ALL_REDUCE, tied, total.numel() * total.element_size())
             for piece in pieces:
                 piece.copy_(total)
-        for ch in self._chunks.values():
-            for g in ch.grads:
-                g.mul_(self._scale)
-        return loss_buf
 
-    # ---- inspection and export -------------------------------------------------------------
-    def memory_stats(self) -> MemoryStats:
-        """As ``TrainStep.memory_stats``: the arena, what stays outside it, the caching-allocator comparison."""
-        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan,
-                              None if self.codegen else self._outside_peak_bytes)
-
-    def comm_stats(self) -> CommStats:
-        return self._stats
-
-    def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of every parameter its chunks hold (1-D, possibly empty)."""
-        rank = self._groups["shard"].rank
-        return {k: v for ch in self._chunks.values() for k, v in local_pieces(ch.comm.layouts, ch.shards, rank).items()}
-
-    def _homes(self) -> list[Home]:
-        """A tied weight is saved from the lowest chunk holding it and loaded into every one."""
-        r, tied = self._groups["shard"].rank, self.program.split.tied
-        return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
-                     self._chunk_params[ch.index].get(slot.name), ch.index == min(tied.get(slot.name, [ch.index])))
-                for ch in self._chunks.values() for lay, shard in zip(ch.comm.layouts, ch.shards) for slot in lay.slots]
-
-    def _state_buffers(self) -> dict[str, torch.Tensor]:
-        stages = self.program.split.stages
-        return {n: b for ch in self._chunks.values() for n, b in zip(stages[ch.index].graph.buffer_names, ch.buffers)
-                if n in self._state_keys}
-
+    # ---- export -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and buffers on CPU, keyed like ``model.state_dict()``; every rank
         must call it. Each stage gathers its chunks over its partition group; then each tensor is
         broadcast from the one rank that holds it (the first replica's shard rank 0 of its stage) on
         the step's device, one at a time: only names and shapes travel as objects."""
-        mine: dict[str, torch.Tensor] = {}
-        shard = self._groups["shard"]
-        for ch in self._chunks.values():
-            mine.update(C.gather_full(ch.comm.layouts, ch.shards, shard, self.graph.param_aliases))
-            names = self.program.split.stages[ch.index].graph.buffer_names
-            mine.update({n: b.detach().cpu().clone() for n, b in zip(names, ch.buffers)})
-        if shard.rank or self._groups["replicate"].rank:
+        mine = self._gathered()
+        if self._groups["shard"].rank or self._groups["replicate"].rank:
             mine = {}
         specs: list = [None] * self._rp.world_size
         dist.all_gather_object(specs, {k: (tuple(v.shape), v.dtype) for k, v in mine.items() if k in self._state_keys})

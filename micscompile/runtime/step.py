@@ -1,90 +1,109 @@
-"""Emit: ``mc.compile`` -> ``TrainStep``, a callable that runs one optimizer step.
+"""The training step: one class for flat and pipeline plans (docs/design.md#data-flow).
 
-Order of work in ``compile`` (everything that can fail on bad input fails before the
-first collective): resolve the Plan against the world, split the example batch,
-trace one micro-batch on meta, plan buckets and layouts, run the passes, lower to a
-Program, check the memory budget, probe the optimizer (``optim_check``); then the first
-collective: the ranks exchange fingerprints of the Plan, the trace, the Program (and its
-collective order) and the starting weights, and all refuse if any differ, naming the ranks
-on each side; then the DeviceMesh ("replicate", "shard") and
-this rank's shards.
+A step holds this rank's *parts*: the flat plan's whole rewritten graph, or each of its
+pipeline chunks. A part is its communicator, fp32 shards, gradient shards, buffers and
+Parameters. Everything but the micro-steps is written once here:
+``__call__`` checks the batch and turns a failed collective into a ``CollectiveError``
+naming the step; ``_step`` splits the micro-batches, runs them inside the arena's step,
+runs the boundary, then steps the optimizer. The boundary all-reduces each part's 2-hop
+buckets over "replicate" and the loss over "world", sums tied gradients
+(``_sum_tied``), then scales by 1 / (samples per step's ranks x micro-batches). The rest
+is inspection (memory and comm stats, this rank's shards) and the state dicts.
 
-``TrainStep.__call__`` runs the rewritten graph once per micro-batch (its
-collectives are asynchronous and waited on where the graph needs them), accumulates
-the gradient shards, runs the boundary sync (2hop: all-reduce over the replication
-group), scales by 1 / (n * s) (the gradient of the global mean loss) and steps the
-optimizer on the local fp32 shards.
+Subclasses differ only in ``_micro_steps``: ``TrainStep`` (runtime.flat) runs the
+rewritten graph once per micro-batch; ``PipelineStep`` (runtime.pipeline) runs its
+schedule's forwards, backwards and P2P batches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import hashlib
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.fx
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
-from micscompile.core.launch import step_device
-from micscompile.core.plan import Plan, PlanError, ResolvedPlan
-from micscompile.core.program import Kind, Prefetch, Program, ProgramError
-from micscompile.core.sharding import BucketLayout, local_piece, local_pieces, shard_parameters
-from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.flat import schedule
-from micscompile.lowering.pipeline import lower_pipeline
-from micscompile.lowering.predict import planned_groups
+from micscompile.core.program import Kind, Program
+from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.memory.arena import Arena, OutsideArena
-from micscompile.memory.lifetimes import arena_plan, buffers_as_run
 from micscompile.memory.stats import MemoryStats
-from micscompile.passes.manager import PassRecord
-from micscompile.runtime.codegen import CodegenReport, compile_regions
-from micscompile.runtime.materialize import check_initializable, fingerprint, local_state
-from micscompile.runtime.optim_check import check_elementwise
-from micscompile.runtime.pipeline import PipelineStep, pipeline_groups, split_chunks
+from micscompile.runtime.codegen import CodegenReport
+from micscompile.runtime.materialize import local_state
 from micscompile.runtime.state_dict import Checkpointable, Home
-from micscompile.trace import TrainGraph, check_batch, split_batch, trace
+from micscompile.trace import TrainGraph, check_batch, split_batch
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-class TrainStep(Checkpointable):
+@dataclass
+class Part:
+    """What this rank holds of one rewritten graph (the flat plan's, or one pipeline chunk's)."""
+
+    index: int
+    """0 for a flat plan; the chunk index in a pipeline."""
+    comm: Comm
+    shards: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    """The graph's buffer inputs, in its order."""
+    buffer_state: dict[str, torch.Tensor]
+    """The module buffers this part saves and exports, by name."""
+    params: dict[str, nn.Parameter]
+    boundary_buckets: list[int]
+    """The buckets the boundary all-reduces over "replicate" (the Program's 2-hop ALL_REDUCEs)."""
+
+
+def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Module, shard_rank: int,
+                device: torch.device, init_fn, unused: set[str], own_buffers: bool) -> dict:
+    """A Part's fields, this rank's shards and buffers materialized from ``model``
+    (``own_buffers``: save and export only the graph's buffers, not all of the model's)."""
+    shards, buffers = local_state(model, comm.layouts, shard_rank, device, init_fn)
+    grads = [torch.zeros_like(s) for s in shards]
+    inputs = [buffers[n] for n in graph.buffer_names]
+    return dict(
+        comm=comm, shards=shards, grads=grads, buffers=inputs,
+        buffer_state=dict(zip(graph.buffer_names, inputs)) if own_buffers else buffers,
+        params=dict(shard_parameters(comm.layouts, shards, grads, shard_rank, set(graph.trainable), unused)),
+        boundary_buckets=[a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE],
+    )
+
+
+class Step(Checkpointable):
     """One optimizer step of a compiled plan; call it with this rank's local batch."""
 
+    _whose_batch = "this rank's"
+
     def __init__(
-        self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, graph: TrainGraph,
-        shards: list[torch.Tensor], buffers: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
-        state_keys: list[str], pass_records: list[PassRecord], device: torch.device, step_buffers=(),
-        timeout: datetime.timedelta | None = None, codegen: CodegenReport | None = None,
+        self, *, program, graph: TrainGraph, parts: list[Part], groups: dict[str, GroupInfo], stats: CommStats,
+        arena: Arena | None, optimizer_factory: OptimizerFactory, state_keys: list[str], device: torch.device,
+        step_buffers, scale: float, timeout: datetime.timedelta | None, codegen: CodegenReport | None,
+        timeout_groups=(),
     ) -> None:
-        self.gm = gm
+        self.program = program
+        """What this rank runs: a ``Program`` (flat) or a ``PipelineProgram`` (print it)."""
         self.codegen = codegen
         """With ``Plan.codegen="inductor"``: the compiled regions and their compile times (print it)."""
-        self.program = program
         self.graph = graph
-        self.pass_records = pass_records
         self.device = device
-        self._step_buffers = list(step_buffers)
-        self._comm = comm
-        self._shards = shards
-        self._buffers = [buffers[n] for n in graph.buffer_names]
-        self._buffer_map = buffers
+        self._parts = parts
+        self._groups = groups
+        self._stats = stats
+        self._arena = arena
         self._state_keys = state_keys
-        plan = program.plan
-        self._scale = 1.0 / (plan.world_size * plan.micro_batches)
-        self._grads = [torch.zeros_like(s) for s in shards]
-        # the Program decides which buckets the boundary all-reduces (2-hop, d > 1, reduced buckets)
-        self._boundary_buckets = [a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE]
-        self.params: dict[str, nn.Parameter] = dict(shard_parameters(
-            comm.layouts, shards, self._grads, comm.shard.rank, set(graph.trainable), graph.unused_params))
-        self.optimizer = optimizer_factory(list(self.params.values()))
+        self._step_buffers = list(step_buffers)
+        self._scale = scale
+        self.params: dict[str, nn.Parameter] = {}
+        trained = []
+        for part in parts:
+            for name, p in part.params.items():
+                self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
+                trained.append(p)
+        self.optimizer = optimizer_factory(trained)
         self.steps = 0
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
@@ -94,58 +113,31 @@ class TrainStep(Checkpointable):
         self.timeout = timeout
         """How long any collective of the step may take (None: the process groups' own)."""
         if timeout is not None:
-            C.set_timeout([g for g in (comm.shard, comm.replicate, comm.world, comm.inter, comm.intra) if g], timeout)
+            C.set_timeout([*groups.values(), *timeout_groups], timeout)
 
-    @property
-    def layouts(self) -> tuple[BucketLayout, ...]:
-        return self._comm.layouts
-
-    def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of every parameter (1-D, possibly empty), by canonical name."""
-        return local_pieces(self.layouts, self._shards, self._comm.shard.rank)
-
+    # ---- the step ------------------------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """One optimizer step over this rank's local batch; returns the global mean loss.
 
         Raises ``CollectiveError`` (naming the collective, its group and this rank) when a collective
         fails or times out: another rank died, hung or left the step."""
-        check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches)
+        check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         try:
             return self._step(batch)
         except C.CollectiveError as exc:
             raise C.step_failure(exc, dist.get_rank(), self.steps + 1, self.timeout) from exc
 
     def _step(self, batch) -> torch.Tensor:
-        comm, plan = self._comm, self.program.plan
-        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], plan.micro_batches)
+        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
         with torch.no_grad(), probe:
-            comm.carried.clear()
-            comm.micro_steps = len(micro)
-            if comm.arena is not None:
-                comm.arena.begin_step()
-            for j, mb in enumerate(micro):
-                comm.micro_step = j
-                outputs = self.gm(comm, *self._shards, *self._buffers, *mb)
-                loss_sum += outputs[0].float()
-                for acc, g in zip(self._grads, outputs[1:]):
-                    if g is not None:
-                        acc.copy_(g) if j == 0 else acc.add_(g)
-                del outputs  # gradient buffers die here, not a micro-batch later
-            if comm.carried:
-                raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
-            if comm.arena is not None:
-                comm.arena.end_step()
-            reduce_dtype = plan.plan.reduce_dtype
-            works = [C.all_reduce_start(comm.stats, comm.replicate, self._grads[b], reduce_dtype)
-                     for b in self._boundary_buckets]
-            loss_buf = loss_sum.reshape(1)
-            works.append(C.all_reduce_start(comm.stats, comm.world, loss_buf, torch.float32))
-            for w in works:
-                C.collective_wait(comm, w)
-            for acc in self._grads:
-                acc.mul_(self._scale)
+            if self._arena is not None:
+                self._arena.begin_step()
+            self._micro_steps(micro, loss_sum)
+            if self._arena is not None:
+                self._arena.end_step()
+            loss_buf = self._boundary(loss_sum)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self._drop_provisional_state()
@@ -153,266 +145,71 @@ class TrainStep(Checkpointable):
         self.steps += 1
         return (loss_buf[0] * self._scale).detach()
 
+    def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
+        """Run every micro-batch: accumulate each part's gradient shards, add the losses to ``loss_sum``."""
+        raise NotImplementedError
+
+    def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        reduce_dtype = self.program.plan.plan.reduce_dtype
+        works = [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
+                 for part in self._parts for b in part.boundary_buckets]
+        loss_buf = loss_sum.reshape(1)
+        works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
+        for w in works:
+            C.collective_wait(None, w)
+        self._sum_tied()
+        for part in self._parts:
+            for g in part.grads:
+                g.mul_(self._scale)
+        return loss_buf
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters held by several parts (pipeline chunks); none in a flat plan."""
+
+    # ---- inspection and export -------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
         """The step's memory: the arena (planned buffers of the collectives), what the ops allocate
         outside it (planned from the lifetimes; measured over the steps run with ``track_memory``),
         and the plan of every step buffer against PyTorch's caching allocator on the same trace."""
-        return MemoryStats.of(self._step_buffers, self._comm.arena and self._comm.arena.plan,
+        return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan,
                               None if self.codegen else self._outside_peak_bytes)
 
     def comm_stats(self) -> CommStats:
         """Calls and bytes per collective kind and group since compile (or the last reset)."""
-        return self._comm.stats
+        return self._stats
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter it holds (1-D, possibly empty), by canonical name."""
+        rank = self._groups["shard"].rank
+        return {k: v for part in self._parts for k, v in local_pieces(part.comm.layouts, part.shards, rank).items()}
+
+    def _tied_parts(self) -> dict[str, list[int]]:
+        """Parameter -> the parts holding it, where more than one does."""
+        return {}
 
     def _homes(self) -> list[Home]:
-        r = self._comm.shard.rank
+        """A parameter held by several parts is saved from the lowest one and loaded into every one."""
+        r, tied = self._groups["shard"].rank, self._tied_parts()
         return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
-                     self.params.get(slot.name))
-                for lay, shard in zip(self.layouts, self._shards) for slot in lay.slots]
+                     part.params.get(slot.name), part.index == min(tied.get(slot.name, [part.index])))
+                for part in self._parts for lay, shard in zip(part.comm.layouts, part.shards) for slot in lay.slots]
 
     def _state_buffers(self) -> dict[str, torch.Tensor]:
-        return {n: b for n, b in self._buffer_map.items() if n in self._state_keys}
+        return {n: b for part in self._parts for n, b in part.buffer_state.items() if n in self._state_keys}
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank's parts hold, unsharded over the partition group, and their
+        buffers, on CPU (collective over the partition group)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self._parts:
+            out.update(C.gather_full(part.comm.layouts, part.shards, self._groups["shard"], self.graph.param_aliases))
+            out.update({n: b.detach().cpu().clone() for n, b in part.buffer_state.items()})
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 parameters and persistent buffers on CPU, keyed like ``model.state_dict()``.
 
         Collective over the partition group: every rank must call it.
         """
-        full = C.gather_full(self.layouts, self._shards, self._comm.shard, self.graph.param_aliases)
-        full.update({n: b.detach().cpu().clone() for n, b in self._buffer_map.items()})
+        full = self._gathered()
         return {k: full[k] for k in self._state_keys}
-
-
-_device = step_device
-
-
-AGREEMENT_HINTS = {
-    "plan": "ranks were given different Plans",
-    "trace": "ranks traced different graphs (model code, parameter shapes, or batch shapes and dtypes differ)",
-    "collectives": "ranks would issue different collectives (model, plan or batch differ), a deadlock",
-    "program": "ranks compiled different programs (model, plan or batch differ)",
-    "weights": "ranks start from different weights (seed every rank the same, e.g. torch.manual_seed, "
-               "or load the same checkpoint)",
-}
-
-
-def _plan_fingerprint(plan: Plan) -> tuple:
-    """The Plan's fields as (name, repr) pairs: compared across ranks, the differing fields are named."""
-    return tuple((f.name, repr(getattr(plan, f.name))) for f in dataclasses.fields(plan))
-
-
-def _trace_fingerprint(tg: TrainGraph) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for part in (tg.gm.code, repr(tg.input_specs), repr(sorted(tg.param_shapes.items())), repr(tg.compute_dtype)):
-        h.update(part.encode())
-    return h.hexdigest()
-
-
-def _plan_difference(by_value: dict) -> str:
-    """"; micro_batches: 1 on ranks [0, 2, 3], 2 on ranks [1]" for the fields that differ."""
-    fields = [name for name, _ in next(iter(by_value))]
-    parts = []
-    for i, name in enumerate(fields):
-        by_field: dict[str, list[int]] = {}
-        for value, ranks in by_value.items():
-            by_field.setdefault(value[i][1], []).extend(ranks)
-        if len(by_field) > 1:
-            parts.append(f"{name}: " + ", ".join(f"{v} on ranks {sorted(rs)}" for v, rs in by_field.items()))
-    return "; " + "; ".join(parts)
-
-
-def _first_difference(order: list[str], world: int) -> str:
-    """Where the ranks' collective orders part (a second exchange, on the error path only)."""
-    orders: list = [None] * world
-    dist.all_gather_object(orders, order)
-    i = next(i for i in range(max(map(len, orders)) + 1) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
-    by_item: dict[str, list[int]] = {}
-    for r, o in enumerate(orders):
-        by_item.setdefault(o[i] if i < len(o) else "(none: the step has ended)", []).append(r)
-    return f"; first difference at collective #{i}: " + ", ".join(f"ranks {rs} {c}" for c, rs in by_item.items())
-
-
-def _check_agreement(
-    prints: dict[str, str] | None, error: BaseException | None, world: int, order: list[str] | None = None,
-) -> None:
-    """The first collective: every rank shares its fingerprints, or the error it hit compiling.
-
-    Any rank's error makes every rank raise (nobody is left waiting in a collective); so
-    does any disagreement, naming the ranks on each side (and, for collective orders, the
-    first collective where they part).
-    """
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, (prints, f"{type(error).__name__}: {error}" if error else None))
-    if error is not None:
-        raise error
-    failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg]
-    if failed:
-        raise RuntimeError("compile failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
-    for key, hint in AGREEMENT_HINTS.items():
-        by_value: dict[str, list[int]] = {}
-        for r, (p, _) in enumerate(everyone):
-            by_value.setdefault(p[key], []).append(r)
-        if len(by_value) > 1:
-            sides = " vs ".join(f"ranks {rs}" for rs in by_value.values())
-            where = (_first_difference(order, world) if key == "collectives" else
-                     _plan_difference(by_value) if key == "plan" else "")
-            raise RuntimeError(f"{hint}: {sides}{where}")
-
-
-_MESHES: dict[tuple, dict] = {}
-"""Process groups already built in this process from DeviceMeshes, by (device type, d, p, k when
-the partition group spans nodes), for the default group in ``_MESHES_WORLD``: compiling several
-plans (tests, benchmarks, measured autotuning) reuses them instead of creating new ones (and their
-communication threads) every time."""
-_MESHES_WORLD: list = [None]
-
-
-def _mesh_cache() -> dict:
-    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
-        _MESHES.clear()
-        _MESHES_WORLD[0] = dist.group.WORLD
-    return _MESHES
-
-
-def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
-    """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
-    group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
-    flattened, are "shard"."""
-    _mesh_cache()
-    d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
-    key = (device_type, d, p, k if rp.spans_nodes else None)
-    if key not in _MESHES:
-        if rp.spans_nodes:
-            mesh = init_device_mesh(device_type, (d, p // k, k), mesh_dim_names=("replicate", "inter", "intra"))
-            shard = mesh["inter", "intra"]._flatten("shard")
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra")}
-            _MESHES[key]["shard"] = shard.get_group()
-        else:
-            mesh = init_device_mesh(device_type, (d, p), mesh_dim_names=("replicate", "shard"))
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard")}
-    return _MESHES[key]
-
-
-def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
-    """The planned groups, with their ProcessGroups from DeviceMeshes (checked against the plan)."""
-    groups = planned_groups(rp, rank)
-    for name, pg in _process_groups(device.type, rp).items():
-        actual = tuple(dist.get_process_group_ranks(pg))
-        if actual != groups[name].ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
-        groups[name] = dataclasses.replace(groups[name], group=pg)
-    return groups
-
-
-def compile(  # noqa: A001 - the public name is part of the contract (mc.compile)
-    model: nn.Module,
-    plan: Plan,
-    *,
-    loss_fn: Callable[..., torch.Tensor],
-    optimizer: OptimizerFactory,
-    example_inputs: Sequence[torch.Tensor],
-    init_fn: Callable[[nn.Module], None] | None = None,
-    num_model_inputs: int = 1,
-    cluster: Cluster | None = None,
-    prefetch: Sequence[Prefetch | int] | None = None,
-    disable_passes: Sequence[str] = (),
-    log: Callable[[str], None] | None = None,
-    arena: bool = True,
-    timeout: float | datetime.timedelta | None = None,
-) -> TrainStep:
-    """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
-
-    ``example_inputs`` is one local batch as ``step`` will receive it: the model gets
-    the first ``num_model_inputs``, ``loss_fn(output, *rest)`` must return the mean
-    loss of the batch. ``optimizer`` is called with this rank's fp32 parameter shards
-    (elementwise optimizers such as SGD and AdamW give the unsharded result). A model
-    on the meta device is initialised module by module with ``init_fn`` (default:
-    each module's ``reset_parameters()``). Needs torch.distributed initialized.
-
-    Where the gathers go (``passes.schedule``: prefetch distance, gathers issued across
-    micro-steps, buckets kept live from forward into backward) is chosen under
-    ``plan.memory_budget_bytes`` by simulating candidates on ``cluster`` (e.g.
-    ``Cluster.preset("local")`` after calibrating); without a cluster, one use interval
-    ahead where the budget allows. ``prefetch`` lists the candidates instead (``Prefetch``
-    objects or distances).
-
-    ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
-    live at offsets planned from the Program in one arena allocated once (``memory_plan``);
-    False allocates them per use like eager PyTorch.
-
-    ``plan.codegen="inductor"``: the compute between communication points is compiled by Inductor
-    here, before the first collective (a region it cannot compile raises ``CodegenError``);
-    ``step.codegen`` lists the regions and their compile times (``micscompile.runtime.codegen``).
-
-    ``timeout`` (seconds or a timedelta; default: the default process group's): how long any
-    collective of the step may take. It is set on every process group the step uses (the
-    DeviceMesh's subgroups would otherwise get the backend's default, 30 min on gloo). When a rank
-    dies or hangs mid-step, the others raise ``CollectiveError`` naming the collective within
-    it instead of waiting forever. On NCCL only with TORCH_NCCL_BLOCKING_WAIT=1 set before
-    ``init_process_group`` (each wait then blocks the host); without it a ``timeout`` given here
-    warns, and a failure kills the process through NCCL's watchdog (docs/gpu.md).
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
-                           "dist.init_process_group); mc.trace and mc.simulate do not")
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = _device()
-    if timeout is None:
-        timeout = C.default_timeout()
-    else:
-        C.check_nccl_timeout(str(dist.get_backend()), device)
-        if not isinstance(timeout, datetime.timedelta):
-            timeout = datetime.timedelta(seconds=float(timeout))
-    prints, error, order = None, None, None
-    try:  # everything that can fail on bad input, rank-local: no collective yet
-        rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
-        not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
-        if not_fp32:
-            raise PlanError(f"parameters must be float32 (the fp32 master weights; compute in low precision "
-                            f"with Plan.param_dtype), got {not_fp32[:3]}")
-        micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
-        tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
-                   device=device)
-        check_initializable(model, init_fn)
-        check_elementwise(optimizer, device)
-        state_keys = list(model.state_dict(keep_vars=True).keys())
-        if rp.stages > 1:
-            program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                                     prefetch=prefetch, disable=disable_passes, log=log)
-            buffers = buffers_as_run(program, arena)
-            chunk_phases, codegen = split_chunks(program, device)
-        else:
-            sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                             prefetch=prefetch, disable=disable_passes, log=log)
-            ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
-            buffers = buffers_as_run(sched, arena)
-            owned, planned = arena_plan(buffers) if arena else ([], None)
-            gm = torch.fx.GraphModule(tg.gm, graph)
-            codegen = CodegenReport(compile_regions(gm, device)) if plan.codegen == "inductor" else None
-        order = program.collective_order()
-        prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
-                  "collectives": program.collective_fingerprint(), "program": program.fingerprint(),
-                  "weights": fingerprint(model)}
-    except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
-        error = exc
-    _check_agreement(prints, error, world, order)
-    if rp.stages > 1:
-        groups = planned_groups(rp, rank)
-        pipeline_groups(rp, device.type, groups, _mesh_cache())
-        return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
-                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena,
-                            timeout=timeout, chunk_phases=chunk_phases, step_buffers=buffers, codegen=codegen)
-    layouts = ctx.layouts
-    groups = _groups(rp, rank, device)
-    program.groups = groups
-    comm = Comm(layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"), groups.get("intra"))
-    if planned is not None:
-        comm.arena = Arena(owned, planned, device)
-    shards, state = local_state(model, layouts, groups["shard"].rank, device, init_fn)
-    return TrainStep(
-        gm=gm, program=program, comm=comm, graph=tg, shards=shards, buffers=state,
-        optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
-        step_buffers=buffers, timeout=timeout, codegen=codegen,
-    )

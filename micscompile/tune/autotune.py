@@ -34,7 +34,7 @@ from micscompile.core.program import Prefetch
 from micscompile.cost_model.calibrate import device_sync
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
-from micscompile.runtime.step import compile as compile_step
+from micscompile.runtime.compile import compile as compile_step
 from micscompile.trace import TrainGraph
 from micscompile.tune.repricing import Pricer
 from micscompile.tune.search_space import configs, prefetches, state_floor_bytes

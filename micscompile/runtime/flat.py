@@ -1,0 +1,64 @@
+"""``TrainStep``: the step of a flat plan (no pipeline stages), docs/design.md#data-flow.
+
+Its one part is the whole rewritten graph. ``_micro_steps`` runs it once per micro-batch
+(its collectives are asynchronous and waited on where the graph needs them) and accumulates
+the gradient shards; ``runtime.step.Step`` does the rest: the boundary sync (2hop:
+all-reduce over the replication group), the scaling by 1 / (n * s) (the gradient of the
+global mean loss) and the optimizer step on the local fp32 shards.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.fx
+from torch import nn
+
+from micscompile.core.collectives import Comm, GroupInfo
+from micscompile.core.program import Program, ProgramError
+from micscompile.core.sharding import BucketLayout
+from micscompile.passes.manager import PassRecord
+from micscompile.runtime.codegen import CodegenReport
+from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields
+from micscompile.trace import TrainGraph
+
+
+class TrainStep(Step):
+    """One optimizer step of a compiled flat plan; call it with this rank's local batch."""
+
+    def __init__(
+        self, *, gm: torch.fx.GraphModule, program: Program, comm: Comm, groups: dict[str, GroupInfo],
+        graph: TrainGraph, model: nn.Module, init_fn, optimizer_factory: OptimizerFactory, state_keys: list[str],
+        pass_records: list[PassRecord], device: torch.device, step_buffers=(),
+        timeout: datetime.timedelta | None = None, codegen: CodegenReport | None = None,
+    ) -> None:
+        part = Part(0, **part_fields(comm, program, graph, model, groups["shard"].rank, device, init_fn,
+                                     graph.unused_params, own_buffers=False))
+        plan = program.plan
+        super().__init__(program=program, graph=graph, parts=[part], groups=groups, stats=comm.stats, arena=comm.arena,
+                         optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,
+                         step_buffers=step_buffers, scale=1.0 / (plan.world_size * plan.micro_batches),
+                         timeout=timeout, codegen=codegen)
+        self.gm = gm
+        self.pass_records = pass_records
+        self._comm = comm
+
+    @property
+    def layouts(self) -> tuple[BucketLayout, ...]:
+        return self._comm.layouts
+
+    def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
+        comm, part = self._comm, self._parts[0]
+        comm.carried.clear()
+        comm.micro_steps = len(micro)
+        for j, mb in enumerate(micro):
+            comm.micro_step = j
+            outputs = self.gm(comm, *part.shards, *part.buffers, *mb)
+            loss_sum += outputs[0].float()
+            for acc, g in zip(part.grads, outputs[1:]):
+                if g is not None:
+                    acc.copy_(g) if j == 0 else acc.add_(g)
+            del outputs  # gradient buffers die here, not a micro-batch later
+        if comm.carried:
+            raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
