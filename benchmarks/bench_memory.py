@@ -39,7 +39,7 @@ import torch
 import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
 from micscompile.lowering.predict import step_buffers_of
-from micscompile.memory.lifetimes import arena_plan, on_device
+from micscompile.memory.lifetimes import arena_offsets, on_device
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 MIB = 1 << 20
@@ -120,7 +120,7 @@ def row(model: str, plan_name: str, trace) -> dict:
     solve_s = time.perf_counter() - t0
     mp.check(buffers)
     reserved = replay_buffers(buffers).peak_reserved_bytes
-    arena = arena_plan(buffers)[1]
+    arena = arena_offsets(buffers)[1]
     return {"model": model, "plan": plan_name, "buffers": len(buffers), "L": mp.lower_bound_bytes,
             "arena": mp.arena_bytes, "reserved": reserved, "solve_s": solve_s, "method": mp.method,
             "rt_arena": arena.arena_bytes, "rt_L": arena.lower_bound_bytes}

@@ -11,8 +11,8 @@ import torch
 from harness import launch
 
 import micscompile as mc
+from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import lower_pipeline, simulate_pipeline
-from micscompile.lowering.predict import planned_groups
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
 from micscompile.tune import repricing
 from micscompile.tune.repricing import Pricer

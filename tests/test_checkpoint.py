@@ -10,8 +10,9 @@ from torch import nn
 
 import micscompile as mc
 from micscompile.core.program import REGION_BWD
-from micscompile.lowering.flat import schedule
-from micscompile.lowering.predict import planned_groups, step_buffers_of
+from micscompile.lowering.flat import lower_flat
+from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.predict import step_buffers_of
 from micscompile.passes.checkpoint import META_RECOMPUTE, checkpoint_pass
 from micscompile.passes.context import make_context
 from micscompile.trace import META_REGION
@@ -31,7 +32,7 @@ def gpt():
 
 def _lowered(tg, **plan):
     rp = mc.Plan(partition_size=2, **plan).resolve(WORLD)
-    return schedule(tg, rp, None, planned_groups(rp), prefetch=(1,))
+    return lower_flat(tg, rp, None, planned_groups(rp), prefetch=(1,))
 
 
 def test_no_checkpoint_is_a_no_op(gpt):
@@ -147,11 +148,10 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
     ``offload_done`` (the next offload, the last at the end of forward). The value's buffer (an arena
     slot: ``out=`` written) must stay planned until there, so no later op is given its bytes. The
     lifetimes check it: a done that no longer holds the value fails the plan."""
-    from micscompile.memory.lifetimes import buffers_as_run
     from micscompile.passes.offload import offload, offload_done
 
     lowered = _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16)
-    buffers = buffers_as_run(lowered, arena=True)
+    buffers = lowered.rewrite_for_arena(arena=True)
     nodes = [n for n in lowered.graph.nodes if n.op in ("call_function", "placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     done = [n for n in nodes if n.target is offload_done]
@@ -168,7 +168,7 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
     for n in done:  # without the value as an argument, its slot would be free at the offload
         n.args = n.args[:2]
     with pytest.raises(ValueError, match="while its offload copy may read it"):
-        buffers_as_run(lowered, arena=True)
+        lowered.rewrite_for_arena(arena=True)
 
 
 def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node():

@@ -172,10 +172,10 @@ def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
     timed = [n for n in trace.gm.graph.nodes if META_TIME_S in n.meta]
     ops = [n for n in trace.gm.graph.nodes if n.op == "call_function"]
     assert len(timed) == len(ops) and all(n.meta[META_TIME_S] >= 0 for n in timed)
-    from micscompile.lowering.predict import lower
+    from micscompile.lowering.lowered import lower
 
     rp = mc.Plan(partition_size=2).resolve(4)
-    program = lower(trace, rp)
+    program = lower(trace, rp, need_graph=False).program
     compute = [a for a in program.micro_step if a.kind is mc.Kind.COMPUTE]
     assert all(a.measured_s is not None for a in compute)
     # every op's profiled time lands in exactly one compute action (clones re-derived by the pass excepted)

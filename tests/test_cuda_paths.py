@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from models import meta_lm_trace
 
-import micscompile as mc
 from micscompile.cli import command as cli
 from micscompile.cli import demo
 from micscompile.core import launch
@@ -84,7 +83,7 @@ def test_host_scalar_collectives_put_their_tensor_on_collective_device(monkeypat
     'meta'): a CPU tensor under a plain "nccl" group crashes."""
     for module in (calibrate, profile, autotune):
         monkeypatch.setattr(module, "collective_device", lambda group=None: META)
-    monkeypatch.setattr(mc, "compile", lambda *a, **k: (lambda *batch: None))
+    monkeypatch.setattr(autotune, "compile_step", lambda *a, **k: (lambda *batch: None))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
     seen = []
@@ -152,7 +151,7 @@ def test_profile_times_its_sizing_run_until_the_device_is_done(monkeypatch, tiny
 
 
 def test_measure_top_times_steps_until_the_device_is_done(monkeypatch, events):
-    monkeypatch.setattr(mc, "compile", lambda *a, **k: (lambda *batch: events.append("step")))
+    monkeypatch.setattr(autotune, "compile_step", lambda *a, **k: (lambda *batch: events.append("step")))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     _measure_top_one_candidate()
     assert events[-5:] == ["sync", "clock", "step", "sync", "clock"]

@@ -17,8 +17,8 @@ from torch import nn
 import micscompile as mc
 from micscompile.core import collectives as C
 from micscompile.core.program import REGION_BWD, REGION_FWD
-from micscompile.lowering.flat import schedule
-from micscompile.lowering.predict import planned_groups
+from micscompile.lowering.flat import lower_flat
+from micscompile.lowering.groups import planned_groups
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.trace import LOSS_FQN, META_BYTES, META_FQN, META_REGION, TrainGraph
@@ -118,7 +118,7 @@ def test_budget_below_the_largest_gathered_bucket_is_refused():
     """Gathered at its use, one layer's weight is all that is live: H * H fp32 values."""
     tg = chain_trace(3)
     rp = mc.Plan(partition_size=2, memory_budget_bytes=H * H * 4).resolve(4)
-    assert schedule(tg, rp, None, planned_groups(rp)).program.peak_gathered_bytes == H * H * 4
+    assert lower_flat(tg, rp, None, planned_groups(rp)).program.peak_gathered_bytes == H * H * 4
     rp = mc.Plan(partition_size=2, memory_budget_bytes=H * H * 4 - 1).resolve(4)
     with pytest.raises(mc.PlanError, match=f"below {H * H * 4:,} bytes"):
-        schedule(tg, rp, None, planned_groups(rp))
+        lower_flat(tg, rp, None, planned_groups(rp))

@@ -15,7 +15,7 @@ import micscompile as mc
 from micscompile.core import collectives as C
 from micscompile.core.sharding import build_layouts
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
-from micscompile.runtime.compile import _groups
+from micscompile.runtime.meshes import flat_groups
 
 WORLD = 8
 CONFIGS = [(4, 2), (8, 2), (8, 4)]  # (p, k)
@@ -31,7 +31,7 @@ def compare(rank: int, world: int) -> dict:
     out = {}
     for p, k in CONFIGS:
         rp = mc.Plan(partition_size=p, gpus_per_node=k).resolve(world)
-        groups = _groups(rp, rank, torch.device("cpu"))
+        groups = flat_groups(rp, rank, torch.device("cpu"))
         layout = build_layouts([("bucket", list(SHAPES))], SHAPES, p)[0]
         comm = C.Comm((layout,), groups["shard"], groups["replicate"], groups["world"], groups["inter"], groups["intra"])
         me = groups["shard"].rank

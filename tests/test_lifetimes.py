@@ -14,9 +14,10 @@ import micscompile as mc
 from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.caching_allocator import replay_buffers
 from micscompile.cost_model.node_cost import META_BYTES
-from micscompile.lowering.flat import schedule
+from micscompile.lowering.flat import lower_flat
+from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import lower_pipeline
-from micscompile.lowering.predict import planned_groups, step_buffers_of
+from micscompile.lowering.predict import step_buffers_of
 from micscompile.memory.lifetimes import ARENA_KINDS, GraphLifetimes, _finish, pipeline_buffers, step_buffers
 from micscompile.trace import META_REGION
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
@@ -76,7 +77,7 @@ def test_gathered_bytes_live_at_once_equal_the_programs_peak(traces, p, s, prefe
     """The lifetimes' gathered buffers (issue to release, carried gathers included) reproduce the
     Program's own count of gathered bytes live at once."""
     rp = mc.Plan(partition_size=p, micro_batches=s).resolve(WORLD)
-    sched = schedule(traces["gpt"], rp, None, planned_groups(rp), prefetch=(prefetch,))
+    sched = lower_flat(traces["gpt"], rp, None, planned_groups(rp), prefetch=(prefetch,))
     gathered = [b for b in step_buffers(sched.graph, sched.program) if b.kind == "gathered"]
     assert mc.plan_memory(gathered, alignment=1).lower_bound_bytes == sched.program.peak_gathered_bytes
     issued = sum(1 for mb in range(s) for a in sched.program.issued_in(mb) if a.kind.name.startswith("ALL_GATHER"))

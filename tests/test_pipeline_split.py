@@ -14,8 +14,8 @@ from models import MODELS, meta_lm_trace
 
 import micscompile as mc
 from micscompile.cost_model.simulator import simulate_program
+from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import _halves, lower_pipeline
-from micscompile.lowering.predict import planned_groups
 from micscompile.passes.phase_split import split_phases
 from micscompile.passes.pipeline_split import split
 from micscompile.passes.stage_balance import balance

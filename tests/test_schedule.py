@@ -11,8 +11,8 @@ import micscompile as mc
 from micscompile.core import collectives as C
 from micscompile.core.program import Kind, ProgramError
 from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.flat import schedule, with_keep_live, with_prefetch
-from micscompile.lowering.predict import planned_groups
+from micscompile.lowering.flat import lower_flat, with_keep_live, with_prefetch
+from micscompile.lowering.groups import planned_groups
 from micscompile.passes.context import make_context
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.zoo.models import GPT, GPTConfig
@@ -52,12 +52,12 @@ def test_prefetch_distance_moves_issues_only(lm_trace):
 def test_moving_issues_in_the_program_equals_lowering_at_that_distance(lm_trace, p):
     """The search moves issues in one Program; compile lowers the graph at the chosen distance."""
     rp = mc.Plan(partition_size=p, micro_batches=2).resolve(4)
-    base = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(0,)).program
+    base = lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(0,)).program
     for keep in (0, 1, 2):
         for d in (0, 1, 2, 3):
             for across in (False, True):
                 pf = mc.Prefetch(d, keep, across)
-                lowered = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(pf,))
+                lowered = lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(pf,))
                 derived = with_prefetch(with_keep_live(base, keep), d, across).micro_step
                 lowered.program.validate()
                 assert lowered.prefetch == pf
@@ -73,7 +73,7 @@ def test_moving_issues_in_the_program_equals_lowering_at_that_distance(lm_trace,
 
 def test_deeper_prefetch_keeps_more_gathered(lm_trace):
     rp = mc.Plan(partition_size=4).resolve(4)
-    peaks = [schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(d,)).program.peak_gathered_bytes
+    peaks = [lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(d,)).program.peak_gathered_bytes
              for d in range(4)]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
 
@@ -82,23 +82,23 @@ def test_budget_is_law(lm_trace):
     """Every budget from the minimum up gets a Program within it; below the minimum, a clear error."""
     cluster = Cluster.preset("p4d.24xlarge")
     rp_free = mc.Plan(partition_size=8).resolve(8)
-    peaks = sorted({schedule(lm_trace, rp_free, cluster, planned_groups(rp_free), prefetch=(d,)).program.peak_gathered_bytes
+    peaks = sorted({lower_flat(lm_trace, rp_free, cluster, planned_groups(rp_free), prefetch=(d,)).program.peak_gathered_bytes
                     for d in range(5)})
     for budget in [*peaks, *(a + (b - a) // 2 for a, b in zip(peaks, peaks[1:]))]:
         rp = mc.Plan(partition_size=8, memory_budget_bytes=budget).resolve(8)
-        sched = schedule(lm_trace, rp, cluster, planned_groups(rp))
+        sched = lower_flat(lm_trace, rp, cluster, planned_groups(rp))
         assert sched.program.peak_gathered_bytes <= budget
         assert mc.simulate(lm_trace, rp.plan, cluster).peak_memory_bytes > 0
     rp = mc.Plan(partition_size=8, memory_budget_bytes=peaks[0] - 1).resolve(8)
     with pytest.raises(mc.PlanError, match=f"below {peaks[0]:,} bytes"):
-        schedule(lm_trace, rp, cluster, planned_groups(rp))
+        lower_flat(lm_trace, rp, cluster, planned_groups(rp))
 
 
 def test_same_trace_and_plan_give_the_same_program():
     def program():
         tg = meta_lm_trace(vocab=128, h=16, layers=3, batch=2, seq=8)
         rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
-        return schedule(tg, rp, Cluster.preset("p3dn.24xlarge"), planned_groups(rp)).program
+        return lower_flat(tg, rp, Cluster.preset("p3dn.24xlarge"), planned_groups(rp)).program
 
     a, b = program(), program()
     assert a.fingerprint() == b.fingerprint() and str(a) == str(b)
@@ -124,7 +124,7 @@ def test_program_prints_predicted_times_and_exports_a_timeline(lm_trace, tmp_pat
     import json
 
     rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
-    program = schedule(lm_trace, rp, Cluster.preset("p4d.24xlarge"), planned_groups(rp)).program
+    program = lower_flat(lm_trace, rp, Cluster.preset("p4d.24xlarge"), planned_groups(rp)).program
     text = str(program)
     assert "predicted on p4d.24xlarge" in text and "start ms" in text
     spans = program.predict().action_spans
@@ -136,7 +136,7 @@ def test_program_prints_predicted_times_and_exports_a_timeline(lm_trace, tmp_pat
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     assert {"compute", "comm:shard"} <= {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert any(e["ph"] == "C" for e in events)
-    bare = schedule(lm_trace, rp, None, planned_groups(rp)).program
+    bare = lower_flat(lm_trace, rp, None, planned_groups(rp)).program
     assert "start ms" not in str(bare)
     with pytest.raises(ValueError, match="no cluster"):
         bare.predict()
@@ -146,7 +146,7 @@ def test_keep_live_trades_gathers_for_gathered_bytes(lm_trace):
     """Buckets kept live from forward into backward are gathered once per micro-step, not twice, and
     stay gathered across the forward/backward turn."""
     rp = mc.Plan(partition_size=4).resolve(4)
-    programs = [schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, k),)).program
+    programs = [lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, k),)).program
                 for k in range(4)]
     gathers = [sum(a.kind is Kind.ALL_GATHER for a in prog.micro_step) for prog in programs]
     assert gathers == [gathers[0] - k for k in range(4)]
@@ -155,13 +155,13 @@ def test_keep_live_trades_gathers_for_gathered_bytes(lm_trace):
     # was still live: keeping that one bucket live lowers the peak; keeping blocks live raises it
     assert peaks[1] < peaks[0] < peaks[3]
     with pytest.raises(mc.PlanError, match="keep_live=99"):
-        schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, 99),))
+        lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(1, 99),))
 
 
 def test_across_micro_steps_carries_the_first_gathers(lm_trace):
     rp = mc.Plan(partition_size=4, micro_batches=3).resolve(4)
     for d in (1, 2, 3):
-        prog = schedule(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(d, 0, True),)).program
+        prog = lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(d, 0, True),)).program
         nxt = [a.bucket for a in prog.micro_step if a.kind is Kind.ALL_GATHER_NEXT]
         carried = [a.bucket for a in prog.micro_step if a.carried]
         assert nxt == carried and len(nxt) == d
@@ -174,14 +174,14 @@ def test_across_micro_steps_carries_the_first_gathers(lm_trace):
         assert len(prog.collective_order()) == 3 * sum(a.kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
                                                        for a in prog.micro_step) + len(prog.boundary) - 1
     single = mc.Plan(partition_size=4, micro_batches=1).resolve(4)
-    prog = schedule(lm_trace, single, None, planned_groups(single), prefetch=(mc.Prefetch(2, 0, True),)).program
+    prog = lower_flat(lm_trace, single, None, planned_groups(single), prefetch=(mc.Prefetch(2, 0, True),)).program
     assert not any(a.kind is Kind.ALL_GATHER_NEXT or a.carried for a in prog.micro_step)
 
 
 def test_search_takes_each_knob_only_when_faster_and_caps_gathers_in_flight(lm_trace):
     cluster = Cluster.preset("p4d.24xlarge")
     rp = mc.Plan(partition_size=8, micro_batches=2).resolve(8)
-    sched = schedule(lm_trace, rp, cluster, planned_groups(rp))
+    sched = lower_flat(lm_trace, rp, cluster, planned_groups(rp))
     times = [c.step_time_s for c in sched.candidates]
     chosen = next(c for c in sched.candidates if c.prefetch == sched.prefetch)
     assert chosen.step_time_s == min(times)
@@ -189,14 +189,14 @@ def test_search_takes_each_knob_only_when_faster_and_caps_gathers_in_flight(lm_t
     assert any(c.prefetch.keep_live for c in sched.candidates)
     for limit in (1, 2):
         capped = mc.Plan(partition_size=8, micro_batches=2, max_gathers_in_flight=limit).resolve(8)
-        sched = schedule(lm_trace, capped, cluster, planned_groups(capped))
+        sched = lower_flat(lm_trace, capped, cluster, planned_groups(capped))
         assert sched.program.max_gathers_in_flight <= limit
         assert max(c.prefetch.distance for c in sched.candidates) <= limit
 
 
 def test_validate_refuses_a_broken_program(lm_trace):
     rp = mc.Plan(partition_size=2, micro_batches=2).resolve(4)
-    prog = schedule(lm_trace, rp, None, planned_groups(rp)).program
+    prog = lower_flat(lm_trace, rp, None, planned_groups(rp)).program
     prog.validate()
     steps = prog.micro_step
     first_wait = next(i for i, a in enumerate(steps) if a.kind is Kind.WAIT)

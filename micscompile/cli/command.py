@@ -108,22 +108,12 @@ def _plans(args: argparse.Namespace, cluster) -> list:
             for p in sizes]
 
 
-def _pipeline_comm(pp):
-    """Rank 0's collectives over one step of a pipeline: its chunks' Programs together."""
-    from micscompile.core.collectives import CommStats
-
-    total = CommStats()
-    for c in pp.my_chunks():
-        pp.program(c).comm_stats(total)
-    return total
-
-
 def _plan(args: argparse.Namespace) -> int:
     import micscompile as mc
     from micscompile.cli import pictures
     from micscompile.core.collectives import fmt_bytes
-    from micscompile.lowering.pipeline import lower_pipeline
-    from micscompile.lowering.predict import concrete, lower, planned_groups, step_buffers_of
+    from micscompile.lowering.lowered import lower
+    from micscompile.lowering.predict import concrete, step_buffers_of
 
     cluster = _cluster(args)
     plan = _plans(args, cluster)[0]
@@ -132,12 +122,8 @@ def _plan(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if rp.stages > 1:
-        pp = lower_pipeline(concrete(tg), rp, cluster, planned_groups(rp))
-        comm, text = _pipeline_comm(pp), str(pp)
-    else:
-        program = lower(tg, rp, cluster=cluster)
-        comm, text = program.comm_stats(), str(program)
+    lowered = lower(concrete(tg), rp, cluster, need_graph=False)
+    comm, text = lowered.comm_stats(), str(lowered)
     pred = mc.simulate(tg, plan, cluster)
     buffers = step_buffers_of(tg, plan, cluster.world_size, gpus_per_node=cluster.gpus_per_node, cluster=cluster)
     memory = mc.MemoryStats.of(buffers, None)

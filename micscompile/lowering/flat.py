@@ -28,13 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from micscompile.core.collectives import fmt_bytes
+from micscompile.core.collectives import CommStats, fmt_bytes
 from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import REGION_BWD, Action, Kind, Prefetch, Program, ProgramError, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
-from micscompile.cost_model.simulator import simulate_program
+from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import build_program
+from micscompile.lowering.groups import planned_groups
+from micscompile.memory.lifetimes import step_buffers, write_into_arena
+from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU, PassContext, make_context
 from micscompile.passes.insert_collectives import check_keep_live
 from micscompile.passes.manager import build_pass_list, run_passes
@@ -46,7 +49,7 @@ MAX_KEEP_LIVE = 4
 
 
 @dataclass(frozen=True)
-class Candidate:
+class PrefetchCandidate:
     prefetch: Prefetch
     peak_gathered_bytes: int
     step_time_s: float | None
@@ -60,14 +63,80 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class LoweredFlat:
+    """A flat plan lowered for one rank (``lowering.lowered.Lowered``): its Program, the prefetch
+    candidates the search priced, and the rewritten graph the runtime runs."""
+
     program: Program
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[PrefetchCandidate, ...]
     prefetch: Prefetch
     ctx: PassContext | None = None
     graph: torch.fx.Graph | None = None
     """The rewritten graph of the chosen distance (None when only the Program was asked for)."""
     records: list | None = None
+
+    @property
+    def plan(self) -> ResolvedPlan:
+        return self.program.plan
+
+    @property
+    def rank(self) -> int:
+        return self.program.rank
+
+    def programs(self) -> dict[int, Program]:
+        return {0: self.program}
+
+    def collective_order(self) -> list[str]:
+        return self.program.collective_order()
+
+    def fingerprint(self) -> str:
+        return self.program.fingerprint()
+
+    def collective_fingerprint(self) -> str:
+        return self.program.collective_fingerprint()
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return self.program.peak_gathered_bytes
+
+    def comm_stats(self, stats: CommStats | None = None) -> CommStats:
+        return self.program.comm_stats(stats)
+
+    def wire_bytes(self) -> dict[tuple[str, str], int]:
+        return self.program.wire_bytes()
+
+    def predict(self, cluster: Cluster | None = None, *, buffer_bytes: int = 0, flops_per_step: float | None = None,
+                scaling: bool = False, **costs) -> Prediction:
+        """Simulate the Program on ``cluster`` (default: the one it was scheduled for). ``scaling``:
+        also price it on a cluster of one partition group (``Prediction.scaling_efficiency``)."""
+        cluster = cluster or self.program.cluster
+        pred = self.program.predict(cluster, buffer_bytes=buffer_bytes, flops_per_step=flops_per_step, **costs)
+        if scaling and self.plan.replicas > 1:
+            base_program, base_cluster = _one_group(self.program, cluster)
+            base = simulate_program(base_program, base_cluster, buffer_bytes=buffer_bytes, record=False, **costs)
+            pred.scaling_efficiency = base.step_time_s / pred.step_time_s
+        elif scaling:
+            pred.scaling_efficiency = 1.0
+        return pred
+
+    def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
+        """Rewrite the graph for the arena (``lifetimes.write_into_arena``), then return the step's
+        buffers as the runtime runs it (``lifetimes.step_buffers``)."""
+        write_into_arena([self.graph], self.plan.plan, arena)
+        return step_buffers(self.graph, self.program)
+
+    def __str__(self) -> str:
+        return str(self.program)
+
+
+def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:
+    """The same Program on a cluster of exactly one partition group (the scaling baseline)."""
+    rp = program.plan
+    p, k = rp.partition_size, rp.gpus_per_node
+    small = cluster.with_nodes(-(-p // k)) if p >= k else dataclasses.replace(cluster, nodes=1, gpus_per_node=p)
+    rp1 = ResolvedPlan(rp.plan, p, min(k, p), p, 1)
+    boundary = [a for a in program.boundary if a.kind is not Kind.ALL_REDUCE]
+    return dataclasses.replace(program, plan=rp1, groups=planned_groups(rp1), boundary=boundary), small
 
 
 def with_prefetch(program: Program, distance: int, across_micro_steps: bool = False) -> Program:
@@ -140,7 +209,7 @@ def with_keep_live(program: Program, keep: int) -> Program:
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 
 
-def with_schedule(program: Program, pf: Prefetch) -> Program:
+def apply_prefetch(program: Program, pf: Prefetch) -> Program:
     """``program`` (lowered at distance 0) scheduled as ``pf`` says."""
     program = with_prefetch(with_keep_live(program, pf.keep_live), pf.distance, pf.across_micro_steps)
     return dataclasses.replace(program, prefetch=pf)
@@ -172,7 +241,7 @@ def _as_prefetch(choice: Prefetch | int) -> Prefetch:
     return choice if isinstance(choice, Prefetch) else Prefetch(distance=choice)
 
 
-def schedule(
+def lower_flat(
     trace: TrainGraph,
     rp: ResolvedPlan,
     cluster: Cluster | None,
@@ -185,7 +254,7 @@ def schedule(
     need_graph: bool = True,
     disable=(),
     log=None,
-) -> Schedule:
+) -> LoweredFlat:
     """Lower ``trace`` under ``rp`` with the best Prefetch that fits the budget.
 
     The search (with a cluster) is greedy, one knob at a time, each kept only when the
@@ -224,9 +293,9 @@ def schedule(
     def consider(pf: Prefetch) -> bool:
         """Price ``pf``; True when it fits and is strictly faster than the best so far."""
         nonlocal best
-        program = with_schedule(base[3], pf)
+        program = apply_prefetch(base[3], pf)
         pred = simulate_program(program, cluster, record=False, **(costs or {})) if cluster is not None else None
-        cand = Candidate(pf, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
+        cand = PrefetchCandidate(pf, program.peak_gathered_bytes, pred and pred.step_time_s, pred and pred.exposed_comm_s)
         candidates.append(cand)
         if budget is not None:
             fits = cand.peak_gathered_bytes <= budget
@@ -267,10 +336,10 @@ def schedule(
     cand, program = best
     program.validate()
     if not need_graph:
-        return Schedule(program, tuple(candidates), cand.prefetch)
+        return LoweredFlat(program, tuple(candidates), cand.prefetch)
     pf = cand.prefetch
     reuse = pf == Prefetch(distance=0) and log is None  # the search lowered exactly this one already
     ctx, graph, records, lowered_program = base if reuse else lower(pf, log)
     if _collectives_of(lowered_program) != _collectives_of(program):
         raise ProgramError("the lowered graph's collectives differ from those the search chose")
-    return Schedule(dataclasses.replace(lowered_program, prefetch=pf), tuple(candidates), pf, ctx, graph, records)
+    return LoweredFlat(dataclasses.replace(lowered_program, prefetch=pf), tuple(candidates), pf, ctx, graph, records)

@@ -7,7 +7,7 @@ schedule (pipeline_schedule). Every rank lowers every chunk, so all ranks can ch
 that they agree on the whole pipeline before the first collective, and the
 simulator can price the pipeline from any rank.
 
-``PipelineProgram.predict`` prices it: each chunk's forward and backward are its
+``LoweredPipeline.predict`` prices it: each chunk's forward and backward are its
 Program's two halves simulated on the cluster (gathers and reduce-scatters inside
 them), the schedule's event simulation adds the bubbles and the P2P hops, and the
 boundary (replication and tied-weight all-reduces, optimizer) follows.
@@ -21,14 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from micscompile.core.collectives import fmt_bytes
+from micscompile.core.collectives import CommStats, fmt_bytes
 from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import Kind, Prefetch, Program, backward_start, digest
 from micscompile.cost_model.collective_time import P2P, collective_time_s
 from micscompile.cost_model.simulator import Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.flat import Schedule, schedule
+from micscompile.lowering.flat import LoweredFlat, lower_flat
+from micscompile.memory.lifetimes import pipeline_buffers, write_into_arena
+from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU
 from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.trace import TrainGraph
@@ -39,14 +41,14 @@ a chunk's forward and backward, and its micro-batches, are interleaved with othe
 
 
 @dataclass
-class PipelineProgram:
+class LoweredPipeline:
     """What every rank of a pipeline plan runs: the split, the schedule and each chunk's Program."""
 
     plan: ResolvedPlan
     split: PipelineSplit
     schedule: PipeSchedule
-    chunks: list[Schedule]
-    """Per chunk: its Schedule (the Program; the rewritten graph for this rank's chunks)."""
+    chunks: list[LoweredFlat]
+    """Per chunk: its LoweredFlat (the Program; the rewritten graph for this rank's chunks)."""
     rank: int
     cluster: Cluster | None = None
 
@@ -80,11 +82,33 @@ class PipelineProgram:
                 out[key] = out.get(key, 0) + v
         return out
 
-    def predict(self, cluster: Cluster | None = None, **costs) -> Prediction:
+    def programs(self) -> dict[int, Program]:
+        return {c: self.program(c) for c in self.my_chunks()}
+
+    def comm_stats(self, stats: CommStats | None = None) -> CommStats:
+        """This rank's chunks' collectives over one step, together."""
+        stats = CommStats() if stats is None else stats
+        for program in self.programs().values():
+            program.comm_stats(stats)
+        return stats
+
+    def predict(self, cluster: Cluster | None = None, *, buffer_bytes: int = 0, flops_per_step: float | None = None,
+                scaling: bool = False, **costs) -> Prediction:
+        """``simulate_pipeline`` on ``cluster`` (default: the one it was lowered for). Not yet priced
+        for pipelines: the model's buffers (``buffer_bytes``) and the scaling baseline (``scaling``)."""
         cluster = cluster or self.cluster
         if cluster is None:
             raise ValueError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
-        return simulate_pipeline(self, cluster, **costs)
+        pred = simulate_pipeline(self, cluster, **costs)
+        if flops_per_step is not None:
+            pred.flops_per_step = flops_per_step
+        return pred
+
+    def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
+        """Rewrite this rank's chunks for the arena, then return the step's buffers in schedule order
+        (``lifetimes.pipeline_buffers``)."""
+        write_into_arena([self.chunks[c].graph for c in self.my_chunks()], self.plan.plan, arena)
+        return pipeline_buffers(self)
 
     def __str__(self) -> str:
         rp, sp = self.plan, self.split
@@ -109,7 +133,7 @@ def lower_pipeline(
     trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster | None, groups: dict, rank: int = 0, *,
     device: torch.device = CPU, prefetch: Sequence[Prefetch | int] | None = None, costs: dict | None = None,
     disable=(), log=None, starts: tuple[int, ...] | None = None,
-) -> PipelineProgram:
+) -> LoweredPipeline:
     """Split, schedule every chunk and pick the pipeline schedule (no process group needed)."""
     plan = rp.plan
     for pf in prefetch or ():
@@ -120,15 +144,15 @@ def lower_pipeline(
     sp = split(trace, rp, cluster.gpu if cluster is not None else None, starts=starts)
     mine = set(sched.chunks_of(rp.stage_of(rank)))
     chunks = [
-        schedule(st.graph, rp, cluster, groups, rank, device=device, prefetch=prefetch or DEFAULT_DISTANCES,
+        lower_flat(st.graph, rp, cluster, groups, rank, device=device, prefetch=prefetch or DEFAULT_DISTANCES,
                  costs=costs, need_graph=c in mine, disable=disable, log=log if c in mine else None)
         for c, st in enumerate(sp.stages)
     ]
     _check_tied_layouts(sp, chunks)
-    return PipelineProgram(rp, sp, sched, chunks, rank, cluster)
+    return LoweredPipeline(rp, sp, sched, chunks, rank, cluster)
 
 
-def _check_tied_layouts(sp: PipelineSplit, chunks: list[Schedule]) -> None:
+def _check_tied_layouts(sp: PipelineSplit, chunks: list[LoweredFlat]) -> None:
     """A tied parameter's partial gradients are summed piece by piece at the boundary: every chunk
     holding it must shard it alike (refused here, before any collective)."""
     for name, holders in sp.tied.items():
@@ -176,7 +200,7 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
     return most
 
 
-def simulate_pipeline(pp: PipelineProgram, cluster: Cluster, *, record: bool = True, **costs) -> Prediction:
+def simulate_pipeline(pp: LoweredPipeline, cluster: Cluster, *, record: bool = True, **costs) -> Prediction:
     """One optimizer step of the pipeline on ``cluster`` (see the module docstring). ``exposed_comm_s``
     is the busiest rank's communication not hidden behind its compute (bubbles are
     ``bubble_fraction``). ``record``: keep every stage's forward and backward spans as events (one

@@ -292,21 +292,16 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
     return _finish(recs)
 
 
-def buffers_as_run(lowered, arena: bool) -> list[Buffer]:
-    """The step's buffers as the runtime runs ``lowered`` (a flat ``Schedule`` or a
-    ``PipelineProgram``): with an arena, this rank's graphs are first rewritten in place so
-    that ops with an ``out=`` overload write into it (``passes.out_variants``), unless Inductor
-    generates the compute (``Plan.codegen``: its kernels allocate their own outputs)."""
-    pipeline = hasattr(lowered, "my_chunks")
-    graphs = [lowered.chunks[c].graph for c in lowered.my_chunks()] if pipeline else [lowered.graph]
-    plan = (lowered.plan if pipeline else lowered.program.plan).plan
+def write_into_arena(graphs, plan, arena: bool) -> None:
+    """Rewrite ``graphs`` in place so that ops with an ``out=`` overload write into the arena
+    (``passes.out_variants``): only with an arena, and not when Inductor generates the compute
+    (``Plan.codegen``: its kernels allocate their own outputs)."""
     if arena and plan.codegen == "eager":
         for graph in graphs:
             out_variants_pass(graph)
-    return pipeline_buffers(lowered) if pipeline else step_buffers(lowered.graph, lowered.program)
 
 
-def arena_plan(buffers: list[Buffer]) -> tuple[list[Buffer], MemoryPlan]:
+def arena_offsets(buffers: list[Buffer]) -> tuple[list[Buffer], MemoryPlan]:
     """The buffers the runtime takes from its arena (``in_arena``), in order, and their offsets."""
     owned = [b for b in buffers if in_arena(b)]
     return owned, plan_memory(owned)

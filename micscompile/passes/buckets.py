@@ -39,7 +39,7 @@ def _block_of(fqn: str, blocks: tuple[str, ...]) -> str:
     return best
 
 
-def plan_buckets(
+def assign_buckets(
     param_names: list[str],
     param_bytes: dict[str, int],
     blocks: list[str],

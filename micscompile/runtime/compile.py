@@ -1,4 +1,4 @@
-"""Emit: ``mc.compile`` -> ``TrainStep``, a callable that runs one optimizer step.
+"""``mc.compile`` -> a ``Step`` (``TrainStep`` or ``PipelineStep``) that runs one optimizer step.
 
 Order of work in ``compile`` (everything that can fail on bad input fails before the
 first collective): resolve the Plan against the world, split the example batch,
@@ -6,14 +6,8 @@ trace one micro-batch on meta, plan buckets and layouts, run the passes, lower t
 Program, check the memory budget, probe the optimizer (``optim_check``); then the first
 collective: the ranks exchange fingerprints of the Plan, the trace, the Program (and its
 collective order) and the starting weights, and all refuse if any differ, naming the ranks
-on each side; then the DeviceMesh ("replicate", "shard") and
-this rank's shards.
-
-``TrainStep.__call__`` runs the rewritten graph once per micro-batch (its
-collectives are asynchronous and waited on where the graph needs them), accumulates
-the gradient shards, runs the boundary sync (2hop: all-reduce over the replication
-group), scales by 1 / (n * s) (the gradient of the global mean loss) and steps the
-optimizer on the local fp32 shards.
+on each side; then the step class of the lowering (``STEP_OF``) builds the DeviceMeshes
+and this rank's shards (``Step.build``).
 """
 
 from __future__ import annotations
@@ -28,28 +22,28 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile.core import collectives as C
-from micscompile.core.collectives import Comm, GroupInfo
 from micscompile.core.launch import step_device
-from micscompile.core.plan import Plan, PlanError, ResolvedPlan
+from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.flat import schedule
-from micscompile.lowering.pipeline import lower_pipeline
-from micscompile.lowering.predict import planned_groups
-from micscompile.memory.arena import Arena
-from micscompile.memory.lifetimes import arena_plan, buffers_as_run
-from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.lowering.flat import LoweredFlat
+from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.lowered import lower
+from micscompile.lowering.pipeline import LoweredPipeline
+from micscompile.memory.lifetimes import arena_offsets
 from micscompile.runtime.flat import TrainStep
 from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
-from micscompile.runtime.pipeline import PipelineStep, pipeline_groups, split_chunks
-from micscompile.runtime.step import OptimizerFactory
+from micscompile.runtime.pipeline import PipelineStep
+from micscompile.runtime.step import OptimizerFactory, Step
 from micscompile.trace import TrainGraph, split_batch, trace
 
 _device = step_device
+
+STEP_OF: dict[type, type[Step]] = {LoweredFlat: TrainStep, LoweredPipeline: PipelineStep}
+"""The step class that runs each kind of ``Lowered``."""
 
 
 AGREEMENT_HINTS = {
@@ -125,51 +119,6 @@ def _check_agreement(
             raise RuntimeError(f"{hint}: {sides}{where}")
 
 
-_MESHES: dict[tuple, dict] = {}
-"""Process groups already built in this process from DeviceMeshes, by (device type, d, p, k when
-the partition group spans nodes), for the default group in ``_MESHES_WORLD``: compiling several
-plans (tests, benchmarks, measured autotuning) reuses them instead of creating new ones (and their
-communication threads) every time."""
-_MESHES_WORLD: list = [None]
-
-
-def _mesh_cache() -> dict:
-    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
-        _MESHES.clear()
-        _MESHES_WORLD[0] = dist.group.WORLD
-    return _MESHES
-
-
-def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
-    """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
-    group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
-    flattened, are "shard"."""
-    _mesh_cache()
-    d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
-    key = (device_type, d, p, k if rp.spans_nodes else None)
-    if key not in _MESHES:
-        if rp.spans_nodes:
-            mesh = init_device_mesh(device_type, (d, p // k, k), mesh_dim_names=("replicate", "inter", "intra"))
-            shard = mesh["inter", "intra"]._flatten("shard")
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra")}
-            _MESHES[key]["shard"] = shard.get_group()
-        else:
-            mesh = init_device_mesh(device_type, (d, p), mesh_dim_names=("replicate", "shard"))
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard")}
-    return _MESHES[key]
-
-
-def _groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
-    """The planned groups, with their ProcessGroups from DeviceMeshes (checked against the plan)."""
-    groups = planned_groups(rp, rank)
-    for name, pg in _process_groups(device.type, rp).items():
-        actual = tuple(dist.get_process_group_ranks(pg))
-        if actual != groups[name].ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
-        groups[name] = dataclasses.replace(groups[name], group=pg)
-    return groups
-
-
 def compile(  # noqa: A001 - the public name is part of the contract (mc.compile)
     model: nn.Module,
     plan: Plan,
@@ -185,7 +134,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     log: Callable[[str], None] | None = None,
     arena: bool = True,
     timeout: float | datetime.timedelta | None = None,
-) -> TrainStep:
+) -> Step:
     """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
 
     ``example_inputs`` is one local batch as ``step`` will receive it: the model gets
@@ -244,38 +193,18 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)
         state_keys = list(model.state_dict(keep_vars=True).keys())
-        if rp.stages > 1:
-            program = lower_pipeline(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                                     prefetch=prefetch, disable=disable_passes, log=log)
-            buffers = buffers_as_run(program, arena)
-            chunk_phases, codegen = split_chunks(program, device)
-        else:
-            sched = schedule(tg, rp, cluster, planned_groups(rp, rank), rank, device=device,
-                             prefetch=prefetch, disable=disable_passes, log=log)
-            ctx, graph, records, program = sched.ctx, sched.graph, sched.records, sched.program
-            buffers = buffers_as_run(sched, arena)
-            owned, planned = arena_plan(buffers) if arena else ([], None)
-            gm = torch.fx.GraphModule(tg.gm, graph)
-            codegen = CodegenReport(compile_regions(gm, device)) if plan.codegen == "inductor" else None
-        order = program.collective_order()
+        lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
+                        disable=disable_passes, log=log)
+        kind = STEP_OF[type(lowered)]
+        buffers = lowered.rewrite_for_arena(arena)
+        offsets = arena_offsets(buffers) if arena else None
+        prepared = kind.prepare(lowered, tg, device)
+        order = lowered.collective_order()
         prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
-                  "collectives": program.collective_fingerprint(), "program": program.fingerprint(),
+                  "collectives": lowered.collective_fingerprint(), "program": lowered.fingerprint(),
                   "weights": fingerprint(model)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
     _check_agreement(prints, error, world, order)
-    if rp.stages > 1:
-        groups = planned_groups(rp, rank)
-        pipeline_groups(rp, device.type, groups, _mesh_cache())
-        return PipelineStep(pp=program, graph=tg, model=model, groups=groups, optimizer_factory=optimizer,
-                            state_keys=state_keys, device=device, init_fn=init_fn, cache=_mesh_cache(), arena=arena,
-                            timeout=timeout, chunk_phases=chunk_phases, step_buffers=buffers, codegen=codegen)
-    groups = _groups(rp, rank, device)
-    program = dataclasses.replace(program, groups=groups)
-    comm = Comm(ctx.layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"),
-                groups.get("intra"), arena=None if planned is None else Arena(owned, planned, device))
-    return TrainStep(
-        gm=gm, program=program, comm=comm, groups=groups, graph=tg, model=model, init_fn=init_fn,
-        optimizer_factory=optimizer, state_keys=state_keys, pass_records=records, device=device,
-        step_buffers=buffers, timeout=timeout, codegen=codegen,
-    )
+    return kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
+                      state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)

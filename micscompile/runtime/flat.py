@@ -9,6 +9,7 @@ global mean loss) and the optimizer step on the local fp32 shards.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
@@ -18,8 +19,11 @@ from torch import nn
 from micscompile.core.collectives import Comm, GroupInfo
 from micscompile.core.program import Program, ProgramError
 from micscompile.core.sharding import BucketLayout
+from micscompile.lowering.flat import LoweredFlat
+from micscompile.memory.arena import Arena
 from micscompile.passes.manager import PassRecord
-from micscompile.runtime.codegen import CodegenReport
+from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.runtime.meshes import flat_groups
 from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields
 from micscompile.trace import TrainGraph
 
@@ -43,6 +47,23 @@ class TrainStep(Step):
         self.gm = gm
         self.pass_records = pass_records
         self._comm = comm
+
+    @staticmethod
+    def prepare(lowered: LoweredFlat, graph: TrainGraph, device: torch.device) -> dict:
+        """Rank-local, before the first collective: the rewritten graph as a module, its regions
+        compiled with ``Plan.codegen="inductor"``."""
+        gm = torch.fx.GraphModule(graph.gm, lowered.graph)
+        codegen = CodegenReport(compile_regions(gm, device)) if lowered.plan.plan.codegen == "inductor" else None
+        return {"gm": gm, "codegen": codegen}
+
+    @classmethod
+    def build(cls, lowered: LoweredFlat, prepared: dict, *, device: torch.device, arena_offsets, **kwargs) -> TrainStep:
+        """After the ranks agreed: the DeviceMesh's groups, the communicator and its arena, the step."""
+        groups = flat_groups(lowered.plan, lowered.rank, device)
+        comm = Comm(lowered.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"),
+                    groups.get("intra"), arena=None if arena_offsets is None else Arena(*arena_offsets, device))
+        return cls(gm=prepared["gm"], program=dataclasses.replace(lowered.program, groups=groups), comm=comm,
+                   groups=groups, pass_records=lowered.records, device=device, codegen=prepared["codegen"], **kwargs)
 
     @property
     def layouts(self) -> tuple[BucketLayout, ...]:

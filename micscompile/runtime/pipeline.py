@@ -28,19 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
 from micscompile.core.pipeline_schedule import Op
-from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import ProgramError
 from micscompile.core.sharding import local_piece
-from micscompile.lowering.pipeline import PipelineProgram
+from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.memory.arena import Arena
-from micscompile.memory.lifetimes import arena_plan
 from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.runtime.meshes import mesh_cache, pipeline_groups
 from micscompile.runtime.step import Part, Step, part_fields
 from micscompile.trace import TrainGraph
 
@@ -83,7 +82,7 @@ def _pick(args: Sequence, used: list[bool]) -> list:
     return [a if u else None for a, u in zip(args, used)]
 
 
-def split_chunks(pp: PipelineProgram, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
+def split_chunks(pp: LoweredPipeline, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
     """This rank's chunks as forward and backward GraphModules (``passes.phase_split``; after
     ``lifetimes.buffers_as_run`` rewrote their graphs for the arena); with
     ``Plan.codegen="inductor"`` their compute regions compiled, identical ones once across chunks."""
@@ -99,21 +98,7 @@ def split_chunks(pp: PipelineProgram, device: torch.device) -> tuple[dict[int, P
     return phases, (CodegenReport(regions) if pp.plan.plan.codegen == "inductor" else None)
 
 
-def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
-    """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
-    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size)  # never a flat plan's (d, p, k) key
-    if key not in cache:
-        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
-                                mesh_dim_names=("replicate", "pipe", "shard"))
-        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard")}
-    for name, pg in cache[key].items():
-        actual = tuple(dist.get_process_group_ranks(pg))
-        if actual != groups[name].ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
-        groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)
-
-
-def _tied_groups(pp: PipelineProgram, rank: int, cache: dict) -> dict[str, GroupInfo]:
+def _tied_groups(pp: LoweredPipeline, rank: int, cache: dict) -> dict[str, GroupInfo]:
     """Tied parameter -> the group of this chain's ranks whose chunks hold it (every rank creates
     every chain's group, in the same order, as ``new_group`` requires)."""
     rp, sched = pp.plan, pp.schedule
@@ -144,13 +129,13 @@ class PipelineStep(Step):
 
     _whose_batch = "this pipeline chain's"
 
-    def __init__(self, *, pp: PipelineProgram, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
+    def __init__(self, *, pp: LoweredPipeline, graph: TrainGraph, model: nn.Module, groups: dict[str, GroupInfo],
                  optimizer_factory, state_keys: list[str], device: torch.device, init_fn, cache: dict,
-                 chunk_phases: dict[int, Phases], step_buffers: list, arena: bool = True, timeout=None,
+                 chunk_phases: dict[int, Phases], step_buffers: list, arena_offsets=None, timeout=None,
                  codegen: CodegenReport | None = None) -> None:
         rp = pp.plan
         stats = CommStats()
-        planned_arena = Arena(*arena_plan(step_buffers), device) if arena else None
+        planned_arena = None if arena_offsets is None else Arena(*arena_offsets, device)
         chunks = []
         for c in pp.my_chunks():
             st, sched = pp.split.stages[c], pp.chunks[c]
@@ -170,6 +155,20 @@ class PipelineStep(Step):
         self._stage = rp.stage_of(pp.rank)
         self._pipe = groups["pipe"]
         self._chunks: dict[int, _Chunk] = {ch.index: ch for ch in chunks}
+
+    @staticmethod
+    def prepare(lowered: LoweredPipeline, graph: TrainGraph, device: torch.device) -> dict:
+        """Rank-local, before the first collective: this rank's chunks split into forward and
+        backward modules, their regions compiled with ``Plan.codegen="inductor"``."""
+        chunk_phases, codegen = split_chunks(lowered, device)
+        return {"chunk_phases": chunk_phases, "codegen": codegen}
+
+    @classmethod
+    def build(cls, lowered: LoweredPipeline, prepared: dict, *, device: torch.device, **kwargs) -> PipelineStep:
+        """After the ranks agreed: the (d, S, t) DeviceMesh's groups, then the step."""
+        groups = planned_groups(lowered.plan, lowered.rank)
+        pipeline_groups(lowered.plan, device.type, groups, mesh_cache())
+        return cls(pp=lowered, groups=groups, device=device, cache=mesh_cache(), **prepared, **kwargs)
 
     # ---- tied parameters -----------------------------------------------------------------
     def _tied_pieces(self, name: str) -> list[torch.Tensor]:

@@ -85,7 +85,7 @@ class Step(Checkpointable):
         timeout_groups=(),
     ) -> None:
         self.program = program
-        """What this rank runs: a ``Program`` (flat) or a ``PipelineProgram`` (print it)."""
+        """What this rank runs: a ``Program`` (flat) or a ``LoweredPipeline`` (print it)."""
         self.codegen = codegen
         """With ``Plan.codegen="inductor"``: the compiled regions and their compile times (print it)."""
         self.graph = graph

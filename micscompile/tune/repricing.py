@@ -13,7 +13,7 @@ structure, whatever its depth. Within one structure:
   layouts, groups, hierarchical choice and replication all-reduces of p into the Program
   lowered for another p (tests: equal to lowering p directly).
 
-Each candidate then costs one ``passes.schedule.with_schedule`` and one simulation. Predictions
+Each candidate then costs one ``passes.schedule.apply_prefetch`` and one simulation. Predictions
 equal ``mc.simulate(trace.at_batch(b), plan, cluster, prefetch=[pf], scaling=False)`` (tests).
 """
 
@@ -30,9 +30,10 @@ from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program
-from micscompile.lowering.flat import Schedule, hierarchical_buckets, schedule, with_schedule
-from micscompile.lowering.pipeline import PipelineProgram, simulate_pipeline
-from micscompile.lowering.predict import model_buffer_bytes, planned_groups
+from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets, lower_flat
+from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.pipeline import LoweredPipeline, simulate_pipeline
+from micscompile.lowering.predict import model_buffer_bytes
 from micscompile.passes.context import make_context
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.passes.pipeline_split import (
@@ -159,7 +160,7 @@ class Pricer:
     def flat(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
         """What ``mc.simulate`` predicts for ``plan`` (S = 1) at micro-batch size ``b`` with ``prefetch``."""
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
-        program = with_schedule(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
+        program = apply_prefetch(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
         return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
 
     def _unit_analysis(self) -> tuple:
@@ -207,14 +208,14 @@ class Pricer:
         for key, st in zip(keys, sp.stages):
             key = (structure, key)
             if key not in self._bases:
-                lowered = schedule(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
+                lowered = lower_flat(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
                 self._bases[key] = lowered.program, st.graph
             if key not in priced:
                 base, graph = self._bases[key]
-                priced[key] = Schedule(with_schedule(self._sized(base, graph, rp, i), prefetch), (), prefetch)
+                priced[key] = LoweredFlat(apply_prefetch(self._sized(base, graph, rp, i), prefetch), (), prefetch)
             chunks.append(priced[key])
         sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        pp = PipelineProgram(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
+        pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return simulate_pipeline(pp, self.cluster, record=False, **self.costs)
 
     def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:

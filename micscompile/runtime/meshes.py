@@ -1,0 +1,73 @@
+"""The ProcessGroups of a step, built from DeviceMeshes and checked against the planned groups
+(``lowering.groups.planned_groups``): a flat plan's (d, p) or (d, p/k, k) mesh, a pipeline's
+(d, S, t) mesh. Built once per process and default group, reused by later compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from micscompile.core.collectives import GroupInfo
+from micscompile.core.plan import ResolvedPlan
+from micscompile.lowering.groups import planned_groups
+
+_MESHES: dict[tuple, dict] = {}
+"""Process groups already built in this process from DeviceMeshes, by (device type, d, p, k when
+the partition group spans nodes), for the default group in ``_MESHES_WORLD``: compiling several
+plans (tests, benchmarks, measured autotuning) reuses them instead of creating new ones (and their
+communication threads) every time."""
+_MESHES_WORLD: list = [None]
+
+
+def mesh_cache() -> dict:
+    if _MESHES_WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are dead
+        _MESHES.clear()
+        _MESHES_WORLD[0] = dist.group.WORLD
+    return _MESHES
+
+
+def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
+    """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
+    group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
+    flattened, are "shard"."""
+    mesh_cache()
+    d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
+    key = (device_type, d, p, k if rp.spans_nodes else None)
+    if key not in _MESHES:
+        if rp.spans_nodes:
+            mesh = init_device_mesh(device_type, (d, p // k, k), mesh_dim_names=("replicate", "inter", "intra"))
+            shard = mesh["inter", "intra"]._flatten("shard")
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra")}
+            _MESHES[key]["shard"] = shard.get_group()
+        else:
+            mesh = init_device_mesh(device_type, (d, p), mesh_dim_names=("replicate", "shard"))
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard")}
+    return _MESHES[key]
+
+
+def flat_groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
+    """The planned groups, with their ProcessGroups from DeviceMeshes (checked against the plan)."""
+    groups = planned_groups(rp, rank)
+    for name, pg in _process_groups(device.type, rp).items():
+        actual = tuple(dist.get_process_group_ranks(pg))
+        if actual != groups[name].ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+        groups[name] = dataclasses.replace(groups[name], group=pg)
+    return groups
+
+
+def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
+    """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
+    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size)  # never a flat plan's (d, p, k) key
+    if key not in cache:
+        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
+                                mesh_dim_names=("replicate", "pipe", "shard"))
+        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard")}
+    for name, pg in cache[key].items():
+        actual = tuple(dist.get_process_group_ranks(pg))
+        if actual != groups[name].ranks:
+            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+        groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)
