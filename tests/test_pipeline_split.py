@@ -15,10 +15,10 @@ from models import MODELS, meta_lm_trace
 import micscompile as mc
 from micscompile.cost_model.simulator import simulate_program
 from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.phase_split import split_phases
 from micscompile.lowering.pipeline import _halves, lower_pipeline
-from micscompile.passes.phase_split import split_phases
-from micscompile.passes.pipeline_split import split
-from micscompile.passes.stage_balance import balance
+from micscompile.lowering.pipeline_split import split
+from micscompile.lowering.stage_balance import balance
 
 
 def _resolved(chunks: int, stages: int | None = None) -> mc.ResolvedPlan:

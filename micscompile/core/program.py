@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from micscompile.core import collectives as C
 from micscompile.core.collectives import CommStats, GroupInfo, fmt_bytes
 from micscompile.core.plan import ResolvedPlan
@@ -86,6 +88,12 @@ COLLECTIVE_OF_KIND = {
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 
 
+Amount = int | np.ndarray
+"""FLOPs or bytes of a COMPUTE action: an int; in a Program lowered over several micro-batch sizes
+at once (``tune.repricing``), a numpy array with one value per size, until ``repricing.at_index``
+picks one size's ints (only such a Program is simulated or run)."""
+
+
 class Action(NamedTuple):
     kind: Kind
     bucket: int | None = None
@@ -96,15 +104,15 @@ class Action(NamedTuple):
     tensor_bytes: int = 0
     """Size of the full buffer a collective works on."""
     ops: int = 0
-    flops: int = 0
+    flops: Amount = 0
     """All FLOPs of a COMPUTE action (what TFLOP/s counts)."""
-    matmul_flops: int = 0
+    matmul_flops: Amount = 0
     """FLOPs of matmul-class ops (priced at matmul throughput)."""
-    mem_bytes: int = 0
+    mem_bytes: Amount = 0
     """Bytes read + written by the other ops (priced at memory bandwidth)."""
-    activation_bytes: int = 0
+    activation_bytes: Amount = 0
     """Activations alive at the end of the action."""
-    activation_peak_bytes: int = 0
+    activation_peak_bytes: Amount = 0
     """Most activation bytes alive during the action."""
     measured_s: float | None = None
     """Profiled time of the action's ops (profile mode), preferred to the roofline estimate."""

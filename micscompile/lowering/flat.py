@@ -39,7 +39,7 @@ from micscompile.lowering.groups import planned_groups
 from micscompile.memory.lifetimes import step_buffers, write_into_arena
 from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU, PassContext, make_context
-from micscompile.passes.insert_collectives import check_keep_live
+from micscompile.passes.insert_collectives import AFTER, CUT, FIRST, carried_gathers, issue_slot, keep_live_choice
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import TrainGraph
 
@@ -122,7 +122,7 @@ class LoweredFlat:
     def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
         """Rewrite the graph for the arena (``lifetimes.write_into_arena``), then return the step's
         buffers as the runtime runs it (``lifetimes.step_buffers``)."""
-        write_into_arena([self.graph], self.plan.plan, arena)
+        write_into_arena([(self.graph, self.ctx)], self.plan.plan, arena)
         return step_buffers(self.graph, self.program)
 
     def __str__(self) -> str:
@@ -151,23 +151,22 @@ def with_prefetch(program: Program, distance: int, across_micro_steps: bool = Fa
     if distance == 0 or not issues:
         return program
     n = len(issues)
-    carried = distance if across_micro_steps and program.plan.micro_batches > 1 and distance < n else 0
+    carried = carried_gathers(n, distance, across_micro_steps, program.plan.micro_batches)
     # a pipeline chunk: backward gathers are issued no earlier than backward starts (insert_collectives)
     cut = backward_start(actions) if program.plan.stages > 1 else None
+    phases = [actions[i].region for i in issues]
     at_cut: list[Action] = []
     moved = {i: actions[i]._replace(carried=k < carried) for k, i in enumerate(issues)}
     after: dict[int, Action] = {}  # index of a wait -> the issue that follows it
     before_first: list[Action] = []
     for k, i in enumerate(issues):
-        if k == 0:
-            continue  # already right before the first wait
-        if cut is not None and actions[i].region == REGION_BWD and (
-                k < distance or actions[issues[k - distance]].region != REGION_BWD):
+        slot, j = issue_slot(k, phases, distance, cut is not None)
+        if slot == CUT:
             at_cut.append(moved[i])
-        elif k < distance:
+        elif slot == FIRST:
             before_first.append(moved[i])
-        else:
-            after[issues[k - distance] + 1] = moved[i]  # the wait of gather k - distance
+        elif slot == AFTER:
+            after[issues[j] + 1] = moved[i]  # the wait of gather j
     for j in range(carried):  # where gather n + j would go: the next micro-step's gather j
         after[issues[n - distance + j] + 1] = moved[issues[j]]._replace(kind=Kind.ALL_GATHER_NEXT, carried=False)
     out: list[Action] = []
@@ -195,16 +194,16 @@ def with_keep_live(program: Program, keep: int) -> Program:
         return program
     actions = program.micro_step
     last_release = {a.bucket: i for i, a in enumerate(actions) if a.kind is Kind.RELEASE and a.region != REGION_BWD}
-    pairs = []
+    pairs: dict[int, tuple[int, int]] = {}  # bucket -> (its last forward release, its next gather)
     for b, i in last_release.items():
         j = next((j for j in range(i + 1, len(actions)) if actions[j].kind is Kind.ALL_GATHER and actions[j].bucket == b), None)
         if j is not None:
-            pairs.append((i, j))
-    check_keep_live(keep, len(pairs))
+            pairs[b] = (i, j)
     drop = set()
-    for i, j in sorted(pairs, reverse=True)[:keep]:
+    for b in keep_live_choice({b: i for b, (i, _) in pairs.items()}, pairs, keep):
+        i, j = pairs[b]
         wait = next(w for w in range(j + 1, len(actions)) if actions[w].kind is Kind.WAIT
-                    and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == actions[j].bucket)
+                    and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == b)
         drop |= {i, j, wait}
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 

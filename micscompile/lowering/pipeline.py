@@ -1,6 +1,6 @@
 """A pipeline plan (MiCS-Pipe) lowered: the split, the schedule, one Program per chunk.
 
-``lower_pipeline`` cuts the trace into S * v chunks (passes.pipeline_split), then
+``lower_pipeline`` cuts the trace into S * v chunks (lowering.pipeline_split), then
 lowers every chunk like a model of its own (passes.schedule over the chunk's t-rank
 partition group: gathers, releases, reduce-scatters) and picks the pipeline
 schedule (pipeline_schedule). Every rank lowers every chunk, so all ranks can check
@@ -29,10 +29,10 @@ from micscompile.cost_model.collective_time import P2P, collective_time_s
 from micscompile.cost_model.simulator import Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.flat import LoweredFlat, lower_flat
+from micscompile.lowering.pipeline_split import PipelineSplit, split
 from micscompile.memory.lifetimes import pipeline_buffers, write_into_arena
 from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU
-from micscompile.passes.pipeline_split import PipelineSplit, split
 from micscompile.trace import TrainGraph
 
 DEFAULT_DISTANCES = (1, 2, 3)
@@ -107,7 +107,7 @@ class LoweredPipeline:
     def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
         """Rewrite this rank's chunks for the arena, then return the step's buffers in schedule order
         (``lifetimes.pipeline_buffers``)."""
-        write_into_arena([self.chunks[c].graph for c in self.my_chunks()], self.plan.plan, arena)
+        write_into_arena([(self.chunks[c].graph, self.chunks[c].ctx) for c in self.my_chunks()], self.plan.plan, arena)
         return pipeline_buffers(self)
 
     def __str__(self) -> str:

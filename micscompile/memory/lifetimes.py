@@ -48,8 +48,9 @@ from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory.planner import Buffer, MemoryPlan, plan_memory
+from micscompile.passes.manager import arena_pass_list, run_passes
 from micscompile.passes.offload import offload, offload_done, reload_issue, reload_wait
-from micscompile.passes.out_variants import OUT_PREFIX, arena_out, out_variants_pass
+from micscompile.passes.out_variants import OUT_PREFIX, arena_out
 from micscompile.trace import META_REGION
 
 ARENA_KINDS = frozenset({"gathered", "gather_across", "gather_intra", "grad_bucket", "grad_reorder", "grad_partial",
@@ -293,12 +294,11 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
 
 
 def write_into_arena(graphs, plan, arena: bool) -> None:
-    """Rewrite ``graphs`` in place so that ops with an ``out=`` overload write into the arena
-    (``passes.out_variants``): only with an arena, and not when Inductor generates the compute
-    (``Plan.codegen``: its kernels allocate their own outputs)."""
-    if arena and plan.codegen == "eager":
-        for graph in graphs:
-            out_variants_pass(graph)
+    """Run the arena passes (``passes.manager.arena_pass_list``) on ``graphs``, (graph, PassContext)
+    pairs, in place: with an arena, ops with an ``out=`` overload write into it."""
+    passes = arena_pass_list(plan, arena)
+    for graph, ctx in graphs:
+        run_passes(graph, ctx, passes)
 
 
 def arena_offsets(buffers: list[Buffer]) -> tuple[list[Buffer], MemoryPlan]:

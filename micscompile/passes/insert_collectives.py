@@ -46,6 +46,7 @@ issues the same collectives in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -96,24 +97,56 @@ def check_keep_live(keep: int, available: int) -> None:
                         f"forward and backward")
 
 
+def keep_live_choice(last_forward: dict[int, int], used_after: Container[int], keep: int) -> list[int]:
+    """The buckets ``Prefetch.keep_live`` keeps gathered from forward into backward: of those used
+    again after their last forward use (``used_after``), the ``keep`` whose forward use ends last.
+    ``last_forward``: bucket -> where its last forward use is (any order-preserving position). The
+    one rule this pass applies to the graph and ``lowering.flat.with_keep_live`` to a Program."""
+    candidates = [b for b in last_forward if b in used_after]
+    check_keep_live(keep, len(candidates))
+    return sorted(candidates, key=last_forward.__getitem__, reverse=True)[:keep]
+
+
+OWN, FIRST, AFTER, CUT = "own", "first", "after", "cut"
+
+
+def issue_slot(k: int, phases: Sequence[str], distance: int, pipeline: bool) -> tuple[str, int | None]:
+    """Where the ``k``-th gather (in use order; ``phases``: each gather's phase) is issued: the one
+    rule this pass applies to the graph and ``lowering.flat.with_prefetch`` to a Program.
+    (CUT, None): when backward starts (``pipeline``: a chunk's backward gather whose turn falls in
+    forward); (OWN, None): right before its own wait (distance 0, or the first gather); (FIRST, None):
+    before the first wait (the first ``distance`` gathers); (AFTER, j): right after gather j's wait."""
+    if pipeline and k > 0 and distance > 0 and phases[k] == REGION_BWD and (
+            k < distance or phases[k - distance] != REGION_BWD):
+        return CUT, None
+    if distance == 0 or k == 0:
+        return OWN, None
+    if k < distance:
+        return FIRST, None
+    return AFTER, k - distance
+
+
+def carried_gathers(n: int, distance: int, across_micro_steps: bool, micro_batches: int) -> int:
+    """How many of the first of ``n`` gathers the previous micro-step issues (``across_micro_steps``):
+    the next micro-step's gather j is issued right after the wait of gather n - distance + j."""
+    return distance if across_micro_steps and micro_batches > 1 and 1 <= distance < n else 0
+
+
 def _keep_live(
     intervals: list[Interval], active: dict, order: dict, keep: int,
 ) -> list[Interval]:
-    """Merge, for the ``keep`` buckets whose forward use ends last, their last forward interval with
-    their next (backward) one: one gather serves both, released after the backward use."""
-    last_fwd: dict[int, int] = {}
-    for i, iv in enumerate(intervals):
-        if iv.key[0] != REGION_BWD:
-            last_fwd[iv.bucket] = i
-    pairs = []
+    """Merge, for the ``keep_live_choice`` buckets, their last forward interval with their next
+    (backward) one: one gather serves both, released after the backward use."""
+    last_fwd = {iv.bucket: i for i, iv in enumerate(intervals) if iv.key[0] != REGION_BWD}
+    pairs: dict[int, tuple[int, int]] = {}  # bucket -> (its last forward interval, its next one)
     for b, i in last_fwd.items():
         nxt = next((j for j in range(i + 1, len(intervals)) if intervals[j].bucket == b), None)
         if nxt is not None:
-            pairs.append((i, nxt))
-    check_keep_live(keep, len(pairs))
-    pairs.sort(key=lambda ij: order[intervals[ij[0]].last], reverse=True)
+            pairs[b] = (i, nxt)
+    last_forward = {b: order[intervals[i].last] for b, (i, _) in pairs.items()}
     merged = {}
-    for i, j in pairs[:keep]:
+    for b in keep_live_choice(last_forward, pairs, keep):
+        i, j = pairs[b]
         fwd, bwd = intervals[i], intervals[j]
         fwd.last = bwd.last
         fwd.params |= bwd.params
@@ -170,9 +203,9 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         return {"hierarchical": True} if bucket in ctx.hierarchical else {}
 
     # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
-    across = ctx.prefetch.across_micro_steps and ctx.plan.micro_batches > 1
-    carried = distance if across and 1 <= distance < len(intervals) else 0
-    # a pipeline chunk runs forward and backward as two graphs (passes.phase_split): no gather in flight across
+    carried = carried_gathers(len(intervals), distance, ctx.prefetch.across_micro_steps, ctx.plan.micro_batches)
+    phases = [iv.key[0] for iv in intervals]
+    # a pipeline chunk runs forward and backward as two graphs (lowering.phase_split): no gather in flight across
     cut = next((n for n in graph.nodes if n.op == "call_function" and n.meta.get(META_REGION) == REGION_BWD), None) \
         if ctx.plan.stages > 1 else None
     waits: list[torch.fx.Node] = []
@@ -183,20 +216,16 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             src = shards[iv.bucket]
             anchor = iv.first
         else:
-            # issued right after the wait of the interval `distance` before (the first
-            # `distance` ones up front, before the first wait); distance 0: right before its wait.
-            # A pipeline chunk: a backward gather whose turn falls in forward is issued when backward
-            # starts (in order, before any backward wait)
-            at_cut = (cut is not None and k > 0 and distance > 0 and iv.key[0] == REGION_BWD
-                      and (k < distance or intervals[k - distance].key[0] != REGION_BWD))
+            slot, j = issue_slot(k, phases, distance, cut is not None)
+            at_cut = slot == CUT  # in order, before any backward wait
             if at_cut:
                 where = graph.inserting_before(cut) if last_at_cut is None else graph.inserting_after(last_at_cut)
-            elif distance == 0 or k == 0:
+            elif slot == OWN:
                 where = graph.inserting_before(iv.first)
-            elif k < distance:
+            elif slot == FIRST:
                 where = graph.inserting_before(waits[0])
             else:
-                where = graph.inserting_after(waits[k - distance])
+                where = graph.inserting_after(waits[j])
             with where:
                 fn = C.all_gather_carried if k < carried else C.all_gather_issue
                 issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))

@@ -1,4 +1,8 @@
-"""One ordered list of passes built from the Plan, and one runner for it.
+"""The ordered lists of passes built from the Plan, and one runner for them.
+
+``build_pass_list``: what rewrites the trace before lowering (every prefetch candidate of the
+search runs it). ``arena_pass_list``: what rewrites the chosen graph for the runtime's arena
+after lowering (it never changes the Program).
 
 The runner times each pass, lints its result, records the change in op counts, can
 hand the graph before/after to a ``log`` callable, and skips passes by name.
@@ -18,6 +22,7 @@ from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.context import PassContext
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.offload import offload_pass
+from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.retarget_device import retarget_device_pass
 
 PassFn = Callable[[torch.fx.Graph, PassContext], torch.fx.Graph]
@@ -50,6 +55,12 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     if plan.offload_activations:
         passes.append(("offload", offload_pass))
     return passes
+
+
+def arena_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
+    """With an arena, ops with an ``out=`` overload write into it; not when Inductor generates the
+    compute (``Plan.codegen``: its kernels allocate their own outputs)."""
+    return [("out_variants", out_variants_pass)] if arena and plan.codegen == "eager" else []
 
 
 def run_passes(

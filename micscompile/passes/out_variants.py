@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from micscompile.cost_model.node_cost import META_BYTES, _is_view
+from micscompile.passes.context import PassContext
 
 OUT_PREFIX = "out:"
 """Names of the arena buffers ops write into (this pass)."""
@@ -46,7 +47,9 @@ def out_overload(node: torch.fx.Node):
     return out
 
 
-def out_variants_pass(graph: torch.fx.Graph) -> torch.fx.Graph:
+def out_variants_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
+    """Every op with an ``out=`` overload writes into an ``arena_out`` buffer (the pass signature's
+    ``ctx`` is not needed: the buffers are named from the nodes)."""
     comm = next(n for n in graph.nodes if n.op == "placeholder")
     for node in list(graph.nodes):
         out_op = out_overload(node)

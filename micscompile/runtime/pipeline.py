@@ -7,7 +7,7 @@ carry the same micro-batches from stage to stage, "replicate" the d ranks holdin
 the same shard of a stage. The ranks of one pipeline chain get the same local batch.
 
 Each of this rank's chunks is a rewritten graph split into a forward and a backward
-GraphModule (passes.phase_split) with the MiCS collectives of its own partition group
+GraphModule (lowering.phase_split) with the MiCS collectives of its own partition group
 inside. The schedule's actions run in order: F and B call those modules; each run of adjacent
 P2P actions goes out as one ``batch_isend_irecv`` over the "pipe" group (``PipeSchedule.batched``,
 ordered to be deadlock-free under NCCL's rules); a batch's Work is waited for right before the
@@ -35,9 +35,9 @@ from micscompile.core.pipeline_schedule import Op
 from micscompile.core.program import ProgramError
 from micscompile.core.sharding import local_piece
 from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.phase_split import Phases, split_phases
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.memory.arena import Arena
-from micscompile.passes.phase_split import Phases, split_phases
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.meshes import mesh_cache, pipeline_groups
 from micscompile.runtime.step import Part, Step, part_fields
@@ -83,7 +83,7 @@ def _pick(args: Sequence, used: list[bool]) -> list:
 
 
 def split_chunks(pp: LoweredPipeline, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
-    """This rank's chunks as forward and backward GraphModules (``passes.phase_split``; after
+    """This rank's chunks as forward and backward GraphModules (``lowering.phase_split``; after
     ``lifetimes.buffers_as_run`` rewrote their graphs for the arena); with
     ``Plan.codegen="inductor"`` their compute regions compiled, identical ones once across chunks."""
     phases, regions, cache = {}, [], {}

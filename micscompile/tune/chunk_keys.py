@@ -1,7 +1,7 @@
 """Which pipeline chunks are alike, so that ``mc.autotune`` lowers and prices each shape once.
 
 A transformer's repeated blocks trace to the same operations on the same shapes, so the
-chunks of a pipeline cut (``passes.pipeline_split``) repeat too: every middle chunk of three
+chunks of a pipeline cut (``lowering.pipeline_split``) repeat too: every middle chunk of three
 blocks is the same graph but for names. A chunk is the units [a, b) of the forward chain; what
 it computes and what crosses its two cuts follows from those units' operations and its
 neighbours' (units a - 1 and b), as long as every edge between units joins neighbours. Its key
@@ -24,12 +24,12 @@ from collections.abc import Hashable, Sequence
 import torch
 import torch.fx
 
-from micscompile.passes.pipeline_split import grad_sum, node_block
+from micscompile.lowering.pipeline_split import grad_sum, node_block
 from micscompile.trace import LOSS_FQN, META_DTYPE, META_REGION, META_SHAPE, TrainGraph
 
 
 class ChunkKeys:
-    """The keys of the chunks of any cut of ``tg`` along ``units`` (``passes.pipeline_split.forward_units``)."""
+    """The keys of the chunks of any cut of ``tg`` along ``units`` (``lowering.pipeline_split.forward_units``)."""
 
     def __init__(self, tg: TrainGraph, units: Sequence[str]) -> None:
         nodes = list(tg.gm.graph.nodes)

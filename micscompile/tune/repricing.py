@@ -33,10 +33,7 @@ from micscompile.lowering.build import boundary_actions, build_program
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets, lower_flat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import LoweredPipeline, simulate_pipeline
-from micscompile.lowering.predict import model_buffer_bytes
-from micscompile.passes.context import make_context
-from micscompile.passes.manager import build_pass_list, run_passes
-from micscompile.passes.pipeline_split import (
+from micscompile.lowering.pipeline_split import (
     PipelineSplit,
     Transfer,
     cut_points,
@@ -45,6 +42,9 @@ from micscompile.passes.pipeline_split import (
     unit_costs,
     unit_state,
 )
+from micscompile.lowering.predict import model_buffer_bytes
+from micscompile.passes.context import make_context
+from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_FLOPS, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
 
@@ -172,7 +172,7 @@ class Pricer:
         return self._units
 
     def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
-        """Where ``passes.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
+        """Where ``lowering.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
         units, seconds, saved, states, _ = self._unit_analysis()
         plan, t = rp.plan, rp.partition_size
         key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)

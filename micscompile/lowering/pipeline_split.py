@@ -42,9 +42,9 @@ from micscompile.core.program import Action, Kind
 from micscompile.cost_model.node_cost import NodeWork, node_work
 from micscompile.cost_model.simulator import compute_time_s
 from micscompile.cost_model.specs import A100_40GB, GpuSpec
+from micscompile.lowering.phase_split import flat_module, placeholder_like
+from micscompile.lowering.stage_balance import balance
 from micscompile.passes.buckets import block_of
-from micscompile.passes.phase_split import flat_module, placeholder_like
-from micscompile.passes.stage_balance import balance
 from micscompile.trace import (
     LOSS_FQN,
     META_BYTES,
