@@ -1,7 +1,7 @@
 """A pipeline plan (MiCS-Pipe) lowered: the split, the schedule, one Program per chunk.
 
 ``lower_pipeline`` cuts the trace into S * v chunks (lowering.pipeline_split), then
-lowers every chunk like a model of its own (passes.schedule over the chunk's t-rank
+lowers every chunk like a model of its own (lowering.flat over the chunk's t-rank
 partition group: gathers, releases, reduce-scatters) and picks the pipeline
 schedule (pipeline_schedule). Every rank lowers every chunk, so all ranks can check
 that they agree on the whole pipeline before the first collective, and the

@@ -47,7 +47,7 @@ def simulate(
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
     ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
-    ``mc.compile`` schedules it (``passes.schedule``; ``prefetch`` as there).
+    ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
     """
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)

@@ -2,7 +2,7 @@
 
 ``mc.compile`` lists the buffers the step's collectives allocate (``lifetimes``:
 gathered parameters, gradient buckets and their shards, hierarchical stages, pipeline
-receive buffers), plans their offsets (``memory_plan``) and allocates the arena once.
+receive buffers), plans their offsets (``memory.planner``) and allocates the arena once.
 Each allocation site takes the next planned slot: the order is the Program's, the
 same every step, and every take is checked against the plan (name and size), so a
 runtime that strayed from its Program fails loudly instead of corrupting a buffer.

@@ -26,8 +26,8 @@ global L or best proven lower bound when higher: a piece below the max cannot ch
     1. greedy portfolio: best-fit by size / lifetime / area, first-fit by start / size;
     2. within ``time_budget_s`` (None: 1 s, 0: skip), on the pieces that set the arena, costliest
        first: for pieces of up to EXACT_MAX_BUFFERS buffers an exact feasibility search at the
-       target (``memory_search``); then a squeaky-wheel search over skyline placements
-       (``memory_skyline``: lowest gap first, buffers that end above the target get priority next
+       target (``memory.search``); then a squeaky-wheel search over skyline placements
+       (``memory.skyline``: lowest gap first, buffers that end above the target get priority next
        time), which is what brings pipeline-parallel traces from 3-4 % above L down to L; then
        randomized local search on the best order; then, for small pieces, exact branch and bound
        from the best placement, which can prove optimality.
@@ -360,7 +360,7 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
 
     Pieces small enough for the exact search first ask it for a placement at the target (a
     feasibility search prunes hard and usually succeeds or fails fast); then every piece gets the
-    skyline search (``memory_skyline``) and a short local search on the best order; small pieces
+    skyline search (``memory.skyline``) and a short local search on the best order; small pieces
     end with branch and bound from the best placement.
     """
     lb = p.L
@@ -390,7 +390,7 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
             sol.order, sol.best_fit = sorted(range(p.n), key=lambda i: (sky.offsets[i], i)), False
             if sol.arena > target:
                 # First fit in (offset, index) order puts every buffer at or below its skyline
-                # offset (the argument in memory_search), and matches the local search's order.
+                # offset (the argument in memory.search), and matches the local search's order.
                 sol.offs, sol.arena = p.place(sol.order, False)
     if sol.arena > target and sol.order is not None:
         cap, dl = spend(0.7 if exact else 1.0)

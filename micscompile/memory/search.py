@@ -1,4 +1,4 @@
-"""The search phases of the memory planner on one piece (see ``memory_plan`` for the terms).
+"""The search phases of the memory planner on one piece (see ``memory.planner`` for the terms).
 
 ``local_search`` perturbs a greedy placement order; ``exact_search`` is a branch and bound.
 

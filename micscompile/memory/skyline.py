@@ -1,4 +1,4 @@
-"""Skyline placement and squeaky-wheel search for the memory planner (terms in ``memory_plan``).
+"""Skyline placement and squeaky-wheel search for the memory planner (terms in ``memory.planner``).
 
 Skyline (the "lowest gap first" rule of Sekiyama et al. 2018 / TelaMalloc, with the time axis
 fixed): keep, per time, the height below which everything is decided. Repeatedly take the lowest
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 # Work units per skyline step (a placement or a raise), per SCAN_DIV candidates scanned and per
-# buffer (setup), calibrated with memory_plan.WORK_PER_S so that the work cap normally ends the
+# buffer (setup), calibrated with planner.WORK_PER_S so that the work cap normally ends the
 # search well before the deadline.
 STEP_WORK = 10
 SCAN_DIV = 32

@@ -144,7 +144,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     on the meta device is initialised module by module with ``init_fn`` (default:
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
 
-    Where the gathers go (``passes.schedule``: prefetch distance, gathers issued across
+    Where the gathers go (``lowering.flat``: prefetch distance, gathers issued across
     micro-steps, buckets kept live from forward into backward) is chosen under
     ``plan.memory_budget_bytes`` by simulating candidates on ``cluster`` (e.g.
     ``Cluster.preset("local")`` after calibrating); without a cluster, one use interval
@@ -152,7 +152,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     objects or distances).
 
     ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
-    live at offsets planned from the Program in one arena allocated once (``memory_plan``);
+    live at offsets planned from the Program in one arena allocated once (``memory.planner``);
     False allocates them per use like eager PyTorch.
 
     ``plan.codegen="inductor"``: the compute between communication points is compiled by Inductor

@@ -13,7 +13,7 @@ structure, whatever its depth. Within one structure:
   layouts, groups, hierarchical choice and replication all-reduces of p into the Program
   lowered for another p (tests: equal to lowering p directly).
 
-Each candidate then costs one ``passes.schedule.apply_prefetch`` and one simulation. Predictions
+Each candidate then costs one ``lowering.flat.apply_prefetch`` and one simulation. Predictions
 equal ``mc.simulate(trace.at_batch(b), plan, cluster, prefetch=[pf], scaling=False)`` (tests).
 """
 
