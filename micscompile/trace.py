@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.flops import node_flops
-from micscompile.cost_model.node_cost import is_shape_arithmetic
+from micscompile.cost_model.node_cost import META_BYTES, META_FLOPS, is_shape_arithmetic  # the keys, defined once
 
 META_FQN = "mc_fqn"
 """FQN of the innermost module that produced the node ("" = root, LOSS_FQN = loss_fn)."""
@@ -56,10 +56,6 @@ META_SHAPE = "mc_shape"
 """Shape of the (first) tensor output, or None."""
 META_DTYPE = "mc_dtype"
 """dtype of the (first) tensor output, or None."""
-META_BYTES = "mc_bytes"
-"""Bytes of all tensor outputs."""
-META_FLOPS = "mc_flops"
-"""Estimated FLOPs (cost_model.flops)."""
 _SIZE = "size"
 META_BATCH_EXPR = "mc_batch_expr"
 """Symbolic-batch traces: {META_BYTES / META_FLOPS / META_SHAPE: sympy expression(s) in the batch

@@ -20,8 +20,10 @@ import torch.fx
 
 from micscompile.cost_model.flops import _VIEW_OPS, FLOP_RULES
 
-META_BYTES = "mc_bytes"  # the keys of micscompile.trace (META_BYTES, META_FLOPS), kept import-free of it
+META_BYTES = "mc_bytes"
+"""Bytes of all tensor outputs of a node (set by the tracer; the cost model reads it)."""
 META_FLOPS = "mc_flops"
+"""Estimated FLOPs of a node (cost_model.flops, set by the tracer)."""
 META_TIME_S = "mc_time_s"
 """Measured seconds of one execution of the node (tune.profile), preferred to the roofline."""
 
