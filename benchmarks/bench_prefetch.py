@@ -22,6 +22,7 @@ import torch.distributed as dist
 from timing import interleaved_times_s
 
 import micscompile as mc
+from micscompile.core.collectives import fmt_bytes
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 ROWS = {
@@ -71,7 +72,7 @@ def main() -> None:
         print(f"{'schedule':<32}{'step':>10}{'/ no prefetch':>15}{'gathered peak':>15}")
         for name, t in medians.items():
             peak = steps[name].program.peak_gathered_bytes
-            print(f"{name:<32}{t * 1e3:>7.1f} ms{t / base:>14.3f}x{mc.collectives.fmt_bytes(peak):>15}")
+            print(f"{name:<32}{t * 1e3:>7.1f} ms{t / base:>14.3f}x{fmt_bytes(peak):>15}")
     dist.destroy_process_group()
 
 

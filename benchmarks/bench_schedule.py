@@ -16,6 +16,7 @@ import torch
 
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
+from micscompile.lowering.lowered import lower
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 
@@ -36,8 +37,8 @@ def main() -> None:
     print(f"\n{'schedule':<24} {'exposed comm':>13} {'step':>10} {'gathered peak':>14}")
     rows = {}
     for name, distances in (("no prefetch", (0,)), ("one ahead (FSDP)", (1,)), ("scheduled", None)):
-        program = mc.predict.lower(trace, plan.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster,
-                                   prefetch=distances)
+        program = lower(trace, plan.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster,
+                                   prefetch=distances, need_graph=False).program
         pred = program.predict()
         rows[name] = pred.exposed_comm_s
         print(f"{name:<24} {pred.exposed_comm_s * 1e3:>10.1f} ms {pred.step_time_s:>8.2f} s "
@@ -47,11 +48,12 @@ def main() -> None:
 
     print(f"\n{'budget':>12} {'chosen peak':>12} {'step':>9}  choice")
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
-    layer = max(lay.full_bytes for lay in mc.predict.lower(trace, rp, prefetch=(0,)).layouts)
+    layer = max(lay.full_bytes for lay in lower(trace, rp, prefetch=(0,), need_graph=False).program.layouts)
     for budget in (layer - 1, layer, 2 * layer, 3 * layer, 4 * layer, 6 * layer):
         p = mc.Plan(partition_size=8, micro_batches=4, memory_budget_bytes=budget)
         try:
-            program = mc.predict.lower(trace, p.resolve(cluster.world_size, cluster.gpus_per_node), cluster=cluster)
+            rp_b = p.resolve(cluster.world_size, cluster.gpus_per_node)
+            program = lower(trace, rp_b, cluster=cluster, need_graph=False).program
             pred = program.predict()
             print(f"{fmt_bytes(budget):>12} {fmt_bytes(program.peak_gathered_bytes):>12} {pred.step_time_s:>7.2f} s"
                   f"  {program.prefetch}")
