@@ -12,7 +12,7 @@ from harness import launch
 
 import micscompile as mc
 from micscompile.lowering.groups import planned_groups
-from micscompile.lowering.pipeline import lower_pipeline, simulate_pipeline
+from micscompile.lowering.pipeline import lower_pipeline
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
 from micscompile.tune import repricing
 from micscompile.tune.repricing import Pricer
@@ -115,7 +115,7 @@ def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
         monkeypatch.setattr(pricer, "_cuts", lambda rp, i, starts=starts: starts)
         got = pricer.predict(plan, b, pf)
         pp = lower_pipeline(symbolic.at_batch(b), rp, cl, planned_groups(rp), prefetch=[pf], starts=starts)
-        want = simulate_pipeline(pp, cl)
+        want = pp.predict(cl)
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
         assert got.peak_memory_bytes == want.peak_memory_bytes
     keys = pricer._unit_analysis()[4]

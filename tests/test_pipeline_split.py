@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from models import MODELS, meta_lm_trace
 
 import micscompile as mc
+from micscompile.cost_model.pipeline import halves
 from micscompile.cost_model.simulator import simulate_program
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.phase_split import split_phases
-from micscompile.lowering.pipeline import _halves, lower_pipeline
+from micscompile.lowering.pipeline import lower_pipeline
 from micscompile.lowering.pipeline_split import split
 from micscompile.lowering.stage_balance import balance
 
@@ -120,7 +121,7 @@ def test_uneven_model_split_is_within_10_percent_of_the_best(stages):
 
     def slowest(starts=None) -> float:
         pp = lower_pipeline(tg, rp, cluster, planned_groups(rp), starts=starts)
-        return max(sum(simulate_program(h, cluster, record=False).step_time_s for h in _halves(pp.program(c))[:2])
+        return max(sum(simulate_program(h, cluster, record=False).step_time_s for h in halves(pp.program(c))[:2])
                    for c in range(stages))
 
     units = len(split(tg, rp).units)
@@ -166,7 +167,7 @@ def test_chunk_gathers_never_stay_in_flight_between_forward_and_backward(model_n
 
 def test_each_chunk_keeps_its_own_micro_batches_in_flight():
     from micscompile.core.pipeline_schedule import gpipe, interleaved_1f1b, one_f_one_b
-    from micscompile.lowering.pipeline import chunk_in_flight
+    from micscompile.cost_model.pipeline import chunk_in_flight
 
     assert chunk_in_flight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
     assert chunk_in_flight(gpipe(2, 5)) == [5, 5]
@@ -198,7 +199,7 @@ def test_micro_batches_in_flight_cost_only_what_their_forward_keeps():
     peak = {m: mc.simulate(tg, plan, cluster).peak_memory_bytes for m, plan in plans.items()}
     kept = 2 * 64 * 256 * 4  # per micro-batch: the inputs of the chunk's two Linear layers
     rp = plans[8].resolve(8, 8)
-    forward = _halves(lower_pipeline(tg, rp, cluster, planned_groups(rp)).program(0))[0]
+    forward = halves(lower_pipeline(tg, rp, cluster, planned_groups(rp)).program(0))[0]
     transient = simulate_program(forward, cluster, record=False, accumulate=False)
     assert transient.peak_memory_bytes - transient.static_memory_bytes > 2 * kept  # gathered weights on top
     assert 0 < peak[8] - peak[1] <= 3 * kept

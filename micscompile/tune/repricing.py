@@ -32,7 +32,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets, lower_flat
 from micscompile.lowering.groups import planned_groups
-from micscompile.lowering.pipeline import LoweredPipeline, simulate_pipeline
+from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.lowering.pipeline_split import (
     PipelineSplit,
     Transfer,
@@ -216,7 +216,7 @@ class Pricer:
             chunks.append(priced[key])
         sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
-        return simulate_pipeline(pp, self.cluster, record=False, **self.costs)
+        return pp.predict(self.cluster, record=False, **self.costs)
 
     def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
         return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)
