@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +119,9 @@ class Prediction:
         Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
+GATHERS = (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT)
+
+
 def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> float:
     if action.measured_s is not None:
         return action.measured_s
@@ -143,6 +147,7 @@ def simulate_program(
     compute_dtype: str | None = None,
     record: bool = True,
     accumulate: bool = True,
+    gather_pieces: Mapping[int, Sequence[int]] | None = None,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -153,6 +158,9 @@ def simulate_program(
     once a middle micro-step starts in the state the previous one started in (times relative to
     its start), the remaining middle ones repeat it and are skipped ahead in one go, so a step of
     many micro-batches costs about four (equal to simulating each one up to float rounding).
+    ``gather_pieces``: bucket -> the bytes of the collectives its gather is issued as (a peer's fetch
+    granularity, ``lowering.peers``), run one after the other on the group's stream; default: one
+    collective of the whole bucket.
     """
     gpu = cluster.gpu
     compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
@@ -196,10 +204,15 @@ def simulate_program(
         cost = cluster.collective_interference.get(str(group.size))
         finish_s = 0.0
         key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
+        pieces = gather_pieces.get(a.bucket) if gather_pieces and a.kind in GATHERS else None
+        if pieces is not None:
+            key = (a.kind, tuple(pieces), a.group, a.hierarchical)
         if key not in priced:  # (a step repeats few distinct collectives)
-            priced[key] = (hierarchical_stages_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster)
-                           if a.hierarchical else
-                           (collective_time_s(COLLECTIVE_OF_KIND[a.kind], a.tensor_bytes, group.ranks, cluster), 0.0, 0.0))
+            kind = COLLECTIVE_OF_KIND[a.kind]
+            stages = [hierarchical_stages_s(kind, b, group.ranks, cluster) if a.hierarchical else
+                      (collective_time_s(kind, b, group.ranks, cluster), 0.0, 0.0)
+                      for b in ((a.tensor_bytes,) if pieces is None else pieces)]
+            priced[key] = tuple(sum(s) for s in zip(*stages)) if stages else (0.0, 0.0, 0.0)
         duration, reorder, intra = priced[key]
         if a.hierarchical:
             if a.kind is Kind.REDUCE_SCATTER:
@@ -291,7 +304,7 @@ def simulate_program(
                 note_memory(a.activation_peak_bytes)
                 run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
                 activations = a.activation_bytes
-            elif a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+            elif a.kind in GATHERS:
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 flight = issue(a)

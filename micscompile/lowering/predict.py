@@ -15,6 +15,7 @@ from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
+from micscompile.lowering.peers import peer
 from micscompile.memory.lifetimes import arena_offsets
 from micscompile.memory.planner import Buffer
 from micscompile.memory.stats import MemoryStats
@@ -40,18 +41,28 @@ def simulate(
     flops_per_step: float | None = None,
     scaling: bool = True,
     prefetch: Sequence[Prefetch | int] | None = None,
+    system: str = "micscompile",
     **costs,
 ) -> Prediction:
     """Predict one optimizer step of ``plan`` on ``cluster`` (world size = cluster.world_size).
+
+    ``system``: "micscompile", or a peer priced on the same trace (``lowering.peers``):
+    "deepspeed-zero3" (``plan`` gives its micro-batches, dtypes and checkpointing; it shards over
+    every rank) or "fsdp2" (``plan.partition_size`` < world size: HSDP).
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
     ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
     ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
     """
+    if system != "micscompile":
+        other = peer(system, plan, cluster.world_size)
+        plan, cluster, prefetch = other.plan, other.cluster(cluster), other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
     lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
+    if system != "micscompile":
+        costs = {**costs, "gather_pieces": other.gather_pieces(lowered.program.layouts)}
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
 

@@ -1,0 +1,109 @@
+"""The peers priced on the same trace (micscompile/lowering/peers.py, docs/peer-models.md): each rule
+of a peer's model changes the prediction the way its runtime does."""
+
+import dataclasses
+
+import pytest
+import torch
+from models import meta_lm_trace
+
+import micscompile as mc
+from micscompile.core.program import Kind, Prefetch
+from micscompile.core.sharding import BucketLayout, ParamSlot
+from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s
+from micscompile.cost_model.simulator import simulate_program
+from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.groups import planned_groups
+from micscompile.lowering.lowered import lower
+from micscompile.lowering.peers import fetch_batches, peer
+
+
+@pytest.fixture(scope="module")
+def lm_trace():
+    """Matrices above DeepSpeed's persistence threshold (1e5 elements), which it gathers."""
+    return meta_lm_trace(vocab=512, h=512, layers=3, batch=8, seq=32)
+
+
+def _layout(params: list[tuple[str, int]], dtype=torch.float16) -> BucketLayout:
+    slots, offset = [], 0
+    for name, numel in params:
+        slots.append(ParamSlot(name, (numel,), numel, offset))
+        offset += numel
+    return BucketLayout(index=0, name="b", slots=tuple(slots), partition_size=1, row_numel=offset, dtype=torch.float32,
+                        param_dtype=dtype)
+
+
+def test_deepspeed_fetches_modules_in_batches_of_at_most_the_prefetch_bucket():
+    """Modules (parameters grouped by owner) packed in order into batches of <= limit elements, a larger
+    module alone, parameters at or under the persistence threshold left out; 16-bit bytes."""
+    lay = _layout([("q.weight", 30), ("q.bias", 3), ("o.weight", 17), ("fc1.weight", 40), ("fc2.weight", 60),
+                   ("ln.weight", 2)])
+    assert fetch_batches(lay, limit=50, persistent=3) == (47 * 2, 40 * 2, 60 * 2)
+    assert fetch_batches(lay, limit=50) == (50 * 2, 40 * 2, 60 * 2, 2 * 2)  # in order: ln after fc2
+
+
+def test_gather_pieces_price_each_piece_as_its_own_collective(lm_trace):
+    """A gather issued as pieces costs the pieces' collectives one after the other on its stream."""
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    rp = mc.Plan(partition_size=16, micro_batches=1, hierarchical=False).resolve(16, 8)
+    program = lower(lm_trace, rp, cluster, planned_groups(rp), prefetch=(Prefetch(distance=0),), need_graph=False).program
+    whole = simulate_program(program, cluster, record=False)
+    bucket = next(a for a in program.micro_step if a.kind is Kind.ALL_GATHER)
+    halves = (bucket.tensor_bytes // 2, bucket.tensor_bytes - bucket.tensor_bytes // 2)
+    split = simulate_program(program, cluster, record=False, gather_pieces={bucket.bucket: halves})
+    ranks = program.groups["shard"].ranks
+    n_gathers = sum(1 for a in program.issued_in(0) if a.kind is Kind.ALL_GATHER and a.bucket == bucket.bucket)
+    extra = sum(collective_time_s(ALL_GATHER, b, ranks, cluster) for b in halves) - \
+        collective_time_s(ALL_GATHER, bucket.tensor_bytes, ranks, cluster)
+    assert extra > 0 and n_gathers >= 1
+    assert split.stream_busy_s["comm:shard"] - whole.stream_busy_s["comm:shard"] == pytest.approx(n_gathers * extra)
+
+
+def test_deepspeed_zero3_runs_no_collective_beside_compute(lm_trace):
+    """DeepSpeed ZeRO-3 (thesis §3.4's coarse synchronization): every collective's time is on the
+    compute stream, so its step is at least compute plus all communication; micscompile with the same
+    sharding (p = n, flat) hides some of it."""
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    plan = mc.Plan(partition_size=16, micro_batches=2, hierarchical=False)
+    ds = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3")
+    mics = mc.simulate(lm_trace, plan, cluster)
+    comm = sum(v for k, v in ds.stream_busy_s.items() if k.startswith("comm:"))
+    assert comm > 0 and ds.stream_busy_s["compute"] >= comm
+    assert ds.step_time_s > mics.step_time_s
+
+
+def test_deepspeed_zero3_shards_over_every_rank_whatever_the_plan(lm_trace):
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    a = mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=2), cluster, system="deepspeed-zero3")
+    b = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=2), cluster, system="deepspeed-zero3")
+    assert a.step_time_s == b.step_time_s and a.static_memory_bytes == b.static_memory_bytes
+    assert peer("deepspeed-zero3", mc.Plan(partition_size=8), 16).plan.partition_size == 16
+
+
+def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
+    """FSDP2 full shard: micscompile's traffic at p = n, flat, one unit ahead; HSDP with several
+    micro-batches (a replicate all-reduce every micro-batch) is refused, not priced wrong."""
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    fsdp = peer("fsdp2", mc.Plan(partition_size=16, micro_batches=4), 16)
+    assert fsdp.prefetch == (Prefetch(distance=1),) and fsdp.plan.hierarchical is False
+    pred = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4), cluster, system="fsdp2")
+    same = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4, hierarchical=False), cluster,
+                       prefetch=(1,))
+    assert pred.step_time_s == same.step_time_s
+    with pytest.raises(ValueError, match="replicate group every micro-batch"):
+        mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), cluster, system="fsdp2")
+    with pytest.raises(ValueError, match="unknown system"):
+        mc.simulate(lm_trace, mc.Plan(partition_size=8), cluster, system="zero-4")
+
+
+def test_deepspeed_mics_keeps_the_plan_and_overlaps(lm_trace):
+    """DeepSpeed-MiCS (what the thesis measured): the user's partition group and 2-hop sync, DeepSpeed's
+    fetch granularity, collectives beside compute."""
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    other = peer("deepspeed-mics", mc.Plan(partition_size=8, micro_batches=2), 16)
+    assert other.plan.partition_size == 8 and other.plan.grad_sync == "2hop"
+    assert other.cluster(cluster) == cluster and other.fetch_elements is not None
+    plan = mc.Plan(partition_size=8, micro_batches=2)
+    assert mc.simulate(lm_trace, plan, cluster, system="deepspeed-mics").step_time_s < \
+        mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3").step_time_s
+    assert dataclasses.replace(other, overlap=0.0).cluster(cluster).overlap == 0.0
