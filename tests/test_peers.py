@@ -92,6 +92,8 @@ def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
     assert pred.step_time_s == same.step_time_s
     with pytest.raises(ValueError, match="replicate group every micro-batch"):
         mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), cluster, system="fsdp2")
+    with pytest.raises(ValueError, match="looks ahead by its own rule"):
+        mc.simulate(lm_trace, mc.Plan(partition_size=16), cluster, system="fsdp2", prefetch=(2,))
     with pytest.raises(ValueError, match="unknown system"):
         mc.simulate(lm_trace, mc.Plan(partition_size=8), cluster, system="zero-4")
 

@@ -48,20 +48,22 @@ def simulate(
 
     ``system``: "micscompile", or a peer priced on the same trace (``lowering.peers``):
     "deepspeed-zero3" (``plan`` gives its micro-batches, dtypes and checkpointing; it shards over
-    every rank) or "fsdp2" (``plan.partition_size`` < world size: HSDP).
+    every rank), "deepspeed-mics" (the thesis's implementation of ``plan``) or "fsdp2"
+    (``plan.partition_size`` < world size: HSDP).
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
     ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
     ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
     """
-    if system != "micscompile":
-        other = peer(system, plan, cluster.world_size)
-        plan, cluster, prefetch = other.plan, other.cluster(cluster), other.prefetch
+    other = peer(system, plan, cluster.world_size)
+    if prefetch is not None and other.prefetch is not None:
+        raise ValueError(f"prefetch chooses micscompile's gathers; {system} looks ahead by its own rule")
+    plan, cluster, prefetch = other.plan, other.cluster(cluster), prefetch or other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
     lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
-    if system != "micscompile":
+    if other.fetch_elements is not None:  # (a peer: a flat Program)
         costs = {**costs, "gather_pieces": other.gather_pieces(lowered.program.layouts)}
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
