@@ -1,4 +1,4 @@
-"""The peers priced on the same trace: ``mc.simulate(..., system="deepspeed-zero3" | "fsdp2")``.
+"""The peers priced on the same trace: ``mc.simulate(..., system="deepspeed-zero3" | "deepspeed-mics" | "fsdp2")``.
 
 A peer is described by what its runtime does differently from micscompile's, each rule read from
 its source (docs/peer-models.md cites the lines):
@@ -102,11 +102,9 @@ def peer(system: str, plan: Plan, world_size: int) -> Peer:
     count, dtypes, checkpointing and node size kept)."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    micro = plan.micro_batches
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
-        plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", micro_batches=micro,
-        hierarchical=False, grad_sync="2hop", bucket_bytes=None, memory_budget_bytes=None,
-        max_gathers_in_flight=None, codegen="eager")
+        plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
+        bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager")
     if system == "deepspeed-zero3":
         return Peer(system, dataclasses.replace(base, partition_size=world_size), (Prefetch(distance=0),),
                     overlap=0.0, fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
@@ -116,7 +114,7 @@ def peer(system: str, plan: Plan, world_size: int) -> Peer:
                     overlap=None, fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
                     persistence_threshold=DS_PERSISTENCE_THRESHOLD)
     if system == "fsdp2":
-        if (plan.partition_size or 0) < world_size and micro > 1:
+        if (plan.partition_size or 0) < world_size and plan.micro_batches > 1:
             raise ValueError("fsdp2 with HSDP (partition_size < world size) and micro_batches > 1 all-reduces over "
                              "the replicate group every micro-batch, which the simulator does not price yet (issue 26); "
                              "price micro_batches=1, or full shard (partition_size = world size)")
