@@ -106,7 +106,8 @@ def test_same_trace_and_plan_give_the_same_program():
 
 def test_schedule_hides_gathers_on_p4d():
     """GPT 13B-class layers (h 5120, seq 2048), p = 8 on 16 p4d nodes: the scheduled Program exposes at
-    most half the communication of gathering at the use, and less than one-ahead prefetch."""
+    most half the communication of gathering at the use, and less than one-ahead prefetch (beside the
+    boundary's replicate all-reduce, which nothing computes beside)."""
     cfg = GPTConfig(vocab_size=50304, seq_len=2048, layers=6, hidden=5120, heads=40)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -114,8 +115,8 @@ def test_schedule_hides_gathers_on_p4d():
     tg = mc.trace(model, (x, x), gpt_loss)
     cluster = Cluster.preset("p4d.24xlarge", nodes=16)
     plan = mc.Plan(partition_size=8, micro_batches=4)
-    exposed = {d: mc.simulate(tg, plan, cluster, scaling=False, prefetch=d).exposed_comm_s
-               for d in ((0,), (1,), None)}
+    preds = {d: mc.simulate(tg, plan, cluster, scaling=False, prefetch=d) for d in ((0,), (1,), None)}
+    exposed = {d: p.exposed_comm_s - p.stream_busy_s["comm:replicate"] for d, p in preds.items()}
     assert exposed[None] <= 0.5 * exposed[(0,)]
     assert exposed[None] < exposed[(1,)]
 

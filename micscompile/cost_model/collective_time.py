@@ -9,10 +9,17 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
 * Which links a group crosses decides alpha and B: a group inside one node uses the
   per-device intra-node link; a group spanning nodes is bottlenecked by each node's
   NICs, which collectives use in parallel (NCCL channels): B = nics * NIC bandwidth,
-  alpha = the inter-node latency.
+  alpha = the inter-node latency, paid on every ring step (the slowest hop sets a step).
+* Scale costs bandwidth twice (docs/cost-model.md "The collective model"):
+  - sibling groups share a node's NICs: MiCS's groups partition the world and run the same
+    collective at once, so a group with r of a node's k ranks shares the node with k / r
+    rings (a replication group with one rank per node: k rings);
+  - a ring over more nodes than one non-blocking switch domain (``Cluster.fabric_nodes``)
+    sends a share 1 - fabric_nodes / m of its hops through the oversubscribed layer above,
+    and runs at the bandwidth that layer leaves each of them.
 * Effective bandwidth N / T therefore falls as the group grows for a fixed message
-  (the latency term grows with g, and the group leaves the node), as measured in
-  the thesis (Fig 3-2).
+  (the latency term grows with g, the group leaves the node, then the switch domain),
+  as measured in the thesis (Fig 3-2, §3.3.2).
 * Hierarchical all-gather / reduce-scatter over m nodes of q ranks (thesis 3.3.3):
   k = q parallel inter-node rings of m ranks each move (m-1)/p * N per rank, sharing
   the node's NICs, then an intra-node collective of q ranks over the whole buffer.
@@ -50,10 +57,35 @@ def fit_key(kind: str, group_size: int) -> str:
     return f"{kind}:{group_size}"
 
 
-def _link(cluster: Cluster, ranks: Sequence[int]) -> tuple[float, float]:
+def fabric_factor(cluster: Cluster, nodes: int) -> float:
+    """How much slower a ring over ``nodes`` nodes runs than one inside a switch domain: the share
+    1 - fabric_nodes / nodes of its hops that leave a domain, times the oversubscription above."""
+    r = cluster.fabric_nodes
+    if r <= 0 or nodes <= r:
+        return 1.0
+    return max(1.0, cluster.fabric_oversubscription * (1 - r / nodes))
+
+
+def rings_per_node(ranks: Sequence[int], gpus_per_node: int) -> int:
+    """Rings through one node's NICs when every group like this one runs at once: a group with r of
+    the node's k ranks has k / r siblings there (each group is one of a partition of the world)."""
+    m = nodes_spanned(ranks, gpus_per_node)
+    return max(1, gpus_per_node * m // len(ranks))
+
+
+def inter_node_bandwidth_bps(cluster: Cluster, ranks: Sequence[int], rings: int | None = None) -> float:
+    """The bandwidth one ring over ``ranks`` gets from each node's NICs (``rings`` sharing them;
+    default the group's siblings)."""
+    m = nodes_spanned(ranks, cluster.gpus_per_node)
+    rings = rings_per_node(ranks, cluster.gpus_per_node) if rings is None else rings
+    return cluster.node_bandwidth_bps / (rings * fabric_factor(cluster, m))
+
+
+def _link(cluster: Cluster, ranks: Sequence[int], kind: str) -> tuple[float, float]:
     """(alpha_s, bandwidth_bps) of the slowest link class the group crosses."""
     if nodes_spanned(ranks, cluster.gpus_per_node) > 1:
-        return cluster.inter.latency_s, cluster.node_bandwidth_bps
+        # a pipeline's P2P sends say themselves how many go at once (simulate_pipeline's chains)
+        return cluster.inter.latency_s, inter_node_bandwidth_bps(cluster, ranks, 1 if kind == P2P else None)
     return cluster.intra.latency_s, cluster.intra.bandwidth_bps
 
 
@@ -68,7 +100,7 @@ def collective_time_s(
     fit = cluster.collective_fits.get(fit_key(kind, g))
     if fit is not None:
         return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
-    alpha, bw = _link(cluster, ranks)
+    alpha, bw = _link(cluster, ranks, kind)
     if kind in (ALL_GATHER, REDUCE_SCATTER):
         return (g - 1) * alpha + (g - 1) / g * nbytes / bw
     if kind == ALL_REDUCE:
@@ -97,8 +129,10 @@ def hierarchical_stages_s(kind: str, nbytes: float, ranks: Sequence[int], cluste
     if m <= 1:
         return 0.0, 0.0, collective_time_s(kind, nbytes, ranks, cluster)
     q = g // m
-    # stage 1: q parallel rings of m ranks across nodes, each over m/g of the buffer, sharing NICs
-    inter = (m - 1) * cluster.inter.latency_s + q * (m - 1) / g * nbytes / cluster.node_bandwidth_bps
+    # stage 1: q parallel rings of m ranks across nodes, each over 1/q of the buffer, sharing NICs
+    # with each other and the sibling groups' rings
+    ring_bw = inter_node_bandwidth_bps(cluster, ranks, q * rings_per_node(ranks, k))
+    inter = (m - 1) * cluster.inter.latency_s + (m - 1) / m * (nbytes / q) / ring_bw
     # stage 2: reorder chunks in device memory (read + write the buffer)
     reorder = 2 * nbytes / (cluster.gpu.memory_bandwidth_bps * cluster.gpu.memory_efficiency)
     # stage 3: intra-node collective of q ranks over the whole buffer
