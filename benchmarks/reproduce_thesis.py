@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/reproduce_thesis.py            # every row
     .venv/bin/python benchmarks/reproduce_thesis.py --fast     # the collective rows and one end-to-end row
     .venv/bin/python benchmarks/reproduce_thesis.py --fit      # fit the p3dn collective constants
+    .venv/bin/python benchmarks/reproduce_thesis.py --plot docs/collective-bandwidth.png
 
 Calibration protocol (issue 26): a *fit* row is one the cluster constants may be fitted on
 (collective-level measurements, and at most one end-to-end row per GPU type for compute
@@ -288,12 +289,48 @@ def fit() -> None:
         print(f"  {name:<18} published {pub:7.1f}  simulated {sim:7.1f}  {(sim - pub) / pub:+.0%}")
 
 
+def plot(path: str) -> None:
+    """The collective model as a picture: effective all-gather bandwidth (N / T, a flat ring over every
+    GPU of the nodes) against message size, for 1, 2, 8, 64 and 128 nodes of each preset, with the
+    thesis's measured points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from micscompile.cost_model.specs import PRESETS
+
+    sizes = [2**k for k in range(20, 33)]  # 1 MiB .. 4 GiB
+    names = [n for n in PRESETS if n != "p4de.24xlarge"]  # (p4d's links, more memory)
+    fig, axes = plt.subplots(2, 2, figsize=(9, 7), sharey=True)
+    axes = axes.flatten()
+    for ax, name in zip(axes, names):
+        for nodes in (1, 2, 8, 64, 128):
+            c = mc.Cluster.preset(name, nodes=nodes)
+            ranks = tuple(range(c.world_size))
+            ax.plot([s / MB for s in sizes], [s / collective_time_s(ALL_GATHER, s, ranks, c) / 1e9 for s in sizes],
+                    label=f"{nodes} node{'s' if nodes > 1 else ''}")
+        if name == "p3dn.24xlarge":
+            ax.scatter([1024, 1024], [128, 11], color="black", zorder=5, label="thesis §3.3.2 (B_part, B_all)")
+        ax.set(xscale="log", yscale="log", title=name, xlabel="message (MiB)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[::2]:
+        ax.set_ylabel("all-gather N / T (GB/s)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fast", action="store_true", help="the collective rows and one end-to-end row")
     ap.add_argument("--fit", action="store_true",
                     help="only: fit the collective model's p3dn constants on the thesis's collective measurements")
+    ap.add_argument("--plot", metavar="PNG", help="only: draw the collective model (docs/collective-bandwidth.png)")
     args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot)
     if args.fit:
         return fit()
     t0 = time.perf_counter()
