@@ -219,3 +219,42 @@ def test_a_skip_connection_turns_chunk_keys_off_and_pipelines_still_price_exactl
         got = pricer.predict(plan, b, mc.Prefetch(distance=1))
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
         assert got.peak_memory_bytes == want.peak_memory_bytes
+
+
+def _candidate(step_s: float, uncertainty: float):
+    from micscompile.cost_model.simulator import Prediction
+    from micscompile.tune.autotune import Candidate
+
+    pred = Prediction(step_time_s=step_s, compute_s=step_s, exposed_comm_s=0.0, stream_busy_s={}, peak_memory_bytes=0,
+                      static_memory_bytes=0, flops_per_step=1e12, world_size=8, uncertainty=uncertainty)
+    return Candidate(mc.Plan(partition_size=8), 1, mc.Prefetch(), True, prediction=pred)
+
+
+def test_candidates_within_each_others_interval_are_ties():
+    """A prediction carries its cluster's held-out error; autotune calls candidates whose intervals
+    overlap the best's ties (1.0 s and 1.25 s at +-14% overlap, 1.0 s and 1.5 s do not)."""
+    from micscompile.tune.autotune import print_table, rank
+
+    ranked = rank([_candidate(1.5, 0.14), _candidate(1.25, 0.14), _candidate(1.0, 0.14)])
+    assert [c.step_time_s for c in ranked] == [1.0, 1.25, 1.5]
+    assert [c.tie for c in ranked] == [False, True, False]
+    assert "a tie" in ranked[0].why and "+-14%" in str(ranked[1]) and "a tie with the best" in str(ranked[1])
+    assert not any(c.tie for c in rank([_candidate(1.0, 0.0), _candidate(1.01, 0.0)]))  # no interval: no ties
+    import io
+    out = io.StringIO()
+    print_table(ranked, file=out)
+    assert "+-14% (held-out error" in out.getvalue() and "1.2500~" in out.getvalue()
+
+
+def test_a_prediction_carries_its_clusters_held_out_error():
+    from models import meta_lm_trace
+
+    tg = meta_lm_trace(vocab=128, h=16, layers=2, batch=2, seq=8)
+    plan = mc.Plan(partition_size=8, micro_batches=2)
+    p4d = mc.simulate(tg, plan, mc.Cluster.preset("p4d.24xlarge", nodes=2))
+    assert p4d.uncertainty == mc.Cluster.preset("p4d.24xlarge").prediction_error > 0 and "+-14%" in str(p4d)
+    dgx = mc.simulate(tg, plan, mc.Cluster.preset("dgx-h100", nodes=2))
+    assert dgx.uncertainty == 0 and "no held-out error" in str(dgx)
+    pipe = mc.simulate(tg, mc.Plan(partition_size=4, pipeline_stages=2, micro_batches=2),
+                       mc.Cluster.preset("p4d.24xlarge", nodes=1))
+    assert pipe.uncertainty == p4d.uncertainty

@@ -160,7 +160,9 @@ def _simulate(args: argparse.Namespace) -> int:
         plan.resolve(cluster.world_size, cluster.gpus_per_node)
     tg = _trace(args, cluster)
     cap = cluster.gpu.memory_bytes
-    _say(f"{cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name}), {cap / 2**30:.0f} GiB each")
+    _say(f"{cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name}), {cap / 2**30:.0f} GiB each; "
+         + (f"step times +-{cluster.prediction_error:.0%} (held-out error on this cluster)" if cluster.prediction_error
+            else "no held-out error for this cluster"))
     head = f"{'p':>5}{'S':>4}{'m':>5}{'step ms':>12}{'TFLOP/s':>9}{'exposed ms':>12}{'peak GiB':>10}{'fits':>6}"
     _say(head + "\n" + "-" * len(head))
     for plan in plans:

@@ -95,7 +95,7 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         compute_s=max(compute), exposed_comm_s=max(sum(exposed[c] for c in cs) for cs in ranks),
         stream_busy_s={"compute": max(compute)}, peak_memory_bytes=int(max(peaks)),
         static_memory_bytes=int(max(sum(static[c] for c in cs) for cs in ranks)),
-        flops_per_step=m * flops / rp.stages, world_size=rp.world_size,
+        flops_per_step=m * flops / rp.stages, world_size=rp.world_size, uncertainty=cluster.prediction_error,
     )
     pred.bubble_fraction = timeline.bubble_fraction
     if record:

@@ -90,6 +90,13 @@ class Prediction:
     action_spans: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
     """(start, end, live bytes after) per action of the first micro-step, then per boundary action;
     a collective's span runs from its issue to its completion."""
+    uncertainty: float = 0.0
+    """Relative half-width of the step time's interval: the cluster's held-out prediction error
+    (``Cluster.prediction_error``; 0: none known)."""
+
+    def interval(self) -> str:
+        """``"+-14%"``, or ``"(no held-out error for this cluster)"``."""
+        return f"+-{self.uncertainty:.0%}" if self.uncertainty else "(no held-out error for this cluster)"
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -100,7 +107,8 @@ class Prediction:
         eff = f", scaling efficiency {self.scaling_efficiency:.1%}" if self.scaling_efficiency is not None else ""
         eff += f", pipeline bubble {self.bubble_fraction:.1%}" if self.bubble_fraction is not None else ""
         return (
-            f"step {self.step_time_s * 1e3:.2f} ms on {self.world_size} ranks: compute {self.compute_s * 1e3:.2f} ms, "
+            f"step {self.step_time_s * 1e3:.2f} ms {self.interval()} on {self.world_size} ranks: "
+            f"compute {self.compute_s * 1e3:.2f} ms, "
             f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms, {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
             f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
             f"stream busy: {busy}"
@@ -359,4 +367,5 @@ def simulate_program(
         stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
         flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
         world_size=program.plan.world_size, events=events, memory=memory, action_spans=spans,
+        uncertainty=cluster.prediction_error,
     )

@@ -82,6 +82,9 @@ class Cluster:
     its hops that leave a domain, docs/cost-model.md "The collective model")."""
     fabric_oversubscription: float = 1.0
     """What a domain's nodes can send over what the layer above it carries (1: non-blocking)."""
+    prediction_error: float = 0.0
+    """Typical relative error of a step-time prediction on this cluster: the median |error| of the
+    held-out rows measured on it (0: no held-out evidence). Predictions carry it as their interval."""
     overlap: float = 1.0
     """Fraction of a collective that can hide behind compute (1 = separate engines, as on GPUs;
     lower where communication and compute share cores, as gloo on a small CPU machine)."""
@@ -151,18 +154,25 @@ H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e
 
 def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float, nics: int, nic_latency_s: float,
                      *, nvlink_efficiency: float = 1.0, nic_efficiency: float = 1.0, fabric_nodes: int = 0,
-                     fabric_oversubscription: float = 1.0) -> Cluster:
+                     fabric_oversubscription: float = 1.0, prediction_error: float = 0.0) -> Cluster:
     """A cluster of 8-GPU nodes: per-GPU NVLink/NVSwitch inside, ``nics`` NICs per node across, each
     link at the fraction of its line rate a ring achieves."""
     return Cluster(name=name, nodes=1, gpus_per_node=8, gpu=gpu,
                    intra=Link(bandwidth_bps=nvlink_bps * nvlink_efficiency, latency_s=5e-6),
                    inter=Link(bandwidth_bps=nic_gbps * GBPS_TO_BPS * nic_efficiency, latency_s=nic_latency_s),
-                   nics_per_node=nics, fabric_nodes=fabric_nodes, fabric_oversubscription=fabric_oversubscription)
+                   nics_per_node=nics, fabric_nodes=fabric_nodes, fabric_oversubscription=fabric_oversubscription,
+                   prediction_error=prediction_error)
 
 
 EFA_STEP_LATENCY_S = 120e-6
 """Per ring step over EFA (SRD, NCCL via aws-ofi-nccl, 2021), fitted on the thesis's p3dn all-gather
 measurements (``benchmarks/reproduce_thesis.py --fit``); p4d's EFA is the same transport."""
+
+P3DN_HELD_OUT_ERROR = 0.53
+"""Median |error| of reproduce_thesis.py's held-out p3dn rows (96, 51, 26, 97, 54, 19%: the ratios
+and gains, docs/cost-model.md's table)."""
+P4D_HELD_OUT_ERROR = 0.14
+"""Median |error| of its held-out p4d rows (72, 2, 41, 17, 13, 12, 14%)."""
 
 PRESETS: dict[str, Cluster] = {
     # fitted on the thesis's collective measurements only (§3.3.2, Fig. 3-2, §3.5.2.2; reproduce_thesis.py --fit):
@@ -171,14 +181,14 @@ PRESETS: dict[str, Cluster] = {
     # its 128 MB end -> the per-step latency
     "p3dn.24xlarge": _eight_gpu_nodes("p3dn.24xlarge", V100_32GB, 150e9, 100, 1, EFA_STEP_LATENCY_S,
                                       nvlink_efficiency=0.75, nic_efficiency=1.0, fabric_nodes=8,
-                                      fabric_oversubscription=3.5),
+                                      fabric_oversubscription=3.5, prediction_error=P3DN_HELD_OUT_ERROR),
     # public figures, no thesis measurement: one p4d node's all-reduce bus bandwidth 230.8 GB/s of 300
     # (NVIDIA/nccl#527), "effective 340 Gbps for all_reduce tests" of 400 (stas00/ml-engineering,
     # network/README.md), EC2 UltraClusters' non-blocking fabric, EFA's per-step latency as on p3dn
     "p4d.24xlarge": _eight_gpu_nodes("p4d.24xlarge", A100_40GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
-                                     nvlink_efficiency=0.77, nic_efficiency=0.85),
+                                     nvlink_efficiency=0.77, nic_efficiency=0.85, prediction_error=P4D_HELD_OUT_ERROR),
     "p4de.24xlarge": _eight_gpu_nodes("p4de.24xlarge", A100_80GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
-                                      nvlink_efficiency=0.77, nic_efficiency=0.85),
+                                      nvlink_efficiency=0.77, nic_efficiency=0.85, prediction_error=P4D_HELD_OUT_ERROR),
     # spec sheets (InfiniBand, NVSwitch), not calibrated
     "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6),
     "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6),

@@ -55,6 +55,9 @@ class Candidate:
     """Why it ranks above the next candidate."""
     measured_step_s: float | None = None
     """``measure=True``: mean measured step time on the process group."""
+    tie: bool = False
+    """Its predicted interval overlaps the best candidate's (``Prediction.uncertainty``): the
+    prediction cannot tell them apart; measure them (``measure=True``)."""
 
     @property
     def step_time_s(self) -> float | None:
@@ -91,7 +94,9 @@ class Candidate:
         if not self.feasible:
             return f"{self.label()}: infeasible: {self.reason}"
         pred = self.prediction
-        return (f"{self.label()}: {pred.step_time_s:.3f} s/step, {pred.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+        tie = ", a tie with the best" if self.tie else ""
+        return (f"{self.label()}: {pred.step_time_s:.3f} s/step {pred.interval()}{tie}, "
+                f"{pred.tflops_per_gpu:.1f} TFLOP/s per GPU, "
                 f"peak {fmt_bytes(pred.peak_memory_bytes)}, exposed comm {pred.exposed_comm_s:.3f} s")
 
 
@@ -111,13 +116,25 @@ def _why(a: Candidate, b: Candidate) -> str:
     what, most = max(parts.items(), key=lambda kv: kv[1])
     if gain <= 0:
         return f"as fast as {b.label()} (predicted), priced first"
+    if overlaps(pa, pb):
+        return f"{gain / pb.step_time_s:.2%} faster than {b.label()}, within the prediction's {pa.interval()}: a tie"
     head = f"{gain / pb.step_time_s:.2%} faster than {b.label()}"
     return head + (f": {most:.3f} s less {what}" if most > 0 else "")
 
 
+def overlaps(a: Prediction, b: Prediction) -> bool:
+    """Whether two predictions' step-time intervals overlap."""
+    lo, hi = sorted((a, b), key=lambda p: p.step_time_s)
+    return lo.step_time_s * (1 + lo.uncertainty) >= hi.step_time_s * (1 - hi.uncertainty)
+
+
 def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
-    """The top feasible candidates, the columns users compare."""
+    """The top feasible candidates, the columns users compare (``~``: a tie with the best, within the
+    predictions' interval)."""
     rows = [c for c in cands if c.feasible][:top]
+    if rows and rows[0].prediction.uncertainty:
+        print(f"predicted step times {rows[0].prediction.interval()} (held-out error on this cluster); "
+              f"~: a tie with the best", file=file)
     measured = any(c.measured_step_s is not None for c in rows)
     head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} "
             f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
@@ -131,7 +148,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
-                f"{short(c.prefetch):<9} {pred.step_time_s:>8.4f} {pred.tflops_per_gpu:>8.1f} "
+                f"{short(c.prefetch):<9} {pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
         line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
         print(line, file=file)
@@ -226,6 +243,8 @@ def rank(cands: list[Candidate], key: Callable[[Candidate], float] = lambda c: c
     good = sorted((c for c in cands if c.feasible), key=key)
     for a, b in zip(good, good[1:]):
         a.why = _why(a, b)
+    for c in good[1:]:
+        c.tie = overlaps(good[0].prediction, c.prediction)
     return good + [c for c in cands if not c.feasible]
 
 
