@@ -59,6 +59,20 @@ def test_simulate_prints_one_row_per_partition_size():
     assert all(float(r[3]) > 0 for r in rows), out  # a step time each
 
 
+def test_simulate_compares_the_peers_across_cluster_sizes(tmp_path):
+    """One row per --nodes, a column per system (HSDP from 2 nodes), micscompile's ratio to the best
+    peer, and the picture."""
+    out = ok(run("simulate", "gpt:tiny", "--cluster", "p4d.24xlarge", "--compare-peers", "--nodes", "1", "2",
+                 "--png", str(tmp_path / "peers.png")))
+    table = out[out.index("nodes  GPUs"):]
+    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.split()[:1] in (["1"], ["2"])}
+    assert set(rows) == {"1", "2"}, out
+    assert rows["1"].split()[1] == "8" and rows["2"].split()[1] == "16", out
+    assert rows["2"].rstrip().endswith("x") and "not priced" not in rows["2"], out  # m=1: HSDP priced
+    assert f"+-{mc.Cluster.preset('p4d.24xlarge').prediction_error:.0%}" in table, out
+    assert_png(tmp_path / "peers.png")
+
+
 def test_autotune_prints_its_table():
     out = ok(run("autotune", "gpt:tiny", "--cluster", "p3dn.24xlarge", "--global-batch-size", "16", "--top", "3",
                  "--no-pipelines"))
@@ -84,7 +98,8 @@ def test_a_user_function_is_a_model_spec(tmp_path):
     (["simulate", "gpt:tiny", "-p", "3"], "partition_size"),
     (["plan", "gpt:tiny", "--cluster", "cray-1"], "unknown cluster preset 'cray-1'"),
     (["simulate", "gpt:tiny", "--cluster", "missing.json"], "missing.json not found"),
-], ids=["preset", "module", "plan", "cluster", "json"])
+    (["plan", "gpt:tiny", "--nodes", "2", "4"], "several are for `simulate --compare-peers`"),
+], ids=["preset", "module", "plan", "cluster", "json", "nodes"])
 def test_bad_input_exits_2_with_one_line(args, says):
     proc = run(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)

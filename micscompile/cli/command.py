@@ -3,6 +3,7 @@
     micscompile demo                                            # what `make demo` runs: 4 gloo ranks
     micscompile plan gpt:13b --cluster p4d.24xlarge --nodes 16  # Program summary + pictures
     micscompile simulate bert:52b --nodes 16 -p 8 64 128        # predictions side by side
+    micscompile simulate bert:10b --compare-peers --nodes 2 4 8 16 32 64   # against ZeRO-3 and FSDP2
     micscompile autotune gpt:175b --cluster p4de.24xlarge --nodes 128 --global-batch-size 1536
     micscompile calibrate                                       # measure this machine
 
@@ -65,11 +66,14 @@ def _demo(args: argparse.Namespace) -> int:
 # ---- plan, simulate, autotune: one meta trace, the cost model ----------------------------------
 
 def _cluster(args: argparse.Namespace):
+    from micscompile.cli.model_specs import SpecError
     from micscompile.cost_model.specs import Cluster
 
+    if len(args.nodes) > 1 and not getattr(args, "compare_peers", False):
+        raise SpecError(f"one --nodes (got {len(args.nodes)}); several are for `simulate --compare-peers`")
     if args.cluster.endswith(".json"):
-        return Cluster.load(args.cluster).with_nodes(args.nodes)
-    return Cluster.preset(args.cluster, nodes=args.nodes)
+        return Cluster.load(args.cluster).with_nodes(args.nodes[0])
+    return Cluster.preset(args.cluster, nodes=args.nodes[0])
 
 
 def _dtype(args: argparse.Namespace, cluster):
@@ -151,9 +155,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_peers(args: argparse.Namespace) -> int:
+    from micscompile.cli import pictures
+    from micscompile.tune.compare import compare_peers, format_table
+
+    cluster = _cluster(args)
+    plan = _plans(args, cluster)[0]
+    tg = _trace(args, cluster)
+    t0 = time.perf_counter()
+    rows = compare_peers(tg, cluster, args.nodes, plan, partition_sizes=args.partition_size, progress=_say)
+    _say(f"{args.model} on {cluster.name} nodes, {plan.micro_batches} micro-batch(es) of {args.micro_batch_size}, "
+         f"priced in {time.perf_counter() - t0:.1f} s")
+    _say(format_table(rows))
+    path = pictures.save(pictures.compare_figure(rows, f"{args.model} on {cluster.name}"), args.png)
+    _say(f"wrote {path}")
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     import micscompile as mc
 
+    if args.compare_peers:
+        return _compare_peers(args)
     cluster = _cluster(args)
     plans = _plans(args, cluster)
     for plan in plans:
@@ -200,7 +223,8 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
                          "device has it, else float16)")
     sp.add_argument("--cluster", default="p4d.24xlarge",
                     help=f"a preset ({', '.join(sorted(PRESETS))}) or a calibrated cluster .json")
-    sp.add_argument("--nodes", type=int, default=1, help="nodes of the cluster")
+    sp.add_argument("--nodes", type=int, nargs="+", default=[1],
+                    help="nodes of the cluster (several: simulate --compare-peers, one column each)")
 
 
 def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
@@ -235,6 +259,10 @@ def parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and peak memory of one or more plans")
     _model_args(sim)
     _plan_args(sim, several=True)
+    sim.add_argument("--compare-peers", action="store_true",
+                     help="micscompile's best partition size against DeepSpeed ZeRO-3 and FSDP2 (full shard, HSDP) "
+                          "at each --nodes: a table and a picture")
+    sim.add_argument("--png", default="compare-peers.png", help="--compare-peers: where to write the picture")
     tune = sub.add_parser("autotune", help="search partition size, stages, micro-batch size and memory options")
     _model_args(tune)
     tune.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")

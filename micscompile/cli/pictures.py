@@ -133,3 +133,31 @@ def memory_figure(buffers: list[Buffer], title: str = ""):
     ax.set_title(textwrap.fill(title or "device memory of one step", 110), fontsize="medium")
     fig.tight_layout()
     return fig
+
+
+def compare_figure(rows, title: str = ""):
+    """TFLOP/s per GPU against cluster size, one line per system (``tune.compare.PeerRow``s); a hollow
+    marker where the system does not fit the device memory."""
+    from micscompile.tune.compare import LABELS, SYSTEM_ROWS
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for system in SYSTEM_ROWS:
+        mine = [r for r in rows if r.system == system and r.prediction is not None]
+        if not mine:
+            continue
+        line, = ax.plot([r.gpus for r in mine], [r.tflops_per_gpu for r in mine], label=LABELS[system])
+        for r in mine:
+            ax.plot(r.gpus, r.tflops_per_gpu, "o", color=line.get_color(),
+                    markerfacecolor=line.get_color() if r.fits else "none")
+    err = next((r.prediction.uncertainty for r in rows if r.prediction is not None), 0)
+    ax.set(xscale="log", xlabel="GPUs", ylabel="TFLOP/s per GPU" + (f" (+-{err:.0%})" if err else ""))
+    ax.set_xticks(sorted({r.gpus for r in rows}), [str(g) for g in sorted({r.gpus for r in rows})])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(textwrap.fill((title + ": " if title else "") + "hollow: does not fit the device memory", 90),
+                 fontsize="medium")
+    fig.tight_layout()
+    return fig

@@ -156,6 +156,9 @@ def simulate_program(
     record: bool = True,
     accumulate: bool = True,
     gather_pieces: Mapping[int, Sequence[int]] | None = None,
+    reduce_pieces: Mapping[int, Sequence[int]] | None = None,
+    synchronous: frozenset[Kind] = frozenset(),
+    hierarchical_on_stream: bool = False,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -168,7 +171,11 @@ def simulate_program(
     many micro-batches costs about four (equal to simulating each one up to float rounding).
     ``gather_pieces``: bucket -> the bytes of the collectives its gather is issued as (a peer's fetch
     granularity, ``lowering.peers``), run one after the other on the group's stream; default: one
-    collective of the whole bucket.
+    collective of the whole bucket. ``reduce_pieces``: the same for a bucket's reduce-scatter (a
+    peer's gradient buckets: empty where the bucket's gradients wait to be reduced with later ones).
+    ``synchronous``: collective kinds the compute stream waits for as soon as they are issued (a
+    peer whose host blocks on them). ``hierarchical_on_stream``: a hierarchical collective's
+    reorder and intra-node stage run on its communication stream, not the compute stream.
     """
     gpu = cluster.gpu
     compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
@@ -212,7 +219,8 @@ def simulate_program(
         cost = cluster.collective_interference.get(str(group.size))
         finish_s = 0.0
         key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
-        pieces = gather_pieces.get(a.bucket) if gather_pieces and a.kind in GATHERS else None
+        by_bucket = gather_pieces if a.kind in GATHERS else reduce_pieces if a.kind is Kind.REDUCE_SCATTER else None
+        pieces = by_bucket.get(a.bucket) if by_bucket else None
         if pieces is not None:
             key = (a.kind, tuple(pieces), a.group, a.hierarchical)
         if key not in priced:  # (a step repeats few distinct collectives)
@@ -222,6 +230,8 @@ def simulate_program(
                       for b in ((a.tensor_bytes,) if pieces is None else pieces)]
             priced[key] = tuple(sum(s) for s in zip(*stages)) if stages else (0.0, 0.0, 0.0)
         duration, reorder, intra = priced[key]
+        if a.hierarchical and hierarchical_on_stream:
+            duration, reorder, intra = duration + reorder + intra, 0.0, 0.0
         if a.hierarchical:
             if a.kind is Kind.REDUCE_SCATTER:
                 run_compute(reorder + intra, (f"intra-node {a}" if record else ""))
@@ -328,6 +338,8 @@ def simulate_program(
                     flight = issue(a, frees_bytes=a.tensor_bytes)
                     pending[(a.kind, a.bucket)].append(flight)
                     end = flight.end_s
+                    if a.kind in synchronous:  # the host blocks on it (its WAIT then finds it done)
+                        wait_until(flight.end_s)
             elif a.kind is Kind.WAIT:
                 flight = pending[(a.waits_for, a.bucket)].popleft()
                 slowing[0] -= flight.slowdown > 0

@@ -6,23 +6,26 @@ its source (docs/peer-models.md cites the lines):
 * **the Plan its traffic follows**: whom it shards over, whether gathers are hierarchical, when
   gradients are reduced;
 * **its fetch granularity**: the collectives one block's gather is issued as;
+* **its gradient buckets**: the collectives its reductions are issued as;
 * **its look-ahead**: how many gathers it keeps in flight;
-* **its synchronization**: how much of a collective can hide behind compute.
+* **its synchronization**: which collectives the host waits for as soon as they are issued.
 
 DeepSpeed ZeRO-3 (docs/peer-models.md#deepspeed-zero-3): shards over every rank, flat gathers;
 fetches per module with direct parameters, modules packed in fetch order into batches of at most
-``stage3_prefetch_bucket_size`` (5e7) elements, one all-gather each (a larger module alone);
-parameters of at most ``stage3_param_persistence_threshold`` (1e5) elements persist and are not
-gathered per micro-step; gradients reduce-scattered over all ranks every micro-step ("ZeRO stage
->= 2 communicates during non gradient accumulation boundaries as well"). Synchronization: the
-version the thesis measured (v0.5.6) synchronizes the device or the stream around each
-collective (thesis §3.4, "coarse granularity"), and today's waits for the whole all-gather stream
-after each fetch: a collective does not run beside compute, so none of it hides.
+``stage3_prefetch_bucket_size`` (5e7) elements, one all-gather each (a larger module alone), the
+next batch prefetched on the all-gather stream while the current module computes; parameters of
+at most ``stage3_param_persistence_threshold`` (1e5) elements persist and are not gathered per
+micro-step; gradients copied into ``reduce_bucket_size`` (5e8-element) buckets, each
+reduce-scattered over all ranks on its own stream when full, every micro-step ("ZeRO stage >= 2
+communicates during non gradient accumulation boundaries as well"). ``"deepspeed-zero3-v0.5"``
+is the version the thesis measured (v0.5.x, §3.4's "coarse granularity"): the same, but the host
+waits for each reduction (``reduction_stream.synchronize()``), so none hides.
 
-DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the implementation the thesis measured): the
-user's partition group, hierarchical gathers and 2-hop gradient sync as micscompile's, but
-DeepSpeed's fetch granularity above, and the thesis's fine-grained synchronization (§3.4:
-``wait_event`` / ``wait_stream``), so collectives overlap compute; one fetch ahead.
+DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the thesis's MiCS upstream): the user's partition
+group, hierarchical gathers and 2-hop gradient sync as micscompile's, DeepSpeed's fetch
+granularity and gradient buckets above (its optimizer is ZeRO-3's), one fetch ahead; its
+hierarchical gather runs all three stages (inter-node, reorder, intra-node) on the all-gather
+stream, beside compute.
 
 FSDP2 (docs/peer-models.md#fsdp2-fully_shard): one ``fully_shard`` unit per block, gathered as one
 collective, one unit prefetched (forward and backward); a reduce-scatter every micro-batch and,
@@ -38,16 +41,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from micscompile.core.plan import Plan
-from micscompile.core.program import Prefetch
+from micscompile.core.program import Kind, Prefetch
 from micscompile.core.sharding import BucketLayout
-from micscompile.cost_model.specs import Cluster
 
-SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-mics", "fsdp2")
+SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-mics", "fsdp2")
 
 DS_PREFETCH_BUCKET_ELEMENTS = 50_000_000
 """``stage3_prefetch_bucket_size`` default (deepspeed/runtime/zero/config.py)."""
 DS_PERSISTENCE_THRESHOLD = 100_000
 """``stage3_param_persistence_threshold`` default: parameters this small are never released."""
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""``reduce_bucket_size`` default (deepspeed/runtime/zero/config.py; the same in v0.5.x)."""
 
 
 @dataclass(frozen=True)
@@ -59,23 +63,50 @@ class Peer:
     """The Plan whose collectives the peer issues."""
     prefetch: tuple[Prefetch, ...] | None
     """Its look-ahead (None: micscompile's own search)."""
-    overlap: float | None
-    """Fraction of a collective that hides behind compute (None: the cluster's)."""
     fetch_elements: int | None = None
     """Gathers are issued in batches of at most this many elements (None: one per bucket)."""
     persistence_threshold: int = 0
     """Parameters of at most this many elements are not gathered per micro-step."""
+    reduce_elements: int | None = None
+    """Gradients are reduce-scattered in buckets of this many elements (None: one per bucket)."""
+    synchronous_reductions: bool = False
+    """The host waits for each reduction as soon as it is issued."""
+    hierarchical_on_stream: bool = False
+    """A hierarchical gather's reorder and intra-node stage run on the communication stream."""
 
-    def cluster(self, cluster: Cluster) -> Cluster:
-        if self.overlap is None:
-            return cluster
-        return dataclasses.replace(cluster, overlap=self.overlap, collective_interference={})
+    def costs(self, layouts: Sequence[BucketLayout]) -> dict[str, object]:
+        """What ``simulate_program`` prices differently for this peer's Program."""
+        out: dict[str, object] = {}
+        if self.fetch_elements is not None:
+            out["gather_pieces"] = {lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold)
+                                    for lay in layouts}
+        if self.reduce_elements is not None:
+            out["reduce_pieces"] = reduce_buckets(layouts, self.reduce_elements)
+        if self.synchronous_reductions:
+            out["synchronous"] = frozenset({Kind.REDUCE_SCATTER, Kind.ALL_REDUCE})
+        if self.hierarchical_on_stream:
+            out["hierarchical_on_stream"] = True
+        return out
 
-    def gather_pieces(self, layouts: Sequence[BucketLayout]) -> dict[int, tuple[int, ...]] | None:
-        """Bucket -> bytes of each collective its gather is issued as."""
-        if self.fetch_elements is None:
-            return None
-        return {lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold) for lay in layouts}
+
+def reduce_buckets(layouts: Sequence[BucketLayout], limit: int) -> dict[int, tuple[int, ...]]:
+    """DeepSpeed's gradient buckets as reduce-scatters per block, in bytes: gradients arrive in
+    backward order (last block first) and fill a bucket of ``limit`` elements, reduced when it would
+    overflow; a block whose gradients wait for later ones reduces nothing; the first block reduces
+    what is left."""
+    out: dict[int, tuple[int, ...]] = {}
+    filled = 0
+    order = sorted(layouts, key=lambda lay: lay.index, reverse=True)
+    for i, lay in enumerate(order):
+        sizes: list[int] = []
+        if filled and filled + lay.numel > limit:
+            sizes.append(filled * lay.grad_dtype.itemsize)
+            filled = 0
+        filled += lay.numel
+        if i == len(order) - 1:
+            sizes.append(filled * lay.grad_dtype.itemsize)
+        out[lay.index] = tuple(sizes)
+    return out
 
 
 def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0) -> tuple[int, ...]:
@@ -105,18 +136,18 @@ def peer(system: str, plan: Plan, world_size: int) -> Peer:
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
         plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
         bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager")
-    if system == "deepspeed-zero3":
-        return Peer(system, dataclasses.replace(base, partition_size=world_size), (Prefetch(distance=0),),
-                    overlap=0.0, fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
-                    persistence_threshold=DS_PERSISTENCE_THRESHOLD)
+    deepspeed = dict(prefetch=(Prefetch(distance=1),), fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
+                     persistence_threshold=DS_PERSISTENCE_THRESHOLD)
+    if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
+        return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
+                    reduce_elements=DS_REDUCE_BUCKET_ELEMENTS, synchronous_reductions=system.endswith("v0.5"))
     if system == "deepspeed-mics":
-        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager"), (Prefetch(distance=1),),
-                    overlap=None, fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
-                    persistence_threshold=DS_PERSISTENCE_THRESHOLD)
+        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager"), **deepspeed,
+                    reduce_elements=DS_REDUCE_BUCKET_ELEMENTS, hierarchical_on_stream=True)
     if system == "fsdp2":
         if (plan.partition_size or 0) < world_size and plan.micro_batches > 1:
             raise ValueError("fsdp2 with HSDP (partition_size < world size) and micro_batches > 1 all-reduces over "
                              "the replicate group every micro-batch, which the simulator does not price yet (issue 26); "
                              "price micro_batches=1, or full shard (partition_size = world size)")
-        return Peer(system, base, (Prefetch(distance=1),), overlap=None)
-    return Peer(system, plan, None, overlap=None)
+        return Peer(system, base, (Prefetch(distance=1),))
+    return Peer(system, plan, None)

@@ -48,7 +48,8 @@ def simulate(
 
     ``system``: "micscompile", or a peer priced on the same trace (``lowering.peers``):
     "deepspeed-zero3" (``plan`` gives its micro-batches, dtypes and checkpointing; it shards over
-    every rank), "deepspeed-mics" (the thesis's implementation of ``plan``) or "fsdp2"
+    every rank; "deepspeed-zero3-v0.5": the version the thesis measured), "deepspeed-mics" (the
+    thesis's implementation of ``plan``) or "fsdp2"
     (``plan.partition_size`` < world size: HSDP).
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
@@ -59,12 +60,12 @@ def simulate(
     other = peer(system, plan, cluster.world_size)
     if prefetch is not None and other.prefetch is not None:
         raise ValueError(f"prefetch chooses micscompile's gathers; {system} looks ahead by its own rule")
-    plan, cluster, prefetch = other.plan, other.cluster(cluster), prefetch or other.prefetch
+    plan, prefetch = other.plan, prefetch or other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
     lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
-    if other.fetch_elements is not None:  # (a peer: a flat Program)
-        costs = {**costs, "gather_pieces": other.gather_pieces(lowered.program.layouts)}
+    if other.system != "micscompile":  # (a peer: a flat Program)
+        costs = {**other.costs(lowered.program.layouts), **costs}  # (what the caller gives wins)
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
 

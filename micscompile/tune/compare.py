@@ -1,0 +1,130 @@
+"""What switching buys on N nodes: micscompile's best partition size against the peers, priced on
+one trace (``micscompile simulate MODEL --compare-peers --nodes 2 4 8 ...``).
+
+Per cluster size: micscompile at each partition size (default: powers of two from one node to
+the whole cluster), with hierarchical and flat gathers across nodes (the fastest that fits the
+device memory is its row), DeepSpeed ZeRO-3, FSDP2
+full shard and FSDP2 HSDP sharded inside a node, each by its peer model
+(``lowering.peers``, docs/peer-models.md). Every figure carries the cluster's held-out error
+(``Prediction.uncertainty``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from micscompile.core.plan import Plan
+from micscompile.cost_model.simulator import Prediction
+from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.predict import simulate
+from micscompile.trace import TrainGraph
+
+SYSTEM_ROWS = ("micscompile", "deepspeed-zero3", "fsdp2", "fsdp2-hsdp")
+LABELS = {"micscompile": "micscompile (best p)", "deepspeed-zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2 full shard",
+          "fsdp2-hsdp": "FSDP2 HSDP (shard in a node)"}
+
+
+@dataclass
+class PeerRow:
+    """One system on one cluster size."""
+
+    nodes: int
+    gpus: int
+    system: str
+    """One of ``SYSTEM_ROWS``."""
+    partition_size: int | None = None
+    hierarchical: bool | str = False
+    """Its gathers across nodes (micscompile: ``Plan.hierarchical``)."""
+    prediction: Prediction | None = None
+    fits: bool = False
+    """Its peak memory fits the device."""
+    note: str = ""
+    """Why there is no prediction (a configuration the peer model refuses)."""
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        return self.prediction.tflops_per_gpu if self.prediction else None
+
+
+def _row(trace: TrainGraph, nodes: int, cluster: Cluster, system: str, plan: Plan) -> PeerRow:
+    """``plan`` priced as ``system`` ("fsdp2-hsdp": FSDP2's model at the plan's partition size)."""
+    row = PeerRow(nodes, cluster.world_size, system, plan.partition_size, plan.hierarchical)
+    try:
+        row.prediction = simulate(trace, plan, cluster, scaling=False, system=system.removesuffix("-hsdp"))
+    except ValueError as e:  # a configuration the peer model does not price (it says why)
+        row.note = str(e).split(";")[0]
+        return row
+    row.fits = row.prediction.peak_memory_bytes <= cluster.gpu.memory_bytes
+    return row
+
+
+def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], plan: Plan | None = None, *,
+                  partition_sizes: Sequence[int] | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[PeerRow]:
+    """Rows for every cluster size in ``nodes`` (``cluster`` gives the node type) and every system of
+    ``SYSTEM_ROWS``; ``plan`` gives micro-batches, dtypes and checkpointing (its partition size is
+    searched over ``partition_sizes`` for micscompile)."""
+    if not nodes or any(n < 1 for n in nodes):
+        raise ValueError(f"nodes must be positive cluster sizes, got {list(nodes)}")
+    plan = plan or Plan()
+    rows: list[PeerRow] = []
+    for n in nodes:
+        c = cluster.with_nodes(n)
+        world, k = c.world_size, min(c.gpus_per_node, c.world_size)
+        sizes = [p for p in (partition_sizes or _powers_of_two(k, world)) if world % p == 0]
+        if not sizes:
+            raise ValueError(f"no partition size in {list(partition_sizes or [])} divides {world} ranks")
+        ours = [_row(trace, n, c, "micscompile", dataclasses.replace(plan, partition_size=p, hierarchical=h))
+                for p in sizes for h in ((plan.hierarchical, False) if p > k and plan.hierarchical else (False,))]
+        priced = [r for r in ours if r.prediction is not None]
+        rows.append(min(priced, key=lambda r: (not r.fits, r.prediction.step_time_s)) if priced else ours[0])
+        rows.append(_row(trace, n, c, "deepspeed-zero3", dataclasses.replace(plan, partition_size=world)))
+        rows.append(_row(trace, n, c, "fsdp2", dataclasses.replace(plan, partition_size=world)))
+        if world > k:
+            rows.append(_row(trace, n, c, "fsdp2-hsdp", dataclasses.replace(plan, partition_size=k)))
+        if progress:
+            progress(f"{n} nodes priced")
+    return rows
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, p = [], lo
+    while p <= hi:
+        out.append(p)
+        p *= 2
+    return out or [hi]
+
+
+def format_table(rows: Sequence[PeerRow]) -> str:
+    """TFLOP/s per GPU by cluster size and system, and what micscompile's best plan buys over the
+    fastest peer that fits (``*``: does not fit the device memory)."""
+    nodes = list(dict.fromkeys(r.nodes for r in rows))
+    head = f"{'nodes':>5} {'GPUs':>5} " + " ".join(f"{LABELS[s]:>28}" for s in SYSTEM_ROWS) + f" {'mc / best peer':>15}"
+    lines = [head, "-" * len(head)]
+    for n in nodes:
+        mine = {r.system: r for r in rows if r.nodes == n}
+        cells = []
+        for s in SYSTEM_ROWS:
+            r = mine.get(s)
+            if r is None:
+                cells.append(f"{'-':>28}")
+            elif r.prediction is None:
+                cells.append(f"{'not priced':>28}")
+            else:
+                across = r.partition_size > r.gpus // r.nodes
+                p = f"p={r.partition_size}{' flat' if across and not r.hierarchical else ''} " if s == "micscompile" else ""
+                cells.append(f"{p + f'{r.tflops_per_gpu:.1f}' + ('' if r.fits else '*'):>28}")
+        ours = mine["micscompile"]
+        peers = [r for s, r in mine.items() if s != "micscompile" and r.prediction is not None and r.fits]
+        ratio = "-"
+        if ours.prediction is not None and peers:
+            ratio = f"{ours.tflops_per_gpu / max(r.tflops_per_gpu for r in peers):.2f}x"
+        gpus = next(iter(mine.values())).gpus
+        lines.append(f"{n:>5} {gpus:>5} " + " ".join(cells) + f" {ratio:>15}")
+    notes = sorted({f"{LABELS[r.system]}: {r.note}" for r in rows if r.note})
+    err = next((r.prediction.interval() for r in rows if r.prediction is not None), "")
+    lines.append(f"TFLOP/s per GPU {err}; *: does not fit the device memory")
+    lines += [f"not priced: {x}" for x in notes]
+    return "\n".join(lines)
