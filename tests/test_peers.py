@@ -76,13 +76,34 @@ def test_deepspeed_zero3_v05_waits_for_each_reduction(lm_trace):
     and beat fetching at the use."""
     cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
     plan = mc.Plan(partition_size=16, micro_batches=2, hierarchical=False)
-    old = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.5")
-    new = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3")
+    small = {"reduce_bucket_size": 1}  # (a bucket per block: reductions during backward)
+    old = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.5", peer_config=small)
+    new = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3", peer_config=small)
     assert old.stream_busy_s["comm:shard"] == pytest.approx(new.stream_busy_s["comm:shard"])
     assert old.exposed_comm_s > new.exposed_comm_s and old.step_time_s > new.step_time_s
     assert peer("deepspeed-zero3", plan, 16).prefetch == (Prefetch(distance=1),)
     synchronous = peer("deepspeed-zero3-v0.5", plan, 16).costs([])["synchronous"]
     assert Kind.REDUCE_SCATTER in synchronous
+
+
+def test_deepspeed_keeps_gathers_live_within_its_reuse_distance(lm_trace):
+    """stage3_max_reuse_distance: a block whose later blocks hold at most half of it keeps its forward
+    gather into backward (gathered once per micro-step); the config is DeepSpeed's own keys."""
+    def lay(i, numel):
+        return dataclasses.replace(_layout([(f"m{i}.weight", numel)]), index=i)
+    layouts = [lay(0, 30), lay(1, 40), lay(2, 25), lay(3, 50)]
+    assert peer("deepspeed-zero3", mc.Plan(), 16).kept_live(layouts) == 4  # 1e9 keeps a small model
+    tight = peer("deepspeed-zero3", mc.Plan(), 16, {"stage3_max_reuse_distance": 150})
+    assert tight.kept_live(layouts) == 3  # 2 * (50 + 25) <= 150 < 2 * (50 + 25 + 40)
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    plan = mc.Plan(partition_size=16, micro_batches=2)
+    kept = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3")
+    released = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3", peer_config={"stage3_max_reuse_distance": 0})
+    assert kept.stream_busy_s["comm:shard"] < released.stream_busy_s["comm:shard"]
+    with pytest.raises(ValueError, match="peer_config takes DeepSpeed's"):
+        mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3", peer_config={"stage3_max_live": 1})
+    with pytest.raises(ValueError, match="for a DeepSpeed system"):
+        mc.simulate(lm_trace, plan, cluster, system="fsdp2", peer_config={"reduce_bucket_size": 1})
 
 
 def test_deepspeed_zero3_shards_over_every_rank_whatever_the_plan(lm_trace):

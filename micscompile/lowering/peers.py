@@ -37,7 +37,7 @@ as micscompile's do.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from micscompile.core.plan import Plan
@@ -52,6 +52,12 @@ DS_PERSISTENCE_THRESHOLD = 100_000
 """``stage3_param_persistence_threshold`` default: parameters this small are never released."""
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 """``reduce_bucket_size`` default (deepspeed/runtime/zero/config.py; the same in v0.5.x)."""
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+"""``stage3_max_reuse_distance`` default: a parameter whose module returns within this many fetched
+elements is not released (coordinator l.653-662)."""
+DS_CONFIG_KEYS = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "reduce_bucket_size",
+                  "stage3_max_reuse_distance")
+"""The DeepSpeed config keys ``mc.simulate(..., peer_config=...)`` takes for its DeepSpeed peers."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,22 @@ class Peer:
     """The host waits for each reduction as soon as it is issued."""
     hierarchical_on_stream: bool = False
     """A hierarchical gather's reorder and intra-node stage run on the communication stream."""
+    max_reuse_distance: int | None = None
+    """Forward gathers whose backward use comes within this many fetched elements stay live."""
+
+    def kept_live(self, layouts: Sequence[BucketLayout]) -> int:
+        """Buckets whose forward gather stays live into backward: between a bucket's forward and its
+        backward use the later buckets are fetched twice (forward, then backward), so the last ones
+        whose later buckets hold at most half the reuse distance."""
+        if self.max_reuse_distance is None:
+            return 0
+        kept, after = 0, 0
+        for lay in sorted(layouts, key=lambda lay: lay.index, reverse=True):
+            if 2 * after > self.max_reuse_distance:
+                break
+            kept += 1
+            after += lay.numel
+        return kept
 
     def costs(self, layouts: Sequence[BucketLayout]) -> dict[str, object]:
         """What ``simulate_program`` prices differently for this peer's Program."""
@@ -128,22 +150,31 @@ def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0) -> tupl
     return tuple(n * itemsize for n in batches)
 
 
-def peer(system: str, plan: Plan, world_size: int) -> Peer:
+def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] | None = None) -> Peer:
     """The Peer pricing ``system`` for a user's ``plan`` on ``world_size`` ranks (its micro-batch
-    count, dtypes, checkpointing and node size kept)."""
+    count, dtypes, checkpointing and node size kept); ``config``: DeepSpeed config values
+    (``DS_CONFIG_KEYS``) in place of its defaults."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    config = dict(config or {})
+    unknown = set(config) - set(DS_CONFIG_KEYS)
+    if unknown or (config and not system.startswith("deepspeed")):
+        raise ValueError(f"peer_config takes DeepSpeed's {', '.join(DS_CONFIG_KEYS)} for a DeepSpeed system; "
+                         f"got {sorted(config)} for {system!r}")
+    ds = {k: int(config.get(k, default)) for k, default in zip(DS_CONFIG_KEYS, (
+        DS_PREFETCH_BUCKET_ELEMENTS, DS_PERSISTENCE_THRESHOLD, DS_REDUCE_BUCKET_ELEMENTS, DS_MAX_REUSE_DISTANCE))}
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
         plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
         bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager")
-    deepspeed = dict(prefetch=(Prefetch(distance=1),), fetch_elements=DS_PREFETCH_BUCKET_ELEMENTS,
-                     persistence_threshold=DS_PERSISTENCE_THRESHOLD)
+    deepspeed = dict(prefetch=(Prefetch(distance=1),), fetch_elements=ds["stage3_prefetch_bucket_size"],
+                     persistence_threshold=ds["stage3_param_persistence_threshold"],
+                     reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
     if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
-                    reduce_elements=DS_REDUCE_BUCKET_ELEMENTS, synchronous_reductions=system.endswith("v0.5"))
+                    synchronous_reductions=system.endswith("v0.5"))
     if system == "deepspeed-mics":
         return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager"), **deepspeed,
-                    reduce_elements=DS_REDUCE_BUCKET_ELEMENTS, hierarchical_on_stream=True)
+                    hierarchical_on_stream=True)
     if system == "fsdp2":
         if (plan.partition_size or 0) < world_size and plan.micro_batches > 1:
             raise ValueError("fsdp2 with HSDP (partition_size < world size) and micro_batches > 1 all-reduces over "

@@ -7,10 +7,11 @@ symmetric under MiCS, so rank 0's Program stands for all of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from micscompile.core.plan import Plan
-from micscompile.core.program import Prefetch
+from micscompile.core.program import REGION_BWD, Kind, Prefetch
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.groups import planned_groups
@@ -42,6 +43,7 @@ def simulate(
     scaling: bool = True,
     prefetch: Sequence[Prefetch | int] | None = None,
     system: str = "micscompile",
+    peer_config: Mapping[str, float] | None = None,
     **costs,
 ) -> Prediction:
     """Predict one optimizer step of ``plan`` on ``cluster`` (world size = cluster.world_size).
@@ -50,20 +52,26 @@ def simulate(
     "deepspeed-zero3" (``plan`` gives its micro-batches, dtypes and checkpointing; it shards over
     every rank; "deepspeed-zero3-v0.5": the version the thesis measured), "deepspeed-mics" (the
     thesis's implementation of ``plan``) or "fsdp2"
-    (``plan.partition_size`` < world size: HSDP).
+    (``plan.partition_size`` < world size: HSDP). ``peer_config``: a DeepSpeed peer's config values
+    in place of its defaults (``lowering.peers.DS_CONFIG_KEYS``, e.g. ``{"reduce_bucket_size": 2e8}``).
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
     ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
     ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
     """
-    other = peer(system, plan, cluster.world_size)
+    other = peer(system, plan, cluster.world_size, peer_config)
     if prefetch is not None and other.prefetch is not None:
         raise ValueError(f"prefetch chooses micscompile's gathers; {system} looks ahead by its own rule")
     plan, prefetch = other.plan, prefetch or other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
     lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
+    program = lowered.program
+    regathered = {a.bucket for a in program.micro_step if a.kind is Kind.ALL_GATHER and a.region == REGION_BWD}
+    if kept := min(other.kept_live(program.layouts), len(regathered)):  # (DeepSpeed: its reuse distance)
+        prefetch = tuple(dataclasses.replace(pf, keep_live=kept) for pf in prefetch)
+        lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
     if other.system != "micscompile":  # (a peer: a flat Program)
         costs = {**other.costs(lowered.program.layouts), **costs}  # (what the caller gives wins)
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
