@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from micscompile.core.plan import Plan
+from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import REGION_BWD, Kind, Prefetch
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
@@ -20,6 +20,7 @@ from micscompile.lowering.peers import peer
 from micscompile.memory.lifetimes import arena_offsets
 from micscompile.memory.planner import Buffer
 from micscompile.memory.stats import MemoryStats
+from micscompile.passes.context import make_context
 from micscompile.trace import TrainGraph
 
 
@@ -66,16 +67,29 @@ def simulate(
     plan, prefetch = other.plan, prefetch or other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
-    lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
-    program = lowered.program
-    regathered = {a.bucket for a in program.micro_step if a.kind is Kind.ALL_GATHER and a.region == REGION_BWD}
-    if kept := min(other.kept_live(program.layouts), len(regathered)):  # (DeepSpeed: its reuse distance)
-        prefetch = tuple(dataclasses.replace(pf, keep_live=kept) for pf in prefetch)
+    if other.max_reuse_distance is not None:  # DeepSpeed: its reuse distance keeps forward gathers live
+        kept = other.kept_live(make_context(trace, rp).layouts)
+        lowered = _lower_keeping_live(trace, rp, cluster, prefetch, kept, costs)
+    else:
         lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
     if other.system != "micscompile":  # (a peer: a flat Program)
         costs = {**other.costs(lowered.program.layouts), **costs}  # (what the caller gives wins)
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
+
+
+def _lower_keeping_live(trace: TrainGraph, rp, cluster: Cluster, prefetch: Sequence[Prefetch], kept: int, costs: dict):
+    """Lowered with ``prefetch`` keeping ``kept`` buckets live, at most those backward gathers again (a
+    small model's first blocks may be used in forward only)."""
+    def lowered(keep: int):
+        pfs = tuple(dataclasses.replace(pf, keep_live=keep) for pf in prefetch)
+        return lower(trace, rp, cluster, planned_groups(rp), prefetch=pfs, costs=costs, need_graph=False)
+
+    try:
+        return lowered(kept)
+    except PlanError:  # more than backward gathers again: keep those
+        program = lowered(0).program
+        return lowered(len({a.bucket for a in program.micro_step if a.kind is Kind.ALL_GATHER and a.region == REGION_BWD}))
 
 
 def step_buffers_of(
