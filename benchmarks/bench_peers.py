@@ -160,8 +160,6 @@ def predict(system: str, p: int, s: int, args, keep: int, trace, cluster) -> flo
     if system not in PEER_MODELS:
         return None
     name, config = PEER_MODELS[system]
-    if name == "fsdp2" and p < cluster.world_size and s > 1:
-        return None  # HSDP's all-reduce every micro-batch: refused by the model, not priced yet
     return mc.simulate(trace, plan, cluster, system=name, peer_config=config).step_time_s
 
 

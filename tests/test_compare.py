@@ -32,10 +32,9 @@ def test_rows_per_cluster_size_and_the_best_partition_size(lm_trace):
     assert table.count("\n") >= 4 and "x" in table.splitlines()[3]
 
 
-def test_a_configuration_a_peer_does_not_price_says_why(lm_trace):
+def test_hsdp_with_several_micro_batches_is_priced_and_bad_sizes_are_refused(lm_trace):
     rows = compare_peers(lm_trace, mc.Cluster.preset("p4d.24xlarge"), [2], mc.Plan(micro_batches=2))
     hsdp = next(r for r in rows if r.system == "fsdp2-hsdp")
-    assert hsdp.prediction is None and "every micro-batch" in hsdp.note
-    assert "not priced: FSDP2 HSDP" in format_table(rows)
+    assert hsdp.partition_size == 8 and hsdp.prediction.stream_busy_s["comm:replicate"] > 0
     with pytest.raises(ValueError, match="positive cluster sizes"):
         compare_peers(lm_trace, mc.Cluster.preset("p4d.24xlarge"), [0])

@@ -115,8 +115,8 @@ def test_deepspeed_zero3_shards_over_every_rank_whatever_the_plan(lm_trace):
 
 
 def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
-    """FSDP2 full shard: micscompile's traffic at p = n, flat, one unit ahead; HSDP with several
-    micro-batches (a replicate all-reduce every micro-batch) is refused, not priced wrong."""
+    """FSDP2 full shard: micscompile's traffic at p = n, flat, one unit ahead; HSDP all-reduces over the
+    replicate group after every micro-batch's reduce-scatter."""
     cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
     fsdp = peer("fsdp2", mc.Plan(partition_size=16, micro_batches=4), 16)
     assert fsdp.prefetch == (Prefetch(distance=1),) and fsdp.plan.hierarchical is False
@@ -124,8 +124,13 @@ def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
     same = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4, hierarchical=False), cluster,
                        prefetch=(1,))
     assert pred.step_time_s == same.step_time_s
-    with pytest.raises(ValueError, match="replicate group every micro-batch"):
-        mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), cluster, system="fsdp2")
+    # HSDP: the replicate all-reduce after every micro-batch's reduce-scatter (4 of them), none at the
+    # boundary; micscompile's 2-hop all-reduces once
+    hsdp = mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), cluster, system="fsdp2")
+    two_hop = mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4, hierarchical=False), cluster,
+                          prefetch=(1,))
+    assert hsdp.stream_busy_s["comm:replicate"] == pytest.approx(4 * two_hop.stream_busy_s["comm:replicate"])
+    assert hsdp.step_time_s > two_hop.step_time_s
     with pytest.raises(ValueError, match="looks ahead by its own rule"):
         mc.simulate(lm_trace, mc.Plan(partition_size=16), cluster, system="fsdp2", prefetch=(2,))
     with pytest.raises(ValueError, match="unknown system"):

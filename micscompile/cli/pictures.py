@@ -143,14 +143,14 @@ def compare_figure(rows, title: str = ""):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for system in SYSTEM_ROWS:
-        mine = [r for r in rows if r.system == system and r.prediction is not None]
+        mine = [r for r in rows if r.system == system]
         if not mine:
             continue
         line, = ax.plot([r.gpus for r in mine], [r.tflops_per_gpu for r in mine], label=LABELS[system])
         for r in mine:
             ax.plot(r.gpus, r.tflops_per_gpu, "o", color=line.get_color(),
                     markerfacecolor=line.get_color() if r.fits else "none")
-    err = next((r.prediction.uncertainty for r in rows if r.prediction is not None), 0)
+    err = rows[0].prediction.uncertainty if rows else 0
     ax.set(xscale="log", xlabel="GPUs", ylabel="TFLOP/s per GPU" + (f" (+-{err:.0%})" if err else ""))
     ax.set_xticks(sorted({r.gpus for r in rows}), [str(g) for g in sorted({r.gpus for r in rows})])
     ax.minorticks_off()

@@ -159,6 +159,7 @@ def simulate_program(
     reduce_pieces: Mapping[int, Sequence[int]] | None = None,
     synchronous: frozenset[Kind] = frozenset(),
     hierarchical_on_stream: bool = False,
+    replicate_every_micro_step: bool = False,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -176,6 +177,9 @@ def simulate_program(
     ``synchronous``: collective kinds the compute stream waits for as soon as they are issued (a
     peer whose host blocks on them). ``hierarchical_on_stream``: a hierarchical collective's
     reorder and intra-node stage run on its communication stream, not the compute stream.
+    ``replicate_every_micro_step``: each reduce-scatter's shard is all-reduced over the replicate
+    group right after it, every micro-step, on that group's stream (FSDP2's HSDP), and the boundary
+    has no all-reduce of its own.
     """
     gpu = cluster.gpu
     compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
@@ -255,6 +259,25 @@ def simulate_program(
         flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
         slowing[0] += flight.slowdown > 0
         return flight
+
+    def all_reduce_after(ready_s: float, nbytes: int) -> float:
+        """An all-reduce of ``nbytes`` over the replicate group once ``ready_s`` has passed, on its
+        stream, charging compute what ``issue`` charges a collective; returns when it ends."""
+        ranks = groups["replicate"].ranks
+        key = ("replicate", nbytes)
+        if key not in priced:
+            priced[key] = (collective_time_s("all_reduce", nbytes, ranks, cluster), 0.0, 0.0)
+        duration = priced[key][0]
+        start = max(ready_s, stream_free["comm:replicate"])
+        stream_free["comm:replicate"] = start + duration
+        busy["comm:replicate"] += duration
+        if record and duration > 0:
+            events.append(Event("comm:replicate", "all_reduce after reduce_scatter", start, start + duration))
+        cost = cluster.collective_interference.get(str(len(ranks)))
+        share = cost["exposed_fraction"] if cost is not None else 1 - cluster.overlap
+        run_compute(share * duration + (0.0 if cost is not None else cluster.collective_overhead_s),
+                    "comm cpu all_reduce after reduce_scatter" if record else "")
+        return start + duration
 
     def run_compute_beside_collectives(duration: float, name: str) -> None:
         """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
@@ -336,6 +359,8 @@ def simulate_program(
                     dynamic -= a.tensor_bytes  # consumed by accumulation right away
                 else:
                     flight = issue(a, frees_bytes=a.tensor_bytes)
+                    if replicate_every_micro_step and a.kind is Kind.REDUCE_SCATTER and "replicate" in groups:
+                        flight.end_s = all_reduce_after(flight.end_s, a.tensor_bytes // groups[a.group].size)
                     pending[(a.kind, a.bucket)].append(flight)
                     end = flight.end_s
                     if a.kind in synchronous:  # the host blocks on it (its WAIT then finds it done)
@@ -360,6 +385,8 @@ def simulate_program(
     ends = []
     for a in program.boundary:
         start = t
+        if a.kind is Kind.ALL_REDUCE and replicate_every_micro_step:
+            continue  # (done after every micro-step's reduce-scatter)
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1])

@@ -29,9 +29,9 @@ stream, beside compute.
 
 FSDP2 (docs/peer-models.md#fsdp2-fully_shard): one ``fully_shard`` unit per block, gathered as one
 collective, one unit prefetched (forward and backward); a reduce-scatter every micro-batch and,
-under HSDP (partition size < world), the replicate all-reduce after it, every micro-batch (not
-priced yet: refused for more than one micro-batch); its streams overlap collectives with compute
-as micscompile's do.
+under HSDP (partition size < world), the replicate all-reduce of each reduced shard right after
+it, every micro-batch, on its own stream; its streams overlap collectives with compute as
+micscompile's do.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class Peer:
     """A hierarchical gather's reorder and intra-node stage run on the communication stream."""
     max_reuse_distance: int | None = None
     """Forward gathers whose backward use comes within this many fetched elements stay live."""
+    replicate_every_micro_step: bool = False
+    """Each reduce-scatter is followed by the replicate group's all-reduce, every micro-step (HSDP)."""
 
     def kept_live(self, layouts: Sequence[BucketLayout]) -> int:
         """Buckets whose forward gather stays live into backward: between a bucket's forward and its
@@ -108,6 +110,8 @@ class Peer:
             out["synchronous"] = frozenset({Kind.REDUCE_SCATTER, Kind.ALL_REDUCE})
         if self.hierarchical_on_stream:
             out["hierarchical_on_stream"] = True
+        if self.replicate_every_micro_step:
+            out["replicate_every_micro_step"] = True
         return out
 
 
@@ -175,10 +179,7 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
     if system == "deepspeed-mics":
         return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager"), **deepspeed,
                     hierarchical_on_stream=True)
-    if system == "fsdp2":
-        if (plan.partition_size or 0) < world_size and plan.micro_batches > 1:
-            raise ValueError("fsdp2 with HSDP (partition_size < world size) and micro_batches > 1 all-reduces over "
-                             "the replicate group every micro-batch, which the simulator does not price yet (issue 26); "
-                             "price micro_batches=1, or full shard (partition_size = world size)")
-        return Peer(system, base, (Prefetch(distance=1),))
+    if system == "fsdp2":  # HSDP (partition_size < world size): the replicate all-reduce every micro-batch
+        return Peer(system, base, (Prefetch(distance=1),),
+                    replicate_every_micro_step=(plan.partition_size or world_size) < world_size)
     return Peer(system, plan, None)

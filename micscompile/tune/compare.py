@@ -38,24 +38,19 @@ class PeerRow:
     hierarchical: bool | str = False
     """Its gathers across nodes (micscompile: ``Plan.hierarchical``)."""
     prediction: Prediction | None = None
+    """Set by ``compare_peers``."""
     fits: bool = False
     """Its peak memory fits the device."""
-    note: str = ""
-    """Why there is no prediction (a configuration the peer model refuses)."""
 
     @property
-    def tflops_per_gpu(self) -> float | None:
-        return self.prediction.tflops_per_gpu if self.prediction else None
+    def tflops_per_gpu(self) -> float:
+        return self.prediction.tflops_per_gpu
 
 
 def _row(trace: TrainGraph, nodes: int, cluster: Cluster, system: str, plan: Plan) -> PeerRow:
     """``plan`` priced as ``system`` ("fsdp2-hsdp": FSDP2's model at the plan's partition size)."""
     row = PeerRow(nodes, cluster.world_size, system, plan.partition_size, plan.hierarchical)
-    try:
-        row.prediction = simulate(trace, plan, cluster, scaling=False, system=system.removesuffix("-hsdp"))
-    except ValueError as e:  # a configuration the peer model does not price (it says why)
-        row.note = str(e).split(";")[0]
-        return row
+    row.prediction = simulate(trace, plan, cluster, scaling=False, system=system.removesuffix("-hsdp"))
     row.fits = row.prediction.peak_memory_bytes <= cluster.gpu.memory_bytes
     return row
 
@@ -78,8 +73,7 @@ def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], pla
             raise ValueError(f"no partition size in {list(partition_sizes or [])} divides {world} ranks")
         ours = [_row(trace, n, c, "micscompile", dataclasses.replace(plan, partition_size=p, hierarchical=h))
                 for p in sizes for h in ((plan.hierarchical, False) if p > k and plan.hierarchical else (False,))]
-        priced = [r for r in ours if r.prediction is not None]
-        rows.append(min(priced, key=lambda r: (not r.fits, r.prediction.step_time_s)) if priced else ours[0])
+        rows.append(min(ours, key=lambda r: (not r.fits, r.prediction.step_time_s)))
         rows.append(_row(trace, n, c, "deepspeed-zero3", dataclasses.replace(plan, partition_size=world)))
         rows.append(_row(trace, n, c, "fsdp2", dataclasses.replace(plan, partition_size=world)))
         if world > k:
@@ -110,21 +104,16 @@ def format_table(rows: Sequence[PeerRow]) -> str:
             r = mine.get(s)
             if r is None:
                 cells.append(f"{'-':>28}")
-            elif r.prediction is None:
-                cells.append(f"{'not priced':>28}")
             else:
                 across = r.partition_size > r.gpus // r.nodes
                 p = f"p={r.partition_size}{' flat' if across and not r.hierarchical else ''} " if s == "micscompile" else ""
                 cells.append(f"{p + f'{r.tflops_per_gpu:.1f}' + ('' if r.fits else '*'):>28}")
         ours = mine["micscompile"]
-        peers = [r for s, r in mine.items() if s != "micscompile" and r.prediction is not None and r.fits]
+        peers = [r for s, r in mine.items() if s != "micscompile" and r.fits]
         ratio = "-"
-        if ours.prediction is not None and peers:
+        if peers:
             ratio = f"{ours.tflops_per_gpu / max(r.tflops_per_gpu for r in peers):.2f}x"
         gpus = next(iter(mine.values())).gpus
         lines.append(f"{n:>5} {gpus:>5} " + " ".join(cells) + f" {ratio:>15}")
-    notes = sorted({f"{LABELS[r.system]}: {r.note}" for r in rows if r.note})
-    err = next((r.prediction.interval() for r in rows if r.prediction is not None), "")
-    lines.append(f"TFLOP/s per GPU {err}; *: does not fit the device memory")
-    lines += [f"not priced: {x}" for x in notes]
+    lines.append(f"TFLOP/s per GPU {rows[0].prediction.interval()}; *: does not fit the device memory")
     return "\n".join(lines)
