@@ -120,7 +120,7 @@ def _plan(p: int, s: int, k: int) -> mc.Plan:
 def regathered(model: GPT, p: int, s: int, k: int, example) -> int:
     """How many buckets the default schedule gathers again in backward (all can be kept live)."""
     probe = mc.compile(model, _plan(p, s, k), loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
-    return len({a.bucket for a in probe.program.micro_step if a.kind is mc.Kind.ALL_GATHER and a.region == "bwd"})
+    return len(probe.program.regathered_buckets)
 
 
 def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_rank: int, keep_live: int = 0):

@@ -43,7 +43,12 @@ from dataclasses import dataclass
 import torch
 
 import micscompile as mc
-from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s, hierarchical_time_s
+from micscompile.cost_model.collective_time import (
+    ALL_GATHER,
+    collective_time_s,
+    effective_bandwidth_bps,
+    hierarchical_time_s,
+)
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 MB = 2**20
@@ -141,9 +146,15 @@ def mics_zero3(cfg, preset, nodes, b, s) -> float:
     return tflops(cfg, preset, nodes, b, s, 8 * nodes, False)
 
 
-def algbw(preset: str, nodes: int, gpus: int, nbytes: float) -> float:
-    cluster = mc.Cluster.preset(preset, nodes=nodes)
-    return nbytes / collective_time_s(ALL_GATHER, nbytes, tuple(range(gpus)), cluster) / 1e9
+def algbw(cluster: mc.Cluster, gpus: int, nbytes: float) -> float:
+    """Effective all-gather bandwidth (N / T, GB/s) over the first ``gpus`` ranks of ``cluster``."""
+    return effective_bandwidth_bps(ALL_GATHER, nbytes, tuple(range(gpus)), cluster) / 1e9
+
+
+@functools.cache
+def p3dn_figures() -> dict[str, float]:
+    """``collective_figures`` on the p3dn preset, by name: what the collective rows print."""
+    return {name: sim for name, sim, _ in collective_figures(mc.Cluster.preset("p3dn.24xlarge"))}
 
 
 @dataclass
@@ -161,7 +172,6 @@ class Row:
 
 
 def rows() -> list[Row]:
-    ag = ALL_GATHER
     p3 = "p3dn.24xlarge"
     p4 = "p4d.24xlarge"
     gb = 8192
@@ -176,13 +186,8 @@ def rows() -> list[Row]:
         return max(tflops(BERT_15B, p3, n, b, steps_of(gb, b, 8 * n), 16) / zero3(BERT_15B, p3, n, b, steps_of(gb, b, 8 * n))
                    for n in (2, 4, 8, 16))
 
-    def hier_vs_flat():
-        c = mc.Cluster.preset(p3, nodes=2)
-        ranks = tuple(range(16))
-        return hierarchical_time_s(ag, 128 * MB, ranks, c) / collective_time_s(ag, 128 * MB, ranks, c) * 100
-
     def cost_ratio_range():
-        ratios = [algbw(p3, 4, 32, m) / algbw(p3, 32, 256, m) for m in (GIB, 128 * MB)]
+        ratios = [p3dn_figures()["cost ratio 1 GiB"], p3dn_figures()["cost ratio 128 MB"]]
         return min(ratios), max(ratios)
 
     def p8_vs_p64():
@@ -234,11 +239,12 @@ def rows() -> list[Row]:
                    for cfg in (BERT_52B, BERT_104B) for g in (1024, 2048, 4096))
 
     return [
-        Row("§3.3.2 all-gather in one p3dn node (B_part)", "GB/s", 128, lambda: algbw(p3, 1, 8, GIB), "fit",
+        Row("§3.3.2 all-gather in one p3dn node (B_part)", "GB/s", 128, lambda: p3dn_figures()["B_part GB/s"], "fit",
             "we get Bpart ≃ 128GB/s and Ball ≃ 11GB/s", fast=True),
-        Row("§3.3.2 all-gather over 64 V100 on 8 p3dn nodes (B_all)", "GB/s", 11, lambda: algbw(p3, 8, 64, GIB),
+        Row("§3.3.2 all-gather over 64 V100 on 8 p3dn nodes (B_all)", "GB/s", 11, lambda: p3dn_figures()["B_all GB/s"],
             "fit", "measurement on 64 GPUs spread across 8 computational nodes", fast=True),
-        Row("§3.5.2.2 hierarchical / vanilla all-gather time, 128 MB, 2 p3dn", "%", 72.1, hier_vs_flat, "fit",
+        Row("§3.5.2.2 hierarchical / vanilla all-gather time, 128 MB, 2 p3dn", "%", 72.1,
+            lambda: p3dn_figures()["hierarchical %"], "fit",
             "hierarchical communication only uses about 72.1% of the time cost of vanilla all-gather", fast=True),
         Row("§3.3.2 cost ratio B_part / B_all, 4-node groups of 32 p3dn", "x", (2.7, 4.9), cost_ratio_range, "fit",
             quote="the cost ratio is ranging from 2.7 to 4.9", fast=True),
@@ -335,7 +341,7 @@ def collective_figures(base: mc.Cluster, small: int = 128 * MB) -> list[tuple[st
     c = {n: base.with_nodes(n) for n in (1, 2, 4, 8, 32)}
 
     def bw(nodes, gpus, nbytes):
-        return nbytes / collective_time_s(ALL_GATHER, nbytes, tuple(range(gpus)), c[nodes]) / 1e9
+        return algbw(c[nodes], gpus, nbytes)
 
     flat = tuple(range(16))
     return [("B_part GB/s", bw(1, 8, GIB), 128), ("B_all GB/s", bw(8, 64, GIB), 11),
@@ -403,8 +409,7 @@ def plot(path: str) -> None:
     for ax, name in zip(axes, names):
         for nodes in (1, 2, 8, 64, 128):
             c = mc.Cluster.preset(name, nodes=nodes)
-            ranks = tuple(range(c.world_size))
-            ax.plot([s / MB for s in sizes], [s / collective_time_s(ALL_GATHER, s, ranks, c) / 1e9 for s in sizes],
+            ax.plot([s / MB for s in sizes], [algbw(c, c.world_size, s) for s in sizes],
                     label=f"{nodes} node{'s' if nodes > 1 else ''}")
         if name == "p3dn.24xlarge":
             ax.scatter([1024, 1024], [128, 11], color="black", zorder=5, label="thesis §3.3.2 (B_part, B_all)")

@@ -208,6 +208,11 @@ class Program:
         return max((live for _, live, _ in self._walk()), default=0)
 
     @property
+    def regathered_buckets(self) -> frozenset[int]:
+        """Buckets gathered again in backward (what ``Prefetch.keep_live`` can keep from forward)."""
+        return frozenset(a.bucket for a in self.micro_step if a.kind is Kind.ALL_GATHER and a.region == REGION_BWD)
+
+    @property
     def max_gathers_in_flight(self) -> int:
         """Most all-gathers issued and not yet waited for at once."""
         return max((flight for _, _, flight in self._walk()), default=0)

@@ -244,21 +244,33 @@ def simulate_program(
         stream = f"comm:{a.group}"
         if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
-        start = max(t, stream_free[stream])
-        stream_free[stream] = start + duration
-        busy[stream] += duration
-        if record and duration > 0:
-            events.append(Event(stream, str(a), start, start + duration))
-        flight = _InFlight(start + duration, a.group, frees_bytes, finish_s=finish_s)
+        flight = _InFlight(enqueue(stream, duration, a, t), a.group, frees_bytes, finish_s=finish_s)
         if duration <= 0:
             return flight
-        if cost is None:
-            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, (f"comm cpu {a}" if record else ""))
+        if charge_exposed(cost, duration, a) is None:
             return flight
-        run_compute(cost["exposed_fraction"] * duration, (f"comm cpu {a}" if record else ""))
         flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
         slowing[0] += flight.slowdown > 0
         return flight
+
+    def enqueue(stream: str, duration: float, what: object, ready_s: float) -> float:
+        """Run ``duration`` on ``stream`` from ``ready_s`` or when the stream frees up; returns its end."""
+        start = max(ready_s, stream_free[stream])
+        stream_free[stream] = start + duration
+        busy[stream] += duration
+        if record and duration > 0:
+            events.append(Event(stream, str(what), start, start + duration))
+        return start + duration
+
+    def charge_exposed(cost: dict[str, float] | None, duration: float, what: object) -> dict[str, float] | None:
+        """Charge the compute stream a collective's exposed share: the calibrated ``cost``'s, else
+        ``(1 - overlap) * duration + collective_overhead_s``; returns ``cost``."""
+        name = f"comm cpu {what}" if record else ""
+        if cost is None:
+            run_compute((1 - cluster.overlap) * duration + cluster.collective_overhead_s, name)
+        else:
+            run_compute(cost["exposed_fraction"] * duration, name)
+        return cost
 
     def all_reduce_after(ready_s: float, nbytes: int) -> float:
         """An all-reduce of ``nbytes`` over the replicate group once ``ready_s`` has passed, on its
@@ -268,16 +280,11 @@ def simulate_program(
         if key not in priced:
             priced[key] = (collective_time_s("all_reduce", nbytes, ranks, cluster), 0.0, 0.0)
         duration = priced[key][0]
-        start = max(ready_s, stream_free["comm:replicate"])
-        stream_free["comm:replicate"] = start + duration
-        busy["comm:replicate"] += duration
-        if record and duration > 0:
-            events.append(Event("comm:replicate", "all_reduce after reduce_scatter", start, start + duration))
-        cost = cluster.collective_interference.get(str(len(ranks)))
-        share = cost["exposed_fraction"] if cost is not None else 1 - cluster.overlap
-        run_compute(share * duration + (0.0 if cost is not None else cluster.collective_overhead_s),
-                    "comm cpu all_reduce after reduce_scatter" if record else "")
-        return start + duration
+        end = enqueue("comm:replicate", duration, "all_reduce after reduce_scatter", ready_s)
+        if duration > 0:
+            charge_exposed(cluster.collective_interference.get(str(len(ranks))), duration,
+                           "all_reduce after reduce_scatter")
+        return end
 
     def run_compute_beside_collectives(duration: float, name: str) -> None:
         """Compute, slowed by each collective in flight (issued, not yet waited for) up to that

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from micscompile.core.plan import Plan, PlanError
-from micscompile.core.program import REGION_BWD, Kind, Prefetch
+from micscompile.core.program import Prefetch
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.groups import planned_groups
@@ -88,8 +88,7 @@ def _lower_keeping_live(trace: TrainGraph, rp, cluster: Cluster, prefetch: Seque
     try:
         return lowered(kept)
     except PlanError:  # more than backward gathers again: keep those
-        program = lowered(0).program
-        return lowered(len({a.bucket for a in program.micro_step if a.kind is Kind.ALL_GATHER and a.region == REGION_BWD}))
+        return lowered(len(lowered(0).program.regathered_buckets))
 
 
 def step_buffers_of(
