@@ -99,7 +99,8 @@ def test_a_user_function_is_a_model_spec(tmp_path):
     (["plan", "gpt:tiny", "--cluster", "cray-1"], "unknown cluster preset 'cray-1'"),
     (["simulate", "gpt:tiny", "--cluster", "missing.json"], "missing.json not found"),
     (["plan", "gpt:tiny", "--nodes", "2", "4"], "several are for `simulate --compare-peers`"),
-], ids=["preset", "module", "plan", "cluster", "json", "nodes"])
+    (["simulate", "gpt:tiny", "--compare-peers", "--nodes", "2", "0"], "positive cluster sizes"),
+], ids=["preset", "module", "plan", "cluster", "json", "nodes", "compare-nodes"])
 def test_bad_input_exits_2_with_one_line(args, says):
     proc = run(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)

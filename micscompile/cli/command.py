@@ -157,8 +157,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _compare_peers(args: argparse.Namespace) -> int:
     from micscompile.cli import pictures
-    from micscompile.tune.compare import compare_peers, format_table
+    from micscompile.tune.compare import check_nodes, compare_peers, format_table
 
+    check_nodes(args.nodes)  # before the trace
     cluster = _cluster(args)
     plan = _plans(args, cluster)[0]
     tg = _trace(args, cluster)

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from micscompile.core.plan import Plan
+from micscompile.core.plan import Plan, PlanError
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.predict import simulate
@@ -61,8 +61,7 @@ def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], pla
     """Rows for every cluster size in ``nodes`` (``cluster`` gives the node type) and every system of
     ``SYSTEM_ROWS``; ``plan`` gives micro-batches, dtypes and checkpointing (its partition size is
     searched over ``partition_sizes`` for micscompile)."""
-    if not nodes or any(n < 1 for n in nodes):
-        raise ValueError(f"nodes must be positive cluster sizes, got {list(nodes)}")
+    check_nodes(nodes)
     plan = plan or Plan()
     rows: list[PeerRow] = []
     for n in nodes:
@@ -70,7 +69,7 @@ def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], pla
         world, k = c.world_size, min(c.gpus_per_node, c.world_size)
         sizes = [p for p in (partition_sizes or _powers_of_two(k, world)) if world % p == 0]
         if not sizes:
-            raise ValueError(f"no partition size in {list(partition_sizes or [])} divides {world} ranks")
+            raise PlanError(f"no partition size in {list(partition_sizes or [])} divides {world} ranks")
         ours = [_row(trace, n, c, "micscompile", dataclasses.replace(plan, partition_size=p, hierarchical=h))
                 for p in sizes for h in ((plan.hierarchical, False) if p > k and plan.hierarchical else (False,))]
         rows.append(min(ours, key=lambda r: (not r.fits, r.prediction.step_time_s)))
@@ -81,6 +80,12 @@ def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], pla
         if progress:
             progress(f"{n} nodes priced")
     return rows
+
+
+def check_nodes(nodes: Sequence[int]) -> None:
+    """Cluster sizes to compare: at least one, each a positive node count."""
+    if not nodes or any(n < 1 for n in nodes):
+        raise PlanError(f"nodes must be positive cluster sizes, got {list(nodes)}")
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
