@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 TORCHRUN := .venv/bin/torchrun
 STAMP   := .venv/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test train bench venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	.venv/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# a small GPT on the Python standard library's source: clipping, schedule, evaluation, checkpoints
+# (runs/train_lm; started again it resumes), loss_curve.png at the end; ARGS="--steps 600" etc.
+train: $(STAMP)
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 examples/train_lm.py $(ARGS)
 
 bench: $(STAMP)
 	$(PIP) install -q -e ".[bench]"

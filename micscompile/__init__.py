@@ -18,6 +18,7 @@ from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenError, CodegenReport
 from micscompile.runtime.compile import compile  # noqa: A004 - mc.compile is the public name (runtime.compile)
 from micscompile.runtime.flat import TrainStep
+from micscompile.runtime.param_groups import ShardParams, decay_groups
 from micscompile.trace import TraceError, TrainGraph, trace
 from micscompile.tune.autotune import Candidate, autotune
 
@@ -25,7 +26,8 @@ __all__ = [
     "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
     "MiCSBackend", "autotune", "backend", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan",
     "MemoryPlanError",
-    "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "TraceError",
-    "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile", "plan_memory", "simulate", "step_memory", "trace",
+    "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "ShardParams", "TraceError",
+    "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile",
+    "decay_groups", "plan_memory", "simulate", "step_memory", "trace",
     "transformer_flops",
 ]

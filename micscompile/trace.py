@@ -133,6 +133,9 @@ class TrainGraph:
     """``trace(symbolic_batch=True)``: the sympy symbol(s) of the batch dimension (empty: concrete)."""
     batch_guards: tuple = ()
     """The conditions on the batch size the trace assumed (e.g. it is >= 2)."""
+    counted_loss: bool = False
+    """``loss_fn`` returned ``(loss_sum, count)``: the graph's first output is ``[loss_sum, count]``
+    (float32), its gradients those of ``loss_sum``; the step divides by the global count."""
 
     @property
     def batch_size(self) -> int:
@@ -385,6 +388,7 @@ def trace(
     symbolic_batch: bool = False,
     progress: bool = False,
     device: str | torch.device | None = None,
+    forward_only: bool = False,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -413,6 +417,10 @@ def trace(
     ``_FusedAttention``). Default: this process's, "cuda" where a GPU is visible, else "cpu"
     (``mc.compile`` passes the device it runs on). To predict a GPU cluster from a machine
     without one, pass "cuda".
+
+    ``forward_only``: forward and loss alone (``Step.evaluate``): the graph returns the loss (or
+    ``[loss_sum, count]``) and no gradients, and is traced with the model in ``eval()`` mode
+    (dropout off; the model's mode is restored after).
     """
     target = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type
     if target not in ("cpu", "cuda"):
@@ -461,6 +469,7 @@ def trace(
     bwd_marks: list[tuple[torch.fx.Node, int]] = []
     stack: list[str] = []
     bwd_start: list[torch.fx.Node | None] = [None]
+    counted = [False]
 
     def node_count() -> torch.fx.Node:
         """The graph's last node so far: marks what follows (a node, not a count, because make_fx
@@ -514,16 +523,17 @@ def trace(
         with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
             out = model(*inputs[:num_model_inputs])
             enter(LOSS_FQN)
-            loss = loss_fn(out, *inputs[num_model_inputs:])
+            loss, count = _split_loss(loss_fn(out, *inputs[num_model_inputs:]))
+            # the loss's own forward ops (the last pipeline chunk's), not the backward's
+            head = loss if count is None else torch.stack([loss.float().reshape(()), count.float().reshape(())])
             leave()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TraceError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
-        if not loss.requires_grad:
-            raise TraceError("the loss does not depend on any parameter that requires grad")
+        counted[0] = count is not None
+        if forward_only:
+            return (head,)
         bwd_start[0] = node_count()
         hook_autograd_graph(loss.grad_fn)
         grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
-        return (loss, *grads)
+        return (head, *grads)
 
     recorder = _OpRecorder()
     MODULE_MARKS.append((enter, leave))
@@ -532,6 +542,9 @@ def trace(
         with recorder, _FusedAttention(target):
             return joint(params, buffers, *inputs)
 
+    modes = {m: m.training for m in model.modules()}
+    if forward_only:
+        model.eval()
     try:
         # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
         # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
@@ -555,6 +568,8 @@ def trace(
             f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
+        for m, training in modes.items():
+            m.training = training
         bar.close()
         MODULE_MARKS.pop()
         for h in handles:
@@ -581,7 +596,7 @@ def trace(
         param_aliases=aliases,
         param_shapes={n: p.shape for n, p in params.items()},
         param_dtypes={n: p.dtype for n, p in model.named_parameters()},
-        trainable=trainable,
+        trainable=[] if forward_only else trainable,
         buffer_names=list(buffers),
         input_specs=[(x.shape, x.dtype) for x in example_inputs],
         num_model_inputs=num_model_inputs,
@@ -589,7 +604,28 @@ def trace(
         compute_dtype=low,
         batch_symbols=batch_symbols,
         batch_guards=guards,
+        counted_loss=counted[0],
     )
+
+
+def _split_loss(result) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``loss_fn``'s result -> (the scalar to differentiate, the count it sums over or None): a mean
+    loss, or ``(loss_sum, count)`` (token-weighted: e.g. the summed cross-entropy and the number of
+    targets that are not ``ignore_index``)."""
+    count = None
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2 or not all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in result):
+            raise TraceError("loss_fn must return a scalar tensor (the mean loss) or a pair of scalar tensors "
+                             f"(loss_sum, count), got {type(result).__name__} of {len(result)}")
+        result, count = result
+        if count.requires_grad:
+            raise TraceError("loss_fn's count (the second of (loss_sum, count)) must not depend on the "
+                             "parameters: count the targets, e.g. (labels != ignore_index).sum()")
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        raise TraceError(f"loss_fn must return a scalar tensor, got {getattr(result, 'shape', type(result))}")
+    if not result.requires_grad:
+        raise TraceError("the loss does not depend on any parameter that requires grad")
+    return result, count
 
 
 def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: torch.fx.Node, shape_env: ShapeEnv | None) -> None:
@@ -602,7 +638,7 @@ def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: torch.f
 
     fwd_marks = sorted(((count(m), fqn) for m, fqn in fwd_marks), key=lambda m: m[0])  # stable: keeps hook order
     bwd_marks = [(count(m), seq) for m, seq in bwd_marks]
-    bwd_start = count(bwd_start)
+    bwd_start = count(bwd_start) if bwd_start is not None else len(index)  # forward_only: no backward
     seq_fqn: dict[int, str] = {}
     fi = bi = 0
     fqn, bwd_fqn = "", LOSS_FQN

@@ -342,3 +342,23 @@ def lower_flat(
     if _collectives_of(lowered_program) != _collectives_of(program):
         raise ProgramError("the lowered graph's collectives differ from those the search chose")
     return LoweredFlat(dataclasses.replace(lowered_program, prefetch=pf), tuple(candidates), pf, ctx, graph, records)
+
+
+def lower_evaluation(
+    trace: TrainGraph, rp: ResolvedPlan, train: LoweredFlat, groups: dict, rank: int = 0, *, device: torch.device = CPU,
+) -> tuple[torch.fx.Graph, Program]:
+    """The forward-only twin of a lowered training step (``Step.evaluate``): ``trace`` is the forward
+    and loss alone (``trace(forward_only=True)``), rewritten with the training step's buckets, layouts
+    and hierarchical gathers: each bucket gathered ahead at the training's prefetch distance and
+    released after its last use; no reduce-scatter, no recomputation, no offload, nothing kept for a
+    backward. Refused when the forward alone would bucket the parameters differently."""
+    passes = [(name, fn) for name, fn in build_pass_list(rp.plan) if name not in ("checkpoint", "offload")]
+    pf = Prefetch(distance=train.prefetch.distance)
+    ctx = dataclasses.replace(make_context(trace, rp, device, pf), hierarchical=train.ctx.hierarchical)
+    if ctx.layouts != train.ctx.layouts:
+        raise ProgramError("evaluate: the forward alone buckets the parameters differently from the training "
+                           "step (a parameter used only in backward?); it cannot run on the step's shards")
+    graph, _ = run_passes(trace.graph_copy(), ctx, passes)
+    program = build_program(graph, rp, ctx.layouts, groups, rank)
+    loss_only = [a for a in program.boundary if a.kind is Kind.LOSS_ALL_REDUCE]  # no gradient, no optimizer
+    return graph, dataclasses.replace(program, boundary=loss_only, prefetch=pf)

@@ -41,9 +41,13 @@ class MemoryStats:
     """Every step buffer in device memory (the arena's and the ops') planned in one arena."""
     caching_allocator: AllocatorStats
     """The same buffers replayed through a simulation of PyTorch's CUDA caching allocator."""
+    evaluate_measured_peak_bytes: int | None = None
+    """Most bytes ``Step.evaluate`` allocated at once (its gathered parameters included: it has no
+    arena), over the calls made with ``track_memory``."""
 
     @classmethod
-    def of(cls, buffers: list[Buffer], arena: MemoryPlan | None, measured: int | None = None) -> MemoryStats:
+    def of(cls, buffers: list[Buffer], arena: MemoryPlan | None, measured: int | None = None,
+           evaluate: int | None = None) -> MemoryStats:
         """``buffers``: the step's (``lifetimes``); ``arena``: the plan of arena's ones (``lifetimes.in_arena``)
         (None: no arena)."""
         outside = [b for b in buffers if arena is None or not in_arena(b)]
@@ -55,6 +59,7 @@ class MemoryStats:
             outside_measured_peak_bytes=measured,
             step_plan=plan_memory(on_device(buffers)),
             caching_allocator=replay_buffers(on_device(buffers)),
+            evaluate_measured_peak_bytes=evaluate,
         )
 
     def __str__(self) -> str:
@@ -69,4 +74,6 @@ class MemoryStats:
             f"all step buffers planned {fmt_bytes(sp.arena_bytes)} = {sp.arena_bytes / max(sp.lower_bound_bytes, 1):.3f} x "
             f"L ({fmt_bytes(sp.lower_bound_bytes)}); PyTorch caching allocator would reserve "
             f"{fmt_bytes(ca.peak_reserved_bytes)} ({ca.peak_reserved_bytes / max(sp.arena_bytes, 1):.2f} x the plan)",
+            *([] if self.evaluate_measured_peak_bytes is None else
+              [f"evaluate         measured peak {fmt_bytes(self.evaluate_measured_peak_bytes)} (no arena)"]),
         ])

@@ -33,7 +33,7 @@ from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.memory.lifetimes import arena_offsets
-from micscompile.runtime.flat import TrainStep
+from micscompile.runtime.flat import EvalSource, TrainStep
 from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
 from micscompile.runtime.pipeline import PipelineStep
@@ -134,13 +134,18 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     log: Callable[[str], None] | None = None,
     arena: bool = True,
     timeout: float | datetime.timedelta | None = None,
+    max_grad_norm: float | None = None,
 ) -> Step:
     """Compile ``model`` + ``loss_fn`` into a distributed TrainStep for ``plan``.
 
     ``example_inputs`` is one local batch as ``step`` will receive it: the model gets
     the first ``num_model_inputs``, ``loss_fn(output, *rest)`` must return the mean
-    loss of the batch. ``optimizer`` is called with this rank's fp32 parameter shards
-    (elementwise optimizers such as SGD and AdamW give the unsharded result). A model
+    loss of the batch, or ``(loss_sum, count)``: then the step divides the sum over every
+    micro-batch and rank by the global count (the whole-batch token mean with padding or
+    ``ignore_index``, however unevenly spread) and returns that mean. ``optimizer`` is called with
+    this rank's fp32 parameter shards, a ``ShardParams`` list that also knows their names and full
+    shapes (``mc.decay_groups``; elementwise optimizers such as SGD and AdamW give the unsharded
+    result). A model
     on the meta device is initialised module by module with ``init_fn`` (default:
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
 
@@ -166,6 +171,12 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     it instead of waiting forever. On NCCL only with TORCH_NCCL_BLOCKING_WAIT=1 set before
     ``init_process_group`` (each wait then blocks the host); without it a ``timeout`` given here
     warns, and a failure kills the process through NCCL's watchdog (docs/gpu.md).
+
+    ``max_grad_norm``: clip the global L2 norm of the gradient (every element once, after the
+    boundary reduction) to it before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
+    does; ``step.grad_norm`` holds the norm before clipping (``float("inf")``: measure, never clip).
+    A step whose norm is not finite is skipped on every rank (``step.skipped_steps``). Costs one
+    all-reduce of a scalar and one host sync per step (``docs/training.md``).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -182,6 +193,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             timeout = datetime.timedelta(seconds=float(timeout))
     prints, error, order = None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
+        _check_max_grad_norm(max_grad_norm)
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
         if not_fp32:
@@ -200,11 +212,23 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         offsets = arena_offsets(buffers) if arena else None
         prepared = kind.prepare(lowered, tg, device)
         order = lowered.collective_order()
-        prints = {"plan": _plan_fingerprint(plan), "trace": _trace_fingerprint(tg),
+        prints = {"plan": (*_plan_fingerprint(plan), ("max_grad_norm", repr(max_grad_norm))), "trace": _trace_fingerprint(tg),
                   "collectives": lowered.collective_fingerprint(), "program": lowered.fingerprint(),
                   "weights": fingerprint(model)}
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _check_agreement
         error = exc
     _check_agreement(prints, error, world, order)
-    return kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
+    step = kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
+    step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+    if isinstance(step, TrainStep):
+        step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
+    return step
+
+
+def _check_max_grad_norm(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"max_grad_norm must be a positive number (float('inf') to measure the norm without "
+                        f"clipping) or None, got {value!r}")

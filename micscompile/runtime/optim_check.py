@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from micscompile.core.plan import PlanError
+from micscompile.runtime.param_groups import probe_params
 
 PROBE_SHAPE = (4, 6)
 PROBE_CUT = 7  # pieces [0, 7) and [7, 24): neither a whole row nor an even split
@@ -36,9 +37,9 @@ def check_elementwise(factory: Callable[[list[nn.Parameter]], torch.optim.Optimi
     whole = nn.Parameter(start.clone())
     pieces = [nn.Parameter(start.reshape(-1)[:PROBE_CUT].clone()), nn.Parameter(start.reshape(-1)[PROBE_CUT:].clone())]
     try:
-        opt_whole = factory([whole])
+        opt_whole = factory(probe_params(whole, PROBE_SHAPE))
         name = type(opt_whole).__name__
-        opts = [factory([p]) for p in pieces]
+        opts = [factory(probe_params(p, PROBE_SHAPE)) for p in pieces]
         for g in grads:
             whole.grad = g.clone()
             opt_whole.step()

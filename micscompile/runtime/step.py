@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,12 +29,14 @@ from torch import nn
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
+from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
 from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
 from micscompile.runtime.materialize import local_state
+from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home
 from micscompile.trace import TrainGraph, check_batch, split_batch
 
@@ -98,12 +101,13 @@ class Step(Checkpointable):
         self._step_buffers = list(step_buffers)
         self._scale = scale
         self.params: dict[str, nn.Parameter] = {}
-        trained = []
+        trained, names = [], []
         for part in parts:
             for name, p in part.params.items():
                 self.params.setdefault(name, p)  # a tied parameter twice on this rank: both train, one is named
                 trained.append(p)
-        self.optimizer = optimizer_factory(trained)
+                names.append(name)
+        self.optimizer = optimizer_factory(ShardParams(trained, names, graph.param_shapes))
         self.steps = 0
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
@@ -112,6 +116,18 @@ class Step(Checkpointable):
         self._outside_peak_bytes: int | None = None
         self.timeout = timeout
         """How long any collective of the step may take (None: the process groups' own)."""
+        self.max_grad_norm: float | None = None
+        """Clip the gradient's global L2 norm to this before the optimizer step, as
+        ``torch.nn.utils.clip_grad_norm_`` does (``float("inf")``: measure it, never clip); None: neither.
+        Set by ``mc.compile(max_grad_norm=...)`` (checked equal on every rank); changed between steps, it
+        must change on every rank."""
+        self.grad_norm: torch.Tensor | None = None
+        """The last step's global gradient norm before clipping (with ``max_grad_norm`` set)."""
+        self.skipped_steps = 0
+        """Steps whose gradient norm was not finite: the optimizer did not step (on any rank)."""
+        self.eval_stats = CommStats()
+        """Calls and bytes of ``evaluate``'s collectives (``comm_stats`` counts the training steps')."""
+        self._eval_peak_bytes: int | None = None
         if timeout is not None:
             C.set_timeout([*groups.values(), *timeout_groups], timeout)
 
@@ -130,7 +146,8 @@ class Step(Checkpointable):
     def _step(self, batch) -> torch.Tensor:
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # the runtime's, not the graph's
+        # the runtime's, not the graph's: the loss, or (loss sum, count) with a counted loss
+        loss_sum = torch.zeros((2,) if self.graph.counted_loss else (), dtype=torch.float32, device=self.device)
         with torch.no_grad(), probe:
             if self._arena is not None:
                 self._arena.begin_step()
@@ -138,29 +155,96 @@ class Step(Checkpointable):
             if self._arena is not None:
                 self._arena.end_step()
             loss_buf = self._boundary(loss_sum)
+            scale = 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
+            finite = self._scale_grads(scale)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self._drop_provisional_state()
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
         self.steps += 1
-        return (loss_buf[0] * self._scale).detach()
+        return (loss_buf[0] * scale).detach()
+
+    def _scale_grads(self, scale: float | torch.Tensor) -> bool:
+        """Turn the summed gradients into the gradient of the global mean loss (times ``scale``) and
+        clip them with ``max_grad_norm``; False when their norm is not finite (the step is skipped)."""
+        factor = scale
+        if self.max_grad_norm is not None:
+            self.grad_norm = norm = self._global_grad_norm() * scale
+            # clip_grad_norm_'s rule: max_norm / (norm + 1e-6), never above 1
+            factor = scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        for part in self._parts:
+            if part.grads:
+                torch._foreach_mul_(part.grads, factor)
+        if self.max_grad_norm is None or bool(torch.isfinite(self.grad_norm)):  # one host sync, clipping only
+            return True
+        self.skipped_steps += 1
+        if self.skipped_steps == 1:
+            warnings.warn(f"step {self.steps + 1}: the gradient norm is {float(self.grad_norm)}; the optimizer "
+                          "step is skipped on every rank (step.skipped_steps counts them)", stacklevel=4)
+        return False
+
+    def _global_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole (summed) gradient, every element once: this rank's pieces without
+        padding, a tied parameter in its lowest part only, one replica of each shard (the replication
+        group's rank 0), summed over the world (every partition group and pipeline stage)."""
+        pieces = []
+        if self._groups["replicate"].rank == 0:
+            tied = self._tied_parts()
+            pieces = [p.grad for part in self._parts for name, p in part.params.items()
+                      if p.grad is not None and p.grad.numel() and part.index == min(tied.get(name, [part.index]))]
+        squares = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if pieces:
+            norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
+            squares += torch.stack(norms).square().sum()
+        C.collective_wait(None, C.all_reduce_start(self._stats, self._groups["world"], squares, torch.float32))
+        return squares[0].sqrt()
 
     def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
         """Run every micro-batch: accumulate each part's gradient shards, add the losses to ``loss_sum``."""
         raise NotImplementedError
 
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
+        """The global mean loss of this rank's local batch (shaped as the step's), forward only: the
+        model as in ``eval()`` (dropout off), the parameters gathered and released as the step gathers
+        them, no gradient, no reduce-scatter, no optimizer step, no activation kept for a backward.
+        Collective: every rank calls it with its own batch. A counted loss (``(loss_sum, count)``) gives
+        the global token mean. The first call traces and lowers the forward (rank-local, no collective)."""
+        check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
+        run = self._evaluation()  # before any collective: a plan it cannot evaluate raises on every rank
+        micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
+        loss_sum = torch.zeros((2,) if self.graph.counted_loss else (), dtype=torch.float32, device=self.device)
+        probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), probe:
+                run(micro, loss_sum)
+                loss_buf = loss_sum.reshape(-1)
+                C.collective_wait(None, C.all_reduce_start(self.eval_stats, self._groups["world"], loss_buf,
+                                                           torch.float32))
+        except C.CollectiveError as exc:
+            raise C.step_failure(exc, dist.get_rank(), self.steps + 1, self.timeout) from exc
+        if self.track_memory:
+            self._eval_peak_bytes = max(self._eval_peak_bytes or 0, probe.peak_bytes)
+        scale = 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
+        return (loss_buf[0] * scale).detach()
+
+    def _evaluation(self) -> Callable[[list, torch.Tensor], None]:
+        """What ``evaluate`` runs per local batch: (micro-batches, loss accumulator) -> None."""
+        raise PlanError(f"evaluate() is not available for {type(self).__name__} yet (pipeline plans): evaluate "
+                        "with a flat plan, or on the gathered weights (full_state_dict)")
+
     def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The 2-hop all-reduce of the gradients over "replicate", the loss (and its count) summed over
+        "world", tied gradients summed: every gradient is then the sum over the global batch."""
         reduce_dtype = self.program.plan.plan.reduce_dtype
         works = [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
                  for part in self._parts for b in part.boundary_buckets]
-        loss_buf = loss_sum.reshape(1)
+        loss_buf = loss_sum.reshape(-1)
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
         for w in works:
             C.collective_wait(None, w)
         self._sum_tied()
-        for part in self._parts:
-            for g in part.grads:
-                g.mul_(self._scale)
         return loss_buf
 
     def _sum_tied(self) -> None:
@@ -172,7 +256,7 @@ class Step(Checkpointable):
         outside it (planned from the lifetimes; measured over the steps run with ``track_memory``),
         and the plan of every step buffer against PyTorch's caching allocator on the same trace."""
         return MemoryStats.of(self._step_buffers, self._arena and self._arena.plan,
-                              None if self.codegen else self._outside_peak_bytes)
+                              None if self.codegen else self._outside_peak_bytes, self._eval_peak_bytes)
 
     def comm_stats(self) -> CommStats:
         """Calls and bytes per collective kind and group since compile (or the last reset)."""
