@@ -19,6 +19,7 @@ meta tensor would dispatch to (``_FusedAttention``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -51,6 +52,8 @@ from micscompile.cost_model.node_cost import META_BYTES, META_FLOPS, is_shape_ar
 META_FQN = "mc_fqn"
 """FQN of the innermost module that produced the node ("" = root, LOSS_FQN = loss_fn)."""
 META_REGION = "mc_region"
+LOSS_SCALE = "_mc_loss_scale"
+"""The graph input that seeds the backward with the loss scale (``trace(loss_scale=True)``)."""
 """REGION_FWD or REGION_BWD."""
 META_SHAPE = "mc_shape"
 """Shape of the (first) tensor output, or None."""
@@ -133,6 +136,9 @@ class TrainGraph:
     """``trace(symbolic_batch=True)``: the sympy symbol(s) of the batch dimension (empty: concrete)."""
     batch_guards: tuple = ()
     """The conditions on the batch size the trace assumed (e.g. it is >= 2)."""
+    self_checkpoints: int = 0
+    """Calls of ``torch.utils.checkpoint`` the model made itself (run plainly while tracing; see
+    ``_plain_checkpoints``): ``mc.compile`` then recomputes with ``Plan(checkpoint=True)``."""
     counted_loss: bool = False
     """``loss_fn`` returned ``(loss_sum, count)``: the graph's first output is ``[loss_sum, count]``
     (float32), its gradients those of ``loss_sum``; the step divides by the global count."""
@@ -389,6 +395,7 @@ def trace(
     progress: bool = False,
     device: str | torch.device | None = None,
     forward_only: bool = False,
+    loss_scale: bool = False,
 ) -> TrainGraph:
     """Trace forward + loss + backward of one micro-batch on the meta device.
 
@@ -421,6 +428,10 @@ def trace(
     ``forward_only``: forward and loss alone (``Step.evaluate``): the graph returns the loss (or
     ``[loss_sum, count]``) and no gradients, and is traced with the model in ``eval()`` mode
     (dropout off; the model's mode is restored after).
+
+    ``loss_scale`` (fp16 training, ``Plan.param_dtype=torch.float16``): the backward is seeded with
+    the value of an extra fp32 scalar buffer named ``LOSS_SCALE`` instead of 1, so every gradient
+    comes out multiplied by it (dynamic loss scaling; the step owns the value).
     """
     target = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type
     if target not in ("cpu", "cuda"):
@@ -461,6 +472,8 @@ def trace(
 
     params = {name: fake(_to_meta(p, low)) for name, p in model.named_parameters()}
     buffers = {name: fake(_to_meta(b)) for name, b in model.named_buffers()}
+    if loss_scale and not forward_only:
+        buffers[LOSS_SCALE] = fake(torch.ones((), device="meta"))
     inputs = [fake(_to_meta(x).requires_grad_(False), batch=True) for x in example_inputs]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -516,10 +529,13 @@ def trace(
 
     def joint(params, buffers, *inputs):
         # traced: the graph casts the batch and the buffers itself (they stay in their dtype outside it)
+        seed = buffers.pop(LOSS_SCALE, None)  # not the model's: the step's loss scale
         inputs = [compute(x) for x in inputs]
         buffers = {n: compute(b) for n, b in buffers.items()}
         # the traced tensors stand in for the module's own while the forward AND the loss run:
         # a loss_fn that reads a parameter (a temperature, a regulariser) must see the traced one
+        # ... and the backward: a model that checkpoints itself (torch.utils.checkpoint) runs its
+        # forward again there, which must read the traced parameters too
         with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
             out = model(*inputs[:num_model_inputs])
             enter(LOSS_FQN)
@@ -527,24 +543,32 @@ def trace(
             # the loss's own forward ops (the last pipeline chunk's), not the backward's
             head = loss if count is None else torch.stack([loss.float().reshape(()), count.float().reshape(())])
             leave()
-        counted[0] = count is not None
-        if forward_only:
-            return (head,)
-        bwd_start[0] = node_count()
-        hook_autograd_graph(loss.grad_fn)
-        grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
+            counted[0] = count is not None
+            if forward_only:
+                return (head,)
+            bwd_start[0] = node_count()
+            hook_autograd_graph(loss.grad_fn)
+            grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True,
+                                        grad_outputs=None if seed is None else seed.to(loss.dtype).reshape(loss.shape))
         return (head, *grads)
 
     recorder = _OpRecorder()
     MODULE_MARKS.append((enter, leave))
 
+    self_checkpoints = [0]
+
     def recorded_joint(params, buffers, *inputs):
-        with recorder, _FusedAttention(target):
+        with recorder, _FusedAttention(target), _plain_checkpoints(self_checkpoints):
             return joint(params, buffers, *inputs)
 
     modes = {m: m.training for m in model.modules()}
     if forward_only:
         model.eval()
+    # a Hugging Face model as it comes (use_cache=True) would build a KV cache: not part of the loss
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", False) is True
+    if cached:
+        config.use_cache = False
     try:
         # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
         # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
@@ -570,6 +594,8 @@ def trace(
     finally:
         for m, training in modes.items():
             m.training = training
+        if cached:
+            config.use_cache = True
         bar.close()
         MODULE_MARKS.pop()
         for h in handles:
@@ -605,7 +631,37 @@ def trace(
         batch_symbols=batch_symbols,
         batch_guards=guards,
         counted_loss=counted[0],
+        self_checkpoints=self_checkpoints[0],
     )
+
+
+@contextlib.contextmanager
+def _plain_checkpoints(calls: list[int]):
+    """While tracing, a model's own ``torch.utils.checkpoint`` calls (Hugging Face's
+    ``gradient_checkpointing_enable()``, torchtitan's and Megatron's activation checkpointing,
+    ``checkpoint_wrapper``) run their function plainly, counted in ``calls``: the recomputation is
+    the Plan's (``mc.compile`` maps a self-checkpointing model onto ``Plan(checkpoint=True)``,
+    which recomputes each block where its backward gather serves it). Both of checkpoint's paths
+    are patched where it looks them up at call time (the function itself is often captured in a
+    ``functools.partial`` before tracing)."""
+    import torch.utils.checkpoint as ckpt
+
+    def plain_generator(*args, **kwargs):  # the non-reentrant path's pre- and post-forward logic: none
+        calls[0] += 1
+        yield
+
+    class PlainFunction:  # the reentrant path
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            calls[0] += 1
+            return function(*args)
+
+    saved = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = plain_generator, PlainFunction
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = saved
 
 
 def _split_loss(result) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -669,7 +725,10 @@ def check_batch(batch, input_specs, micro_batches: int, whose: str = "this rank'
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"batch input {i}: expected shape {want} {dtype} ({whose} local batch, "
-                             f"{micro_batches} micro-batches of {shape[0]}), got {got}")
+                             f"{micro_batches} micro-batches of {shape[0]}), got {got}; a step runs the one "
+                             "batch shape it was compiled for: pad a shorter batch to it (with a (loss_sum, "
+                             "count) loss, targets padded with ignore_index leave the mean exact) or compile "
+                             "a step for the other shape (docs/training.md)")
 
 
 def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:

@@ -6,6 +6,7 @@ global batch, for flat plans p in {1, 2, 4}, s in {1, 3} and pipeline plans; bad
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ from models import TiedLM, lm_batches
 from torch.nn import functional as F
 
 import micscompile as mc
-from micscompile.cli.parity import TOLERANCE, rel_error, state_error
+from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, state_error, train_reference_mixed
+from micscompile.runtime.loss_scale import LossScaler
 
 WORLD, STEPS, LOCAL_BATCH = 4, 4, 6
 HELD_OUT = lm_batches(1, LOCAL_BATCH * WORLD, seed=1)[0]
@@ -199,6 +201,57 @@ def nonfinite(rank: int, world: int) -> dict:
             "state_err": state_error(step.full_state_dict(), ref_state)}
 
 
+def fp16_overflow(rank: int, world: int) -> dict:
+    """fp16 with a loss 30x too large: the first steps overflow, are skipped on every rank while the
+    scale backs off, then training goes on and the scale grows again (interval 2); the eager
+    reference scaled the same way (``train_reference_mixed``) gives the same losses and weights."""
+    torch.manual_seed(0)
+    model = TiedLM(layers=2)
+    batches = lm_batches(8, LOCAL_BATCH * world)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
+    big = lambda model: (lambda out, y: lm_mean(out, y) * 30)  # noqa: E731
+    ref_scaler = LossScaler(growth_interval=2)
+    ref_losses, ref_state = train_reference_mixed(copy.deepcopy(model), big, opt, batches, world * 2, torch.float16,
+                                                  loss_scaler=ref_scaler)
+    local = [tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in b) for b in batches]
+    step = mc.compile(model, mc.Plan(partition_size=2, micro_batches=2, param_dtype=torch.float16),
+                      loss_fn=big(model), optimizer=opt, example_inputs=local[0])
+    step.loss_scaler.growth_interval = 2
+    losses, scales = [], []
+    for b in local:
+        losses.append(float(step(*b)))
+        scales.append(step.loss_scaler.scale)
+    return {"losses": losses, "ref_losses": ref_losses, "scales": scales, "skipped": step.skipped_steps,
+            "ref_scaler": (ref_scaler.scale, ref_scaler.growth_tracker),
+            "saved": step.state_dict()["loss_scale"], "state_err": state_error(step.full_state_dict(), ref_state)}
+
+
+def short_last_batch(rank: int, world: int) -> dict:
+    """A last batch with fewer samples than the step's shape (here 4 of 6 per rank), padded to it with
+    targets of ignore_index: with the counted loss, exactly eager's step on the short global batch. An
+    unpadded one is refused, naming the shape the step takes."""
+    torch.manual_seed(0)
+    model = TiedLM(layers=2)
+    full, short = lm_batches(2, LOCAL_BATCH * world)
+    real = 4
+    x, y = (t[rank * LOCAL_BATCH : rank * LOCAL_BATCH + real] for t in short)  # this rank's 4 real samples
+    globally = tuple(torch.cat([t[r * LOCAL_BATCH : r * LOCAL_BATCH + real] for r in range(world)]) for t in short)
+    _, _, ref_state, _ = _reference(model, lm_mean, _optimizer("sgd", groups=False), [full, globally], None,
+                                    scheduled=False)
+    step = mc.compile(model, mc.Plan(partition_size=2, micro_batches=3), loss_fn=lm_sum_count,
+                      optimizer=_optimizer("sgd", groups=False),
+                      example_inputs=tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in full))
+    step(*(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in full))
+    try:
+        step(x, y)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    pad = LOCAL_BATCH - real
+    step(torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([y, y.new_full((pad, y.shape[1]), -100)]))
+    return {"refused": refused, "state_err": state_error(step.full_state_dict(), ref_state)}
+
+
 class DropLM(TiedLM):
     """TiedLM with dropout after the embedding: evaluation must run it as in ``eval()``."""
 
@@ -250,6 +303,8 @@ def run_all(rank: int, world: int) -> dict:
     results = run_cases(rank, world, bad_inputs, run_case, CASES)
     results["nonfinite"] = nonfinite(rank, world)
     results["dropout"] = dropout_eval(rank, world)
+    results["fp16"] = fp16_overflow(rank, world)
+    results["short"] = short_last_batch(rank, world)
     return results
 
 
@@ -314,6 +369,29 @@ def test_evaluate_refuses_a_pipeline_plan_before_any_collective(results):
     for res in results:
         for case in (c for c in CASES if c.stages > 1):
             assert "not available" in res[case]["evaluation"]["refused"]
+
+
+def test_fp16_overflow_backs_off_and_recovers(results):
+    for res in results:
+        r = res["fp16"]
+        scales = r["scales"]
+        assert scales[0] == 2.0 ** 14 and r["skipped"] >= 1  # the first step overflowed at 2**15
+        assert any(b > a for a, b in zip(scales, scales[1:]))  # grew again after 2 finite steps
+        assert (scales[-1], r["saved"]["growth_tracker"]) == r["ref_scaler"] and r["saved"]["scale"] == scales[-1]
+        assert all(math.isfinite(v) for v in r["losses"])
+        assert max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(r["losses"], r["ref_losses"])) \
+            <= LOW_PRECISION_TOLERANCE
+        err, name = r["state_err"]
+        assert err <= LOW_PRECISION_TOLERANCE, (name, err)
+    assert all(res["fp16"]["scales"] == results[0]["fp16"]["scales"] for res in results)
+
+
+def test_a_short_last_batch_padded_with_ignore_index_is_exact(results):
+    for res in results:
+        r = res["short"]
+        assert "expected shape (6, 6)" in r["refused"] and "pad a shorter batch" in r["refused"]
+        err, name = r["state_err"]
+        assert err <= TOLERANCE, (name, err)
 
 
 def test_nonfinite_norm_skips_the_step_on_every_rank(results):

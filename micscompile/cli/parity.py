@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from micscompile.runtime.loss_scale import LossScaler
+
 TOLERANCE = 1e-5
 LOW_PRECISION_TOLERANCE = 2e-2
 """Mixed-precision parity against ``train_reference_mixed`` after 5 steps where the plan rounds
@@ -67,6 +69,7 @@ def train_reference_mixed(
     chunks: int,
     param_dtype: torch.dtype,
     num_model_inputs: int = 1,
+    loss_scaler: LossScaler | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -75,12 +78,16 @@ def train_reference_mixed(
     slice runs forward and backward on ``copy.deepcopy(model).to(param_dtype)`` (parameters and
     buffers cast), on floating inputs cast to it, with the loss ``make_loss(copy)``; the
     slices' gradients are summed in fp32 and divided by ``chunks`` (the gradient of the global
-    mean loss). Returns (losses, master state_dict) like ``train_reference``.
+    mean loss). In fp16 the slices' backward is seeded with a dynamic loss scale (``loss_scaler``,
+    default ``LossScaler()``), the summed gradients unscaled, and a step with a non-finite gradient
+    skipped while the scale backs off, as the step does (``runtime.loss_scale``).
+    Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
     masters = list(model.parameters())
     opt = optimizer(masters)
     loss_low = make_loss(low)
+    scaler = (loss_scaler or LossScaler()) if param_dtype == torch.float16 else None  # fp16, as the step
     losses = []
     for batch in global_batches:
         with torch.no_grad():
@@ -91,13 +98,19 @@ def train_reference_mixed(
         for piece in zip(*(x.chunk(chunks) for x in batch)):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
             loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
-            grads = torch.autograd.grad(loss, list(low.parameters()), allow_unused=True)
+            seed = None if scaler is None else torch.full_like(loss, scaler.scale)
+            grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
             for i, g in enumerate(grads):
                 if g is not None:
                     totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
             loss_sum += float(loss.detach().float())
+        unscale = chunks * (1.0 if scaler is None else scaler.scale)
         for mp, total in zip(masters, totals):
-            mp.grad = None if total is None else total / chunks
-        opt.step()
+            mp.grad = None if total is None else total / unscale
+        finite = all(t is None or bool(torch.isfinite(t).all()) for t in totals)
+        if scaler is not None:
+            scaler.update(finite)
+        if finite or scaler is None:
+            opt.step()
         losses.append(loss_sum / chunks)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -16,6 +16,7 @@ all-reduce, ``OPT`` optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class Kind(enum.Enum):
     ALL_REDUCE = "AR"
     PACK = "PK"
     LOSS_ALL_REDUCE = "ARL"
+    NORM_ALL_REDUCE = "ARN"
     OPTIMIZER = "OPT"
 
 
@@ -83,7 +85,7 @@ ISSUE_KIND = {
 }
 COLLECTIVE_OF_KIND = {
     Kind.ALL_GATHER: C.ALL_GATHER, Kind.ALL_GATHER_NEXT: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
-    Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE,
+    Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
 }
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 
@@ -131,7 +133,7 @@ class Action(NamedTuple):
             return f"AGC{self.bucket}" + ("h" if self.hierarchical else "")
         if self.hierarchical:
             return f"{self.kind.value}{self.bucket}h"
-        if self.kind in (Kind.COMPUTE, Kind.OPTIMIZER, Kind.LOSS_ALL_REDUCE):
+        if self.kind in (Kind.COMPUTE, Kind.OPTIMIZER, Kind.LOSS_ALL_REDUCE, Kind.NORM_ALL_REDUCE):
             return self.kind.value
         return f"{self.kind.value}{self.bucket}"
 
@@ -234,6 +236,16 @@ class Program:
             if a.kind in COLLECTIVE_OF_KIND and not cast_only:
                 out += hierarchical_stages(a, self.groups) if a.hierarchical else [a]
         return out
+
+    def with_step_reductions(self, counted_loss: bool, grad_norm: bool) -> Program:
+        """The boundary as the step runs it: the loss all-reduce carries (loss sum, count) with a
+        counted loss (8 bytes), and the gradient norm's all-reduce over the world (4 bytes) follows
+        the 2-hop all-reduce when the step clips or scales an fp16 loss (``runtime.step``)."""
+        boundary = [a._replace(tensor_bytes=8) if a.kind is Kind.LOSS_ALL_REDUCE and counted_loss else a
+                    for a in self.boundary]
+        if grad_norm:
+            boundary.insert(len(boundary) - 1, Action(Kind.NORM_ALL_REDUCE, group="world", tensor_bytes=4))
+        return dataclasses.replace(self, boundary=boundary)
 
     def validate(self) -> None:
         """Raise ProgramError unless every micro-step waits for each collective it issued, after

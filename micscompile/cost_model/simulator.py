@@ -397,6 +397,10 @@ def simulate_program(
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1])
+        elif a.kind is Kind.NORM_ALL_REDUCE:  # the norm of the summed gradients: after the sums
+            wait_until(max(ends, default=t))
+            ends = [issue(a).end_s]
+            note_span(start, ends[-1])
         elif a.kind is Kind.OPTIMIZER:
             wait_until(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)

@@ -172,6 +172,11 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     ``init_process_group`` (each wait then blocks the host); without it a ``timeout`` given here
     warns, and a failure kills the process through NCCL's watchdog (docs/gpu.md).
 
+    A model that checkpoints itself (``torch.utils.checkpoint``: Hugging Face's
+    ``gradient_checkpointing_enable()``, torchtitan's, ``checkpoint_wrapper``) is traced without its
+    own recomputation and compiled with ``Plan(checkpoint=True)``: every block recomputed in
+    backward where its gather serves it (``step.program.plan`` shows it; the numbers are eager's).
+
     ``max_grad_norm``: clip the global L2 norm of the gradient (every element once, after the
     boundary reduction) to it before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
     does; ``step.grad_norm`` holds the norm before clipping (``float("inf")``: measure, never clip).
@@ -201,12 +206,17 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                             f"with Plan.param_dtype), got {not_fp32[:3]}")
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
-                   device=device)
+                   device=device, loss_scale=plan.param_dtype == torch.float16)
+        if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
+            rp = dataclasses.replace(plan, checkpoint=True).resolve(world, rp.gpus_per_node)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)
         state_keys = list(model.state_dict(keep_vars=True).keys())
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)
+        if isinstance(lowered, LoweredFlat):  # the boundary as the step will run it
+            lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
+                tg.counted_loss, max_grad_norm is not None or plan.param_dtype == torch.float16))
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_arena(arena)
         offsets = arena_offsets(buffers) if arena else None

@@ -253,8 +253,10 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
 
 class Checkpointable:
     """``state_dict`` / ``load_state_dict`` for a step class that provides ``_homes()``,
-    ``_state_buffers()``, ``graph`` (its ``param_aliases``), ``optimizer`` and ``steps``."""
+    ``_state_buffers()``, ``graph`` (its ``param_aliases``), ``optimizer`` and ``steps``, and an fp16
+    step's ``loss_scaler`` (saved under "loss_scale")."""
 
+    loss_scaler = None
     _provisional = False
     """The optimizer state exists only because ``state_dict`` made it (no step has run): the next
     step drops it, so training goes on exactly as if it had never been made."""
@@ -271,14 +273,19 @@ class Checkpointable:
         No collective: DCP's own planning exchanges what it needs."""
         if init_optimizer_state(self.optimizer):
             self._provisional = True
-        return build(self._homes(), self.optimizer, self._state_buffers(), self.graph.param_aliases,
-                     self.steps, self)
+        sd = build(self._homes(), self.optimizer, self._state_buffers(), self.graph.param_aliases,
+                   self.steps, self)
+        if self.loss_scaler is not None:  # fp16: the dynamic loss scale
+            sd["loss_scale"] = self.loss_scaler.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Take ``sd``: the dict ``state_dict()`` returned, after ``dcp.load`` filled it (nothing to
         copy), or one with full tensors (e.g. ``{"model": model.state_dict(), "optim": ..., "steps": n}``)."""
         init_optimizer_state(self.optimizer)
         self.steps = apply(sd, self._homes(), self.optimizer, self._state_buffers(), self)
+        if self.loss_scaler is not None and "loss_scale" in sd:
+            self.loss_scaler.load_state_dict(sd["loss_scale"])
         self._provisional = self.steps == 0
 
     def _drop_provisional_state(self) -> None:

@@ -35,10 +35,11 @@ from micscompile.core.sharding import local_piece, local_pieces, shard_parameter
 from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
+from micscompile.runtime.loss_scale import LossScaler
 from micscompile.runtime.materialize import local_state
 from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home
-from micscompile.trace import TrainGraph, check_batch, split_batch
+from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -66,6 +67,8 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Modul
     """A Part's fields, this rank's shards and buffers materialized from ``model``
     (``own_buffers``: save and export only the graph's buffers, not all of the model's)."""
     shards, buffers = local_state(model, comm.layouts, shard_rank, device, init_fn)
+    if LOSS_SCALE in graph.buffer_names:  # fp16: the step writes its loss scale here before each step
+        buffers[LOSS_SCALE] = torch.ones((), dtype=torch.float32, device=device)
     grads = [torch.zeros_like(s) for s in shards]
     inputs = [buffers[n] for n in graph.buffer_names]
     return dict(
@@ -125,6 +128,12 @@ class Step(Checkpointable):
         """The last step's global gradient norm before clipping (with ``max_grad_norm`` set)."""
         self.skipped_steps = 0
         """Steps whose gradient norm was not finite: the optimizer did not step (on any rank)."""
+        self._scale_inputs = [part.buffer_state[LOSS_SCALE] for part in parts if LOSS_SCALE in part.buffer_state]
+        # a plan-wide choice: a pipeline's first stages have no loss (no scale input) but scaled gradients
+        fp16 = program.plan.plan.param_dtype == torch.float16
+        self.loss_scaler: LossScaler | None = LossScaler() if fp16 else None
+        """fp16 (``Plan.param_dtype=torch.float16``): the dynamic loss scale (``runtime.loss_scale``);
+        None for bf16 and fp32, which need none. Saved in ``state_dict()`` under "loss_scale"."""
         self.eval_stats = CommStats()
         """Calls and bytes of ``evaluate``'s collectives (``comm_stats`` counts the training steps')."""
         self._eval_peak_bytes: int | None = None
@@ -151,6 +160,8 @@ class Step(Checkpointable):
         with torch.no_grad(), probe:
             if self._arena is not None:
                 self._arena.begin_step()
+            for t in self._scale_inputs:
+                t.fill_(self.loss_scaler.scale)
             self._micro_steps(micro, loss_sum)
             if self._arena is not None:
                 self._arena.end_step()
@@ -166,20 +177,30 @@ class Step(Checkpointable):
         return (loss_buf[0] * scale).detach()
 
     def _scale_grads(self, scale: float | torch.Tensor) -> bool:
-        """Turn the summed gradients into the gradient of the global mean loss (times ``scale``) and
-        clip them with ``max_grad_norm``; False when their norm is not finite (the step is skipped)."""
+        """Turn the summed gradients into the gradient of the global mean loss (times ``scale``),
+        unscale them (fp16) and clip them with ``max_grad_norm``; False when their norm is not finite:
+        the step is skipped (and an fp16 loss scale backs off)."""
+        scaler = self.loss_scaler
+        if scaler is not None:
+            scale = scale / scaler.scale
         factor = scale
-        if self.max_grad_norm is not None:
+        measured = self.max_grad_norm is not None or scaler is not None
+        if measured:
             self.grad_norm = norm = self._global_grad_norm() * scale
-            # clip_grad_norm_'s rule: max_norm / (norm + 1e-6), never above 1
-            factor = scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            if self.max_grad_norm is not None:  # clip_grad_norm_'s rule: max_norm / (norm + 1e-6), never above 1
+                factor = scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         for part in self._parts:
             if part.grads:
                 torch._foreach_mul_(part.grads, factor)
-        if self.max_grad_norm is None or bool(torch.isfinite(self.grad_norm)):  # one host sync, clipping only
+        if not measured:
+            return True
+        finite = bool(torch.isfinite(self.grad_norm))  # one host sync, clipping or fp16 only
+        if scaler is not None:
+            scaler.update(finite)
+        if finite:
             return True
         self.skipped_steps += 1
-        if self.skipped_steps == 1:
+        if self.skipped_steps == 1 and scaler is None:  # fp16 overflows are routine: the scale backs off
             warnings.warn(f"step {self.steps + 1}: the gradient norm is {float(self.grad_norm)}; the optimizer "
                           "step is skipped on every rank (step.skipped_steps counts them)", stacklevel=4)
         return False
