@@ -585,8 +585,11 @@ def trace(
         hint = ""
         if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
             hint = " — data-dependent control flow or .item() on a tensor cannot be traced"
-        elif getattr(getattr(model, "config", None), "use_cache", False):  # a transformers model's KV cache
-            hint = " — the model builds a KV cache (config.use_cache=True); training needs none: set it to False"
+        elif recorder.last_op is torch.ops.aten.index.Tensor and "FakeTensor" in str(exc):
+            hint = (" — indexing with a Python list (x[..., [i]]) makes an index tensor on the meta device, "
+                    "without its values, that the trace cannot use: index with a slice (x[..., i:i+1])")
+        elif recorder.last_op is torch.ops.aten._grouped_mm.default and "BF16" in str(exc):
+            hint = " — grouped_mm (MoE experts) runs in bf16 only: Plan(param_dtype=torch.bfloat16)"
         raise TraceError(
             f"cannot trace {type(model).__name__}: failed in {kind} at op {recorder.last_op} "
             f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}"

@@ -70,6 +70,48 @@ def build(family: str, size: str = "tiny", *, seq_len: int = 16) -> nn.Module:
     return cls[family](cfg)
 
 
+def _tiny(cls_name: str, **fields):
+    """A tiny config of ``transformers.<cls_name>`` as the library builds it by default (``use_cache``
+    left as it comes), at the test suite's size."""
+    def make():
+        import transformers as hf
+
+        return getattr(hf, cls_name)(**fields)
+    return make
+
+
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+ARCHITECTURES = {
+    # name: (tiny config, the param_dtype it trains in: the MoE experts' grouped_mm needs bf16)
+    "mistral": (_tiny("MistralConfig", **_DECODER), torch.float32),
+    "qwen2": (_tiny("Qwen2Config", **_DECODER), torch.float32),
+    "qwen3": (_tiny("Qwen3Config", **_DECODER, head_dim=16), torch.float32),
+    "gemma2": (_tiny("Gemma2Config", **_DECODER, head_dim=16), torch.float32),
+    "phi3": (_tiny("Phi3Config", **_DECODER, pad_token_id=0), torch.float32),
+    "opt": (_tiny("OPTConfig", vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0),
+            torch.float32),
+    "bloom": (_tiny("BloomConfig", vocab_size=128, hidden_size=64, n_layer=2, n_head=4), torch.float32),
+    "gpt_neox": (_tiny("GPTNeoXConfig", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64), torch.float32),
+    "falcon": (_tiny("FalconConfig", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_kv_heads=2), torch.float32),
+    "mixtral": (_tiny("MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2), torch.bfloat16),
+    "qwen3_moe": (_tiny("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64), torch.bfloat16),
+}
+"""More architectures, tiny, built from their default configs (``build_architecture``): the README's
+Hugging Face table (``examples/hf_table.py``) trains each."""
+
+
+def build_architecture(name: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` of ``ARCHITECTURES[name]``'s tiny config, random weights."""
+    import transformers as hf
+
+    return hf.AutoModelForCausalLM.from_config(ARCHITECTURES[name][0]())
+
+
 def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of a ``transformers`` output's logits against ``targets``."""
     logits = out.logits if hasattr(out, "logits") else out
