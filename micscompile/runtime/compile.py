@@ -38,7 +38,7 @@ from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
 from micscompile.runtime.pipeline import PipelineStep
 from micscompile.runtime.step import OptimizerFactory, Step
-from micscompile.trace import TrainGraph, split_batch, trace
+from micscompile.trace import META_FQN, TrainGraph, split_batch, trace
 
 _device = step_device
 
@@ -209,6 +209,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                    device=device, loss_scale=plan.param_dtype == torch.float16)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = dataclasses.replace(plan, checkpoint=True).resolve(world, rp.gpus_per_node)
+        check_kernels(tg, device)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)
         state_keys = list(model.state_dict(keep_vars=True).keys())
@@ -234,6 +235,22 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     if isinstance(step, TrainStep):
         step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
     return step
+
+
+def check_kernels(tg: TrainGraph, device: torch.device) -> None:
+    """Refuse, before any collective, a graph with an op the device has no kernel for. Known case:
+    ``histc`` on integers, which only CUDA implements; model code that branches on ``device.type``
+    (transformers' MoE routing) takes its non-CPU branch when traced on the meta device."""
+    if device.type != "cpu":
+        return
+    for n in tg.gm.graph.nodes:
+        if n.target is torch.ops.aten.histc.default:
+            arg = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+            if arg is not None and not arg.dtype.is_floating_point:
+                where = n.meta.get(META_FQN) or "<root>"
+                raise PlanError(f"module '{where}' computes histc on {arg.dtype}, which the CPU has no kernel for: "
+                                "model code that picks a path by device.type (e.g. transformers' MoE routing) took "
+                                "its GPU path when traced on the meta device; run it on CUDA")
 
 
 def _check_max_grad_norm(value) -> None:
