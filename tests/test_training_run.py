@@ -57,10 +57,12 @@ class Case:
     """loss_fn returns (loss_sum, count); False: the mean loss."""
     clip: float | None = MAX_NORM
     opt: str = "sgd"
+    v: int = 1
+    """Pipeline chunks per rank (interleaved 1F1B when > 1)."""
 
     @property
     def id(self) -> str:
-        pipe = f"-S{self.stages}" if self.stages > 1 else ""
+        pipe = f"-S{self.stages}" + (f"v{self.v}" if self.v > 1 else "") if self.stages > 1 else ""
         return f"p{self.p}-s{self.s}{pipe}-{'sumcount' if self.counted else 'mean'}-clip{self.clip}-{self.opt}"
 
 
@@ -70,6 +72,7 @@ CASES = [Case(p, s) for p in (1, 2, 4) for s in (1, 3)] + [
     Case(2, 1, clip=float("inf")),  # the norm measured, never clipped
     Case(2, 2, stages=2),  # t = 2, d = 1: the tied embedding on both stages, counted once
     Case(1, 3, stages=2, opt="adamw"),  # t = 1, d = 2: one replica of each shard counted
+    Case(1, 2, stages=2, v=2),  # interleaved: each rank holds two chunks, evaluated in chunk order
 ]
 
 
@@ -99,7 +102,7 @@ def _schedule(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _reference(model, loss_fn, opt, batches, clip, scheduled: bool = True):
+def _reference(model, loss_fn, opt, batches, clip, scheduled: bool = True, held_out=None):
     """Eager on the whole global batch: losses, norms before clipping, final state, and the
     evaluation loss of the trained model on the held-out batch (``eval()``, no grad)."""
     model = copy.deepcopy(model)
@@ -118,8 +121,9 @@ def _reference(model, loss_fn, opt, batches, clip, scheduled: bool = True):
         losses.append(float(loss.detach()))
     model.eval()
     with torch.no_grad():
-        held_out = float(lm_mean(model(HELD_OUT[0]), HELD_OUT[1])) if len(HELD_OUT[0]) else float("nan")
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, held_out
+        x, y = HELD_OUT if held_out is None else held_out
+        evaluation = float(lm_mean(model(x), y))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, evaluation
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:
@@ -128,8 +132,10 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     chains = world // case.stages
     batches = padded_batches(LOCAL_BATCH * chains, padded=case.counted)
     opt = _optimizer(case.opt)
-    ref_losses, ref_norms, ref_state, ref_eval = _reference(model, lm_mean, opt, batches, case.clip)
-    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, pipeline_stages=case.stages)
+    held_out = tuple(t[: LOCAL_BATCH * chains] for t in HELD_OUT)  # one local batch per chain
+    ref_losses, ref_norms, ref_state, ref_eval = _reference(model, lm_mean, opt, batches, case.clip, held_out=held_out)
+    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, pipeline_stages=case.stages, pipeline_chunks=case.v,
+                   pipeline_schedule="interleaved" if case.v > 1 else "1f1b")
     chain = rank // (case.stages * case.p) * case.p + rank % case.p if case.stages > 1 else rank
     local = [tuple(t[chain * LOCAL_BATCH : (chain + 1) * LOCAL_BATCH] for t in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=lm_sum_count if case.counted else lm_mean, optimizer=opt,
@@ -142,26 +148,20 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         schedule.step()
         if case.clip is not None:
             norms.append(float(step.grad_norm))
-    evaluation = {}
-    if case.stages == 1:  # the trained weights on a held-out batch, forward only
-        before = {k: v.clone() for k, v in step.local_shards().items()}
-        step.track_memory = True
-        value = float(step.evaluate(*(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in HELD_OUT)))
-        memory = step.memory_stats()
-        evaluation = {
-            "err": rel_error(torch.tensor(value), torch.tensor(ref_eval)), "value": value, "ref": ref_eval,
-            "unchanged": all(torch.equal(v, before[k]) for k, v in step.local_shards().items()),
-            "kinds": sorted({k[0] for k in step.eval_stats.rows}),
-            "program_kinds": sorted({a.kind.name for a in step.eval_program.micro_step + step.eval_program.boundary}),
-            "peak": memory.evaluate_measured_peak_bytes,
-            "train_peak": memory.arena_bytes + memory.outside_planned_peak_bytes,
-        }
-    else:
-        try:
-            step.evaluate(*local[0])
-            evaluation = {"refused": "no error"}
-        except mc.PlanError as exc:
-            evaluation = {"refused": str(exc)}
+    # the trained weights on a held-out batch, forward only
+    before = {k: v.clone() for k, v in step.local_shards().items()}
+    step.track_memory = True
+    value = float(step.evaluate(*(t[chain * LOCAL_BATCH:(chain + 1) * LOCAL_BATCH] for t in held_out)))
+    memory = step.memory_stats()
+    programs = step.eval_program.values() if isinstance(step.eval_program, dict) else [step.eval_program]
+    evaluation = {
+        "err": rel_error(torch.tensor(value), torch.tensor(ref_eval)), "value": value, "ref": ref_eval,
+        "unchanged": all(torch.equal(v, before[k]) for k, v in step.local_shards().items()),
+        "kinds": sorted({k[0] for k in step.eval_stats.rows}),
+        "program_kinds": sorted({a.kind.name for p in programs for a in p.micro_step + p.boundary}),
+        "peak": memory.evaluate_measured_peak_bytes,
+        "train_peak": memory.arena_bytes + memory.outside_planned_peak_bytes,
+    }
     return {
         "evaluation": evaluation, "lrs": lrs, "groups": [(g["weight_decay"], len(g["params"]))
                                                         for g in step.optimizer.param_groups],
@@ -343,7 +343,7 @@ def test_parity_with_eager(results, case):
             assert min(results[0][case]["ref_norms"]) > case.clip
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.stages == 1], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_evaluate_matches_eager_eval(results, case):
     """``step.evaluate`` on a held-out batch: eager's loss of the trained model; forward only (gathers,
     the loss's all-reduce, nothing else; weights untouched) in less memory than the training step."""
@@ -363,12 +363,6 @@ def test_evaluate_runs_the_model_as_in_eval_mode(results):
         assert rel_error(torch.tensor(d["values"][0]), torch.tensor(d["ref"])) <= TOLERANCE, d
         assert d["training"]  # the model's own mode is left as it was
         assert d["train"] == d["train"]  # a step after evaluate still runs (a number, not nan)
-
-
-def test_evaluate_refuses_a_pipeline_plan_before_any_collective(results):
-    for res in results:
-        for case in (c for c in CASES if c.stages > 1):
-            assert "not available" in res[case]["evaluation"]["refused"]
 
 
 def test_fp16_overflow_backs_off_and_recovers(results):

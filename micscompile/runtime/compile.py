@@ -33,11 +33,11 @@ from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.memory.lifetimes import arena_offsets
-from micscompile.runtime.flat import EvalSource, TrainStep
+from micscompile.runtime.flat import TrainStep
 from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
 from micscompile.runtime.pipeline import PipelineStep
-from micscompile.runtime.step import OptimizerFactory, Step
+from micscompile.runtime.step import EvalSource, OptimizerFactory, Step
 from micscompile.trace import META_FQN, TrainGraph, split_batch, trace
 
 _device = step_device
@@ -232,8 +232,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     step = kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-    if isinstance(step, TrainStep):
-        step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
+    step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
     return step
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -26,19 +25,7 @@ from micscompile.passes.manager import PassRecord
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.meshes import flat_groups
 from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields
-from micscompile.trace import TrainGraph, trace
-
-
-@dataclasses.dataclass
-class EvalSource:
-    """What ``TrainStep.evaluate`` traces and lowers on its first call: the model and loss given to
-    ``mc.compile``, one micro-batch of the example, and the training step's lowering."""
-
-    model: nn.Module
-    loss_fn: Callable
-    micro_example: tuple
-    num_model_inputs: int
-    lowered: LoweredFlat
+from micscompile.trace import TrainGraph
 
 
 class TrainStep(Step):
@@ -60,11 +47,6 @@ class TrainStep(Step):
         self.gm = gm
         self.pass_records = pass_records
         self._comm = comm
-        self.eval_source: EvalSource | None = None
-        """Set by ``mc.compile``: what ``evaluate`` traces (None: it is refused)."""
-        self.eval_program: Program | None = None
-        """The forward-only Program ``evaluate`` runs (after its first call; print it)."""
-        self._eval_run = None
 
     @staticmethod
     def prepare(lowered: LoweredFlat, graph: TrainGraph, device: torch.device) -> dict:
@@ -87,34 +69,24 @@ class TrainStep(Step):
     def layouts(self) -> tuple[BucketLayout, ...]:
         return self._comm.layouts
 
-    def _evaluation(self):
-        if self._eval_run is not None:
-            return self._eval_run
-        src = self.eval_source
-        if src is None:
-            return super()._evaluation()
-        plan = self.program.plan
-        etg = trace(src.model, src.micro_example, src.loss_fn, num_model_inputs=src.num_model_inputs,
-                    param_dtype=plan.plan.param_dtype, device=self.device, forward_only=True)
-        graph, self.eval_program = lower_evaluation(etg, plan, src.lowered, self._groups, src.lowered.rank,
+    def _build_evaluation(self, etg: TrainGraph, lowered: LoweredFlat):
+        graph, self.eval_program = lower_evaluation(etg, self.program.plan, lowered, self._groups, lowered.rank,
                                                     device=self.device)
         gm = torch.fx.GraphModule(etg.gm, graph)
         g = self._groups
         comm = Comm(self.layouts, g["shard"], g["replicate"], g["world"], g.get("inter"), g.get("intra"),
                     stats=self.eval_stats)
         part = self._parts[0]
+        buffers = [part.buffer_state[n] for n in etg.buffer_names]  # by name: no loss-scale input here
 
         def run(micro: list, loss_sum: torch.Tensor) -> None:
             comm.carried.clear()
             comm.micro_steps = len(micro)
             for j, mb in enumerate(micro):
                 comm.micro_step = j
-                loss_sum += gm(comm, *part.shards, *part.buffers, *mb)[0].float()
+                loss_sum += gm(comm, *part.shards, *buffers, *mb)[0].float()
             if comm.carried:
                 raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
-
-        self._eval_run = run
-        self.eval_source = None  # the model and the training lowering are no longer needed
         return run
 
     def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:

@@ -34,9 +34,11 @@ from micscompile.core.collectives import Comm, CommStats, GroupInfo
 from micscompile.core.pipeline_schedule import Op
 from micscompile.core.program import ProgramError
 from micscompile.core.sharding import local_piece
+from micscompile.lowering.flat import lower_evaluation
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.phase_split import Phases, split_phases
 from micscompile.lowering.pipeline import LoweredPipeline
+from micscompile.lowering.pipeline_split import split
 from micscompile.memory.arena import Arena
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.meshes import mesh_cache, pipeline_groups
@@ -275,6 +277,50 @@ class PipelineStep(Step):
                 raise ProgramError(f"unknown pipeline action {a}")
         for work in posted:  # the sends (and any receive nothing read)
             work.wait()
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def _build_evaluation(self, etg: TrainGraph, lowered: LoweredPipeline):
+        """Forward only through the stages: the forward-and-loss graph split at the training step's cut
+        points, each of this rank's chunks lowered with its training layouts; run micro-batch by
+        micro-batch, chunk by chunk in order, each chunk's activations sent to the next one's rank
+        (blocking, one at a time: deadlock-free under NCCL's rules, no overlap between stages)."""
+        rp, g = self.program.plan, self._groups
+        sp = split(etg, rp, starts=lowered.split.starts)
+        runs, programs = {}, {}
+        for c in lowered.my_chunks():
+            st = sp.stages[c]
+            graph, programs[c] = lower_evaluation(st.graph, rp, lowered.chunks[c], g, lowered.rank, device=self.device)
+            comm = Comm(lowered.chunks[c].ctx.layouts, g["shard"], g["replicate"], g["world"], stats=self.eval_stats)
+            ch = self._chunks[c]
+            buffers = [ch.buffer_state[n] for n in st.graph.buffer_names]
+            runs[c] = (torch.fx.GraphModule(st.graph.gm, graph), comm, st, buffers)
+        self.eval_program = programs
+        chunks = len(sp.stages)
+
+        def run(micro: list, loss_sum: torch.Tensor) -> None:
+            for _, comm, _, _ in runs.values():
+                comm.carried.clear()
+                comm.micro_steps = len(micro)
+            for mb in range(len(micro)):
+                for c in range(chunks):
+                    if c not in runs:
+                        continue
+                    gm, comm, st, buffers = runs[c]
+                    ch = self._chunks[c]
+                    acts = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in st.recv_act]
+                    with C.guarded(f"evaluate: activations of chunk {c - 1} over {self._pipe.label()}"):
+                        for i, t in enumerate(acts):
+                            dist.recv(t, self._peer(c - 1), group=self._pipe.group, tag=self._tag(mb, c - 1, False, i))
+                    comm.micro_step = mb
+                    out = gm(comm, *ch.shards, *buffers, *[micro[mb][k] for k in st.batch_inputs], *acts)
+                    if out[0] is not None:
+                        loss_sum += out[0].float()
+                    with C.guarded(f"evaluate: activations of chunk {c} over {self._pipe.label()}"):
+                        # the last outputs: (loss or None, one per bucket (no gradient here), *activations)
+                        for i, t in enumerate(out[len(out) - len(st.send_act):] if st.send_act else ()):
+                            dist.send(t.contiguous(), self._peer(c + 1), group=self._pipe.group,
+                                      tag=self._tag(mb, c, False, i))
+        return run
 
     def _tied_parts(self) -> dict[str, list[int]]:
         return self.program.split.tied

@@ -39,9 +39,22 @@ from micscompile.runtime.loss_scale import LossScaler
 from micscompile.runtime.materialize import local_state
 from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home
-from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch
+from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class EvalSource:
+    """What ``Step.evaluate`` traces and lowers on its first call: the model and loss given to
+    ``mc.compile``, one micro-batch of the example, and the training step's lowering."""
+
+    model: nn.Module
+    loss_fn: Callable
+    micro_example: tuple
+    num_model_inputs: int
+    lowered: object
+    """The training step's ``LoweredFlat`` or ``LoweredPipeline``."""
 
 
 @dataclass
@@ -136,6 +149,11 @@ class Step(Checkpointable):
         None for bf16 and fp32, which need none. Saved in ``state_dict()`` under "loss_scale"."""
         self.eval_stats = CommStats()
         """Calls and bytes of ``evaluate``'s collectives (``comm_stats`` counts the training steps')."""
+        self.eval_source: EvalSource | None = None
+        """Set by ``mc.compile``: what ``evaluate`` traces on its first call."""
+        self.eval_program = None
+        """The forward-only Program(s) ``evaluate`` runs (after its first call; print it)."""
+        self._eval_run = None
         self._eval_peak_bytes: int | None = None
         if timeout is not None:
             C.set_timeout([*groups.values(), *timeout_groups], timeout)
@@ -251,9 +269,21 @@ class Step(Checkpointable):
         return (loss_buf[0] * scale).detach()
 
     def _evaluation(self) -> Callable[[list, torch.Tensor], None]:
-        """What ``evaluate`` runs per local batch: (micro-batches, loss accumulator) -> None."""
-        raise PlanError(f"evaluate() is not available for {type(self).__name__} yet (pipeline plans): evaluate "
-                        "with a flat plan, or on the gathered weights (full_state_dict)")
+        """What ``evaluate`` runs per local batch: (micro-batches, loss accumulator) -> None. Built on
+        the first call, rank-local: the forward and loss traced alone in ``eval()`` mode, lowered with
+        the training step's layouts (``_build_evaluation``)."""
+        if self._eval_run is None:
+            src = self.eval_source
+            if src is None:
+                raise PlanError("evaluate() needs the step mc.compile built (it keeps the model and loss to trace)")
+            etg = trace(src.model, src.micro_example, src.loss_fn, num_model_inputs=src.num_model_inputs,
+                        param_dtype=self.program.plan.plan.param_dtype, device=self.device, forward_only=True)
+            self._eval_run = self._build_evaluation(etg, src.lowered)
+            self.eval_source = None  # the model and the training lowering are no longer needed
+        return self._eval_run
+
+    def _build_evaluation(self, etg: TrainGraph, lowered) -> Callable[[list, torch.Tensor], None]:
+        raise NotImplementedError
 
     def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The 2-hop all-reduce of the gradients over "replicate", the loss (and its count) summed over
