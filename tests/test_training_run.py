@@ -202,28 +202,33 @@ def nonfinite(rank: int, world: int) -> dict:
 
 
 def fp16_overflow(rank: int, world: int) -> dict:
-    """fp16 with a loss 30x too large: the first steps overflow, are skipped on every rank while the
-    scale backs off, then training goes on and the scale grows again (interval 2); the eager
-    reference scaled the same way (``train_reference_mixed``) gives the same losses and weights."""
-    torch.manual_seed(0)
-    model = TiedLM(layers=2)
-    batches = lm_batches(8, LOCAL_BATCH * world)
-    opt = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
-    big = lambda model: (lambda out, y: lm_mean(out, y) * 30)  # noqa: E731
-    ref_scaler = LossScaler(growth_interval=2)
-    ref_losses, ref_state = train_reference_mixed(copy.deepcopy(model), big, opt, batches, world * 2, torch.float16,
-                                                  loss_scaler=ref_scaler)
-    local = [tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in b) for b in batches]
-    step = mc.compile(model, mc.Plan(partition_size=2, micro_batches=2, param_dtype=torch.float16),
-                      loss_fn=big(model), optimizer=opt, example_inputs=local[0])
-    step.loss_scaler.growth_interval = 2
-    losses, scales = [], []
-    for b in local:
-        losses.append(float(step(*b)))
-        scales.append(step.loss_scaler.scale)
-    return {"losses": losses, "ref_losses": ref_losses, "scales": scales, "skipped": step.skipped_steps,
-            "ref_scaler": (ref_scaler.scale, ref_scaler.growth_tracker),
-            "saved": step.state_dict()["loss_scale"], "state_err": state_error(step.full_state_dict(), ref_state)}
+    """fp16 with a loss 30x too large, for p in {1, 2, 4} x s in {1, 3}: the first steps overflow and are
+    skipped on every rank while the scale backs off, then training goes on and the scale grows again
+    (interval 2); the eager reference scaled the same way (``train_reference_mixed``) gives the same
+    losses and weights."""
+    out = {}
+    for p, s in ((p, s) for p in (1, 2, 4) for s in (1, 3)):
+        torch.manual_seed(0)
+        model = TiedLM(layers=2)
+        batches = lm_batches(8, LOCAL_BATCH * world)
+        opt = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
+        big = lambda model: (lambda out, y: lm_mean(out, y) * 30)  # noqa: E731
+        ref_scaler = LossScaler(growth_interval=2)
+        ref_losses, ref_state = train_reference_mixed(copy.deepcopy(model), big, opt, batches, world * s,
+                                                      torch.float16, loss_scaler=ref_scaler)
+        local = [tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in b) for b in batches]
+        step = mc.compile(model, mc.Plan(partition_size=p, micro_batches=s, param_dtype=torch.float16),
+                          loss_fn=big(model), optimizer=opt, example_inputs=local[0])
+        step.loss_scaler.growth_interval = 2
+        losses, scales = [], []
+        for b in local:
+            losses.append(float(step(*b)))
+            scales.append(step.loss_scaler.scale)
+        out[(p, s)] = {"losses": losses, "ref_losses": ref_losses, "scales": scales, "skipped": step.skipped_steps,
+                       "ref_scaler": (ref_scaler.scale, ref_scaler.growth_tracker),
+                       "saved": step.state_dict()["loss_scale"],
+                       "state_err": state_error(step.full_state_dict(), ref_state)}
+    return out
 
 
 def short_last_batch(rank: int, world: int) -> dict:
@@ -242,11 +247,13 @@ def short_last_batch(rank: int, world: int) -> dict:
                       optimizer=_optimizer("sgd", groups=False),
                       example_inputs=tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in full))
     step(*(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in full))
-    try:
-        step(x, y)
-        refused = "no error"
-    except ValueError as exc:
-        refused = str(exc)
+    refused = []
+    for run in (step, step.evaluate):  # both refuse it before any collective
+        try:
+            run(x, y)
+            refused.append("no error")
+        except ValueError as exc:
+            refused.append(str(exc))
     pad = LOCAL_BATCH - real
     step(torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([y, y.new_full((pad, y.shape[1]), -100)]))
     return {"refused": refused, "state_err": state_error(step.full_state_dict(), ref_state)}
@@ -365,9 +372,10 @@ def test_evaluate_runs_the_model_as_in_eval_mode(results):
         assert d["train"] == d["train"]  # a step after evaluate still runs (a number, not nan)
 
 
-def test_fp16_overflow_backs_off_and_recovers(results):
+@pytest.mark.parametrize("ps", [(p, s) for p in (1, 2, 4) for s in (1, 3)], ids=lambda ps: f"p{ps[0]}-s{ps[1]}")
+def test_fp16_overflow_backs_off_and_recovers(results, ps):
     for res in results:
-        r = res["fp16"]
+        r = res["fp16"][ps]
         scales = r["scales"]
         assert scales[0] == 2.0 ** 14 and r["skipped"] >= 1  # the first step overflowed at 2**15
         assert any(b > a for a, b in zip(scales, scales[1:]))  # grew again after 2 finite steps
@@ -377,13 +385,14 @@ def test_fp16_overflow_backs_off_and_recovers(results):
             <= LOW_PRECISION_TOLERANCE
         err, name = r["state_err"]
         assert err <= LOW_PRECISION_TOLERANCE, (name, err)
-    assert all(res["fp16"]["scales"] == results[0]["fp16"]["scales"] for res in results)
+    assert all(res["fp16"][ps]["scales"] == results[0]["fp16"][ps]["scales"] for res in results)
 
 
 def test_a_short_last_batch_padded_with_ignore_index_is_exact(results):
     for res in results:
         r = res["short"]
-        assert "expected shape (6, 6)" in r["refused"] and "pad a shorter batch" in r["refused"]
+        for said in r["refused"]:
+            assert "expected shape (6, 6)" in said and "pad a shorter batch" in said
         err, name = r["state_err"]
         assert err <= TOLERANCE, (name, err)
 
