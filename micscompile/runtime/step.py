@@ -6,12 +6,15 @@ Parameters. Everything but the micro-steps is written once here:
 ``__call__`` checks the batch and turns a failed collective into a ``CollectiveError``
 naming the step; ``_step`` splits the micro-batches, runs them inside the arena's step,
 runs the boundary, then steps the optimizer. The boundary all-reduces each part's 2-hop
-buckets over "replicate" and the loss over "world", sums tied gradients
-(``_sum_tied``), then scales by 1 / (samples per step's ranks x micro-batches). The rest
-is inspection (memory and comm stats, this rank's shards) and the state dicts.
+buckets over "replicate" and the loss (with a counted loss, and its count) over "world", sums
+tied gradients (``_sum_tied``); ``_scale_grads`` then scales by 1 / (samples per step's ranks x
+micro-batches) or 1 / the global count, divides out an fp16 loss scale and clips to
+``max_grad_norm``, in one multiply after one all-reduce of the norm (docs/training.md). The rest
+is evaluation (``evaluate``), inspection (memory and comm stats, this rank's shards) and the
+state dicts.
 
-Subclasses differ only in ``_micro_steps``: ``TrainStep`` (runtime.flat) runs the
-rewritten graph once per micro-batch; ``PipelineStep`` (runtime.pipeline) runs its
+Subclasses differ in ``_micro_steps`` and ``_build_evaluation``: ``TrainStep`` (runtime.flat) runs
+the rewritten graph once per micro-batch; ``PipelineStep`` (runtime.pipeline) runs its
 schedule's forwards, backwards and P2P batches.
 """
 
@@ -138,7 +141,7 @@ class Step(Checkpointable):
         Set by ``mc.compile(max_grad_norm=...)`` (checked equal on every rank); changed between steps, it
         must change on every rank."""
         self.grad_norm: torch.Tensor | None = None
-        """The last step's global gradient norm before clipping (with ``max_grad_norm`` set)."""
+        """The last step's global gradient norm before clipping (with ``max_grad_norm`` set, or fp16)."""
         self.skipped_steps = 0
         """Steps whose gradient norm was not finite: the optimizer did not step (on any rank)."""
         self._scale_inputs = [part.buffer_state[LOSS_SCALE] for part in parts if LOSS_SCALE in part.buffer_state]
