@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
@@ -183,17 +184,21 @@ class Step(Checkpointable):
                 self._arena.begin_step()
             for t in self._scale_inputs:
                 t.fill_(self.loss_scaler.scale)
-            self._micro_steps(micro, loss_sum)
+            with record_function("mc.micro_steps"):  # the phases, as torch.profiler shows them
+                self._micro_steps(micro, loss_sum)
             if self._arena is not None:
                 self._arena.end_step()
-            loss_buf = self._boundary(loss_sum)
+            with record_function("mc.boundary"):
+                loss_buf = self._boundary(loss_sum)
             scale = 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
-            finite = self._scale_grads(scale)
+            with record_function("mc.scale_grads"):
+                finite = self._scale_grads(scale)
         if self.track_memory:
             self._outside_peak_bytes = max(self._outside_peak_bytes or 0, probe.peak_bytes)
         self._drop_provisional_state()
         if finite:
-            self.optimizer.step()
+            with record_function("mc.optimizer"):
+                self.optimizer.step()
         self.steps += 1
         return (loss_buf[0] * scale).detach()
 
