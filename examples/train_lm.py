@@ -42,6 +42,7 @@ from tqdm import tqdm
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.launch import init_distributed, step_device
+from micscompile.cost_model.specs import A100_40GB, H100, V100_32GB
 from micscompile.zoo.models import GPT, GPTConfig, gpt_params
 
 CKPT = re.compile(r"^step_(\d{6})$")
@@ -152,15 +153,17 @@ def load(step: mc.TrainStep, schedule, path: Path) -> None:
 
 
 # ---- the run ---------------------------------------------------------------------------------
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "V100": 125e12, "L4": 121e12, "A10": 125e12}
+GPUS = {"H100": H100, "H200": H100, "A100": A100_40GB, "V100": V100_32GB}
+"""The cost model's GPU specs by device name (the H200 has the H100's compute)."""
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The GPU's dense 16-bit peak (None: CPU, or a GPU not listed)."""
+    """The GPU's dense peak in ``dtype`` (None: CPU, fp32, or a GPU the cost model has no spec for)."""
     if device.type != "cuda" or dtype == torch.float32:
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    spec = next((g for k, g in GPUS.items() if k in name), None)
+    return spec and spec.peak_flops.get(str(dtype).removeprefix("torch."))
 
 
 def cosine(args: argparse.Namespace):
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         log.write_text("".join(line + "\n" for line in kept))
 
     tokens = global_batch * args.seq
-    flops = 6 * gpt_params(cfg) * tokens + 12 * cfg.layers * cfg.hidden * args.seq * tokens  # + attention
+    flops = mc.transformer_flops(global_batch, args.seq, cfg.layers, cfg.hidden, cfg.vocab_size, recompute=False)
     peak = peak_flops(device, param_dtype)
     val_seeds = [10_000_000 + i for i in range(args.eval_batches)]
 

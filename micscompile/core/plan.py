@@ -68,7 +68,8 @@ class Plan:
     param_dtype: torch.dtype = torch.float32
     """Mixed precision: dtype of the gathered parameters and of compute (bfloat16 / float16). Each
     rank casts its fp32 shard to it as it gathers (the wire carries it); the shards, their
-    gradients and the optimizer state stay fp32 (master weights). float16 gets no loss scaling."""
+    gradients and the optimizer state stay fp32 (master weights). float16 trains with dynamic loss
+    scaling (``loss_scaled``; micscompile.runtime.loss_scale)."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype the gradients are summed in: the reduce-scatter (or all-reduce) of every micro-step and
     the boundary all-reduce; accumulation across micro-steps is fp32."""
@@ -129,6 +130,11 @@ class Plan:
 
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """fp16 compute needs dynamic loss scaling (its gradients underflow); bf16 and fp32 do not."""
+        return self.param_dtype == torch.float16
 
     def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedPlan:
         """Concrete group sizes for ``world_size`` ranks; raises PlanError if impossible."""

@@ -206,9 +206,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                             f"with Plan.param_dtype), got {not_fp32[:3]}")
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
-                   device=device, loss_scale=plan.param_dtype == torch.float16)
+                   device=device, loss_scale=plan.loss_scaled)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
-            rp = dataclasses.replace(plan, checkpoint=True).resolve(world, rp.gpus_per_node)
+            rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
         check_kernels(tg, device)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)
@@ -217,7 +217,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                         disable=disable_passes, log=log)
         if isinstance(lowered, LoweredFlat):  # the boundary as the step will run it
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
-                tg.counted_loss, max_grad_norm is not None or plan.param_dtype == torch.float16))
+                tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_arena(arena)
         offsets = arena_offsets(buffers) if arena else None

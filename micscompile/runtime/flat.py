@@ -80,26 +80,27 @@ class TrainStep(Step):
         buffers = [part.buffer_state[n] for n in etg.buffer_names]  # by name: no loss-scale input here
 
         def run(micro: list, loss_sum: torch.Tensor) -> None:
-            comm.carried.clear()
-            comm.micro_steps = len(micro)
-            for j, mb in enumerate(micro):
-                comm.micro_step = j
-                loss_sum += gm(comm, *part.shards, *buffers, *mb)[0].float()
-            if comm.carried:
-                raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
+            for _, outputs in _each_micro_step(gm, comm, micro, part.shards, buffers):
+                loss_sum += outputs[0].float()
         return run
 
     def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
-        comm, part = self._comm, self._parts[0]
-        comm.carried.clear()
-        comm.micro_steps = len(micro)
-        for j, mb in enumerate(micro):
-            comm.micro_step = j
-            outputs = self.gm(comm, *part.shards, *part.buffers, *mb)
+        part = self._parts[0]
+        for j, outputs in _each_micro_step(self.gm, self._comm, micro, part.shards, part.buffers):
             loss_sum += outputs[0].float()
             for acc, g in zip(part.grads, outputs[1:]):
                 if g is not None:
                     acc.copy_(g) if j == 0 else acc.add_(g)
             del outputs  # gradient buffers die here, not a micro-batch later
-        if comm.carried:
-            raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")
+
+
+def _each_micro_step(gm: torch.fx.GraphModule, comm: Comm, micro: list, shards: list, buffers: list):
+    """Run the rewritten graph once per micro-batch, telling ``comm`` which one it is (the Program's
+    carried gathers depend on it); yields (index, outputs). No gather may be carried past the last."""
+    comm.carried.clear()
+    comm.micro_steps = len(micro)
+    for j, mb in enumerate(micro):
+        comm.micro_step = j
+        yield j, gm(comm, *shards, *buffers, *mb)
+    if comm.carried:
+        raise ProgramError(f"{len(comm.carried)} gathers carried past the last micro-step")

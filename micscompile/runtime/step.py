@@ -147,8 +147,7 @@ class Step(Checkpointable):
         """Steps whose gradient norm was not finite: the optimizer did not step (on any rank)."""
         self._scale_inputs = [part.buffer_state[LOSS_SCALE] for part in parts if LOSS_SCALE in part.buffer_state]
         # a plan-wide choice: a pipeline's first stages have no loss (no scale input) but scaled gradients
-        fp16 = program.plan.plan.param_dtype == torch.float16
-        self.loss_scaler: LossScaler | None = LossScaler() if fp16 else None
+        self.loss_scaler: LossScaler | None = LossScaler() if program.plan.plan.loss_scaled else None
         """fp16 (``Plan.param_dtype=torch.float16``): the dynamic loss scale (``runtime.loss_scale``);
         None for bf16 and fp32, which need none. Saved in ``state_dict()`` under "loss_scale"."""
         self.eval_stats = CommStats()
@@ -177,8 +176,7 @@ class Step(Checkpointable):
     def _step(self, batch) -> torch.Tensor:
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
-        # the runtime's, not the graph's: the loss, or (loss sum, count) with a counted loss
-        loss_sum = torch.zeros((2,) if self.graph.counted_loss else (), dtype=torch.float32, device=self.device)
+        loss_sum = self._loss_accumulator()
         with torch.no_grad(), probe:
             if self._arena is not None:
                 self._arena.begin_step()
@@ -190,7 +188,7 @@ class Step(Checkpointable):
                 self._arena.end_step()
             with record_function("mc.boundary"):
                 loss_buf = self._boundary(loss_sum)
-            scale = 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
+            scale = self._mean_scale(loss_buf)
             with record_function("mc.scale_grads"):
                 finite = self._scale_grads(scale)
         if self.track_memory:
@@ -261,7 +259,7 @@ class Step(Checkpointable):
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         run = self._evaluation()  # before any collective: a plan it cannot evaluate raises on every rank
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
-        loss_sum = torch.zeros((2,) if self.graph.counted_loss else (), dtype=torch.float32, device=self.device)
+        loss_sum = self._loss_accumulator()
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
         try:
             with torch.no_grad(), probe:
@@ -273,8 +271,17 @@ class Step(Checkpointable):
             raise C.step_failure(exc, dist.get_rank(), self.steps + 1, self.timeout) from exc
         if self.track_memory:
             self._eval_peak_bytes = max(self._eval_peak_bytes or 0, probe.peak_bytes)
-        scale = 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
-        return (loss_buf[0] * scale).detach()
+        return (loss_buf[0] * self._mean_scale(loss_buf)).detach()
+
+    def _loss_accumulator(self) -> torch.Tensor:
+        """The runtime's (not the graph's) sum of the micro-batches' losses: the loss, or
+        ``[loss_sum, count]`` with a counted loss."""
+        return torch.zeros((2,) if self.graph.counted_loss else (), dtype=torch.float32, device=self.device)
+
+    def _mean_scale(self, loss_buf: torch.Tensor) -> float | torch.Tensor:
+        """What turns the world-summed loss (and gradients) into the global mean: 1 / the global count
+        with a counted loss, else 1 / (samples per step's ranks x micro-batches)."""
+        return 1.0 / loss_buf[1] if self.graph.counted_loss else self._scale
 
     def _evaluation(self) -> Callable[[list, torch.Tensor], None]:
         """What ``evaluate`` runs per local batch: (micro-batches, loss accumulator) -> None. Built on
