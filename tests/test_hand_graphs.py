@@ -82,6 +82,7 @@ def test_counts_of_gathers_waits_releases_and_reductions(layers):
     assert collective_counts(graph) == Counter({
         "all_gather_issue": uses, "wait all_gather_issue": uses, "release": uses,
         "reduce_scatter_issue": layers, "wait reduce_scatter_issue": layers,
+        "accumulate": layers, "second_hop": layers,  # n = 4, p = 2: two replicas
     })
     # every read of a gathered weight sits between the wait and the release of its gather
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -105,10 +106,10 @@ def test_keep_live_and_across_micro_steps_on_the_chain():
 
 def test_partition_size_one_is_a_no_op_for_gathers():
     """p = 1: every rank holds whole parameters, the compute is untouched and nothing is gathered;
-    gradients are packed locally instead of reduced."""
+    gradients are added into the accumulators instead of reduced, then all-reduced over the replicas."""
     tg = chain_trace(3)
     graph = rewrite(tg, p=1)
-    assert collective_counts(graph) == Counter({"pack_local": 3})
+    assert collective_counts(graph) == Counter({"accumulate_local": 3, "second_hop": 3})
     compute = Counter(n.target for n in graph.nodes if n.op == "call_function" and n.target.__module__ != C.__name__
                       and n.target.__name__ != "unpack_param")
     assert compute == Counter(n.target for n in tg.gm.graph.nodes if n.op == "call_function")

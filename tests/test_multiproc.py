@@ -203,7 +203,7 @@ def test_bad_inputs_fail_before_any_collective(results):
 def test_program_prints_every_collective(results):
     text = results[0][Case("tied_lm", 2, 3, "sgd")]["program"]
     assert "p=2 d=2 s=3" in text
-    for code in ("AG0", "W:AG0", "REL0", "RS0", "W:RS0", "AR0", "ARL", "OPT"):
+    for code in ("AG0", "W:AG0", "REL0", "RS0", "W:RS0", "SH0", "W:SH0", "ARL", "OPT"):
         assert code in text, code
 
 

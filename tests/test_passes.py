@@ -51,8 +51,24 @@ def test_signature_is_comm_shards_buffers_inputs():
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     assert names[:5] == ["comm", "shard_0", "shard_1", "shard_2", "shard_3"] and len(names) == 7
     out = next(n for n in graph.nodes if n.op == "output").args[0]
-    assert len(out) == 1 + len(ctx.layouts)
-    assert all(o.target is C.collective_wait for o in out[1:])
+    assert len(out) == 1  # a flat graph outputs the loss: it accumulates its gradients itself
+
+
+def test_each_reduced_shard_is_accumulated_then_its_second_hop_started():
+    """Right after each reduce-scatter's wait: its accumulation, then (d = 2) its second hop; every
+    bucket once, in the order the backward finishes them, the last before the output."""
+    graph, ctx = rewrite(lm_trace(), 2)  # n = 4, p = 2: d = 2
+    nodes = list(graph.nodes)
+    waits = [i for i, n in enumerate(nodes) if n.target is C.collective_wait
+             and n.args[1].target is C.reduce_scatter_issue]
+    assert len(waits) == len(ctx.layouts)
+    for i in waits:
+        acc, hop = nodes[i + 1], nodes[i + 2]
+        assert acc.target is C.accumulate and acc.args[2] is nodes[i]
+        assert hop.target is C.second_hop and hop.args[1] == acc.args[1] == nodes[i].args[1].args[1]
+    assert nodes[waits[-1] + 3].op == "output"
+    one, _ = rewrite(lm_trace(), 4)  # p = n: no replicas, no second hop
+    assert targets(one)[C.second_hop] == 0 and targets(one)[C.accumulate] == len(ctx.layouts)
 
 
 def test_gathered_parameters_never_outlive_their_interval():
@@ -80,7 +96,7 @@ def test_p1_is_plain_data_parallel_no_gathers():
     graph, _ = rewrite(lm_trace(), 1)
     t = targets(graph)
     assert t[C.all_gather_issue] == t[C.release] == t[C.reduce_scatter_issue] == 0
-    assert t[C.pack_local] == 4
+    assert t[C.accumulate_local] == t[C.second_hop] == 4 and t[C.pack_local] == t[C.accumulate] == 0
 
 
 def test_every_step_all_reduces_instead_of_reduce_scatter():
@@ -107,7 +123,12 @@ def test_program_lowering_and_peak():
     prog = build_program(graph, rp, ctx.layouts, groups, rank=0)
     kinds = Counter(a.kind for a in prog.micro_step)
     assert kinds[Kind.ALL_GATHER] == 9 and kinds[Kind.REDUCE_SCATTER] == 4 and kinds[Kind.WAIT] == 13
-    assert [str(a) for a in prog.boundary] == ["AR0", "AR1", "AR2", "AR3", "ARL", "OPT"]
+    assert kinds[Kind.SECOND_HOP] == 4
+    g2, ctx2 = rewrite(tg, 2, micro_batches=2)
+    two = build_program(g2, ctx2.plan, ctx2.layouts, groups, rank=0)  # the second hop: last micro-step only
+    assert [sum(a.kind is Kind.SECOND_HOP for a in two.issued_in(mb)) for mb in (0, 1)] == [0, 4]
+    assert [str(a) for a in prog.boundary] == ["ARL", "W:SH3", "W:SH2", "W:SH1", "W:SH0", "OPT"]
+    prog.validate()
     # with one-ahead prefetch at most two buckets are gathered at once
     sizes = sorted((lay.full_bytes for lay in ctx.layouts), reverse=True)
     assert sizes[0] <= prog.peak_gathered_bytes <= sizes[0] + sizes[1]

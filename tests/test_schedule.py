@@ -131,8 +131,11 @@ def test_program_prints_predicted_times_and_exports_a_timeline(lm_trace, tmp_pat
     spans = program.predict().action_spans
     assert len(spans) == len(program.micro_step) + len(program.boundary)
     assert all(end >= start >= 0 for start, end, _ in spans)
-    starts = [start for start, _, _ in spans]
-    assert starts == sorted(starts)  # actions start in Program order
+    first = [program.issues(a, 0) for a in program.micro_step] + [True] * len(program.boundary)
+    starts = [start for (start, _, _), f in zip(spans, first) if f]
+    assert starts == sorted(starts)  # the first micro-step's actions, then the boundary's, start in Program order
+    hops = [i for i, a in enumerate(program.micro_step) if a.kind is Kind.SECOND_HOP]
+    assert len(hops) == len(program.layouts) and all(spans[i][0] > starts[-len(program.boundary) - 1] for i in hops)
     program.to_chrome_trace(tmp_path / "p.json")
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     assert {"compute", "comm:shard"} <= {e["args"]["name"] for e in events if e["ph"] == "M"}

@@ -162,6 +162,11 @@ class Comm:
     """The rank's ``Arena`` (planned buffers), or None: allocate as usual."""
     copy_stream: Any = None
     """CUDA stream of activation offload copies (micscompile.passes.offload), made on first use."""
+    grads: list = field(default_factory=list)
+    """A flat plan's fp32 gradient accumulators, one per bucket (set by the runtime): the graph adds
+    each micro-step's reduced shard into them (``accumulate``, ``accumulate_local``)."""
+    second_hops: list = field(default_factory=list)
+    """The second hops ``second_hop`` started in the last micro-step (``Pending``), waited at the boundary."""
 
     def alloc(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer for a collective (``like``'s device, ``dtype`` or its dtype): the arena's next
@@ -380,20 +385,55 @@ def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
 
 
 def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
-    """p = 1: the bucket's gradients flattened into its (whole) shard; no communication."""
+    """p = 1 (a pipeline chunk): the bucket's gradients flattened into its (whole) shard; no communication."""
     return _packed(comm, bucket, like, grads)
 
 
+def accumulate(comm: Comm, bucket: int, grad: torch.Tensor) -> None:
+    """A flat plan: this micro-step's reduced gradient shard of a bucket added into its fp32
+    accumulator (the first micro-step copies it), right after the reduction, so that the bucket's
+    second hop can start there (``second_hop``)."""
+    acc = comm.grads[bucket]
+    acc.copy_(grad) if comm.micro_step == 0 else acc.add_(grad)
 
-def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype) -> Pending:
-    """The boundary all-reduce of a gradient accumulator (or the loss), summed in ``dtype``
+
+def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
+    """A flat plan at p = 1: the bucket's gradients added (and cast) straight into their slots of its
+    fp32 accumulator, the first micro-step copying them in and zeroing the rest: no pack buffer, no
+    extra copy. Returns the accumulator."""
+    layout, acc = comm.layouts[bucket], comm.grads[bucket]
+    first = comm.micro_step == 0
+    for slot, g in zip(layout.slots, grads):
+        dst = acc[slot.offset : slot.offset + slot.numel]
+        if g is not None:
+            dst.view(g.shape).copy_(g) if first else dst.view(g.shape).add_(g)
+        elif first:
+            dst.zero_()
+    if first:
+        acc[layout.numel :].zero_()
+    return acc
+
+
+def second_hop(comm: Comm, bucket: int, dtype: torch.dtype) -> None:
+    """2-hop's second hop, on the last micro-step (earlier ones: nothing): the bucket's accumulated
+    gradient shard all-reduced over "replicate" in ``dtype`` as soon as it is final, under the rest
+    of the backward; the step waits for it at the boundary (``comm.second_hops``)."""
+    if comm.micro_step == comm.micro_steps - 1:
+        comm.second_hops.append(all_reduce_start(comm.stats, comm.replicate, comm.grads[bucket], dtype,
+                                                 what=_what("second-hop all_reduce", bucket, comm.replicate)))
+
+
+
+def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype,
+                     what: str | None = None) -> Pending:
+    """The all-reduce of a gradient accumulator (or the loss), summed in ``dtype``
     (Plan.reduce_dtype): in place when ``acc`` has that dtype, else through a cast copy written
     back at the wait (``collective_wait``)."""
     buf = acc if acc.dtype == dtype else acc.to(dtype)
     work = dist.all_reduce(buf, group=group.group, async_op=True)
     stats.record(ALL_REDUCE, group, buf.numel() * buf.element_size())
     return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf),
-                   what=f"boundary all_reduce over {group.label()}")
+                   what=what or f"boundary all_reduce over {group.label()}")
 
 
 # ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------

@@ -10,8 +10,10 @@ Short codes (``str(action)``): ``AG3`` issue all-gather of bucket 3, ``W:AG3`` w
 for it, ``REL3`` release it, ``AGN3`` issue the next micro-step's all-gather of bucket
 3 (not on the last micro-step), ``AGC3`` the all-gather ``AGN3`` issued (issued here
 only on the first micro-step), ``RS3``/``AR3`` reduce-scatter / all-reduce bucket 3's
-gradients, ``PK3`` pack them locally (p = 1), ``C`` compute, ``ARL`` loss
-all-reduce, ``OPT`` optimizer step.
+gradients, ``PK3`` pack them locally (p = 1; a flat plan adds them straight into the
+accumulator), ``SH3`` start bucket 3's second hop (2-hop, d > 1: its accumulated shard
+all-reduced over the replication group; last micro-step only, waited at the boundary as
+``W:SH3``), ``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Kind(enum.Enum):
     REDUCE_SCATTER = "RS"
     ALL_REDUCE = "AR"
     PACK = "PK"
+    SECOND_HOP = "SH"
     LOSS_ALL_REDUCE = "ARL"
     NORM_ALL_REDUCE = "ARN"
     OPTIMIZER = "OPT"
@@ -81,11 +84,14 @@ ISSUE_KIND = {
     C.reduce_scatter_issue: Kind.REDUCE_SCATTER,
     C.all_reduce_issue: Kind.ALL_REDUCE,
     C.pack_local: Kind.PACK,
+    C.accumulate_local: Kind.PACK,
+    C.second_hop: Kind.SECOND_HOP,
     C.release: Kind.RELEASE,
 }
 COLLECTIVE_OF_KIND = {
     Kind.ALL_GATHER: C.ALL_GATHER, Kind.ALL_GATHER_NEXT: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
+    Kind.SECOND_HOP: C.ALL_REDUCE,
 }
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 
@@ -180,10 +186,23 @@ class Program:
 
     def issued_in(self, mb: int) -> list[Action]:
         """The actions micro-step ``mb`` runs: carried gathers are skipped after the first micro-step
-        (the previous one's ALL_GATHER_NEXT issued them), next-gathers on the last."""
+        (the previous one's ALL_GATHER_NEXT issued them), next-gathers on the last, second hops on
+        every other."""
+        return [a for a in self.micro_step if self.issues(a, mb)]
+
+    def issues(self, a: Action, mb: int) -> bool:
+        """Whether micro-step ``mb`` runs ``a`` (``issued_in``)."""
         last = mb == self.plan.micro_batches - 1
-        return [a for a in self.micro_step
-                if not (a.carried and mb > 0) and not (a.kind is Kind.ALL_GATHER_NEXT and last)]
+        return not (a.carried and mb > 0) and not (a.kind is Kind.ALL_GATHER_NEXT and last) \
+            and not (a.kind is Kind.SECOND_HOP and not last)
+
+    def without_second_hops(self) -> Program:
+        """The Program without its second hops (and their boundary waits): a cluster of one partition
+        group, or a peer that all-reduces over the replicas after every reduce-scatter."""
+        def keep(a: Action) -> bool:
+            return Kind.SECOND_HOP not in (a.kind, a.waits_for)
+        return dataclasses.replace(self, micro_step=[a for a in self.micro_step if keep(a)],
+                                   boundary=[a for a in self.boundary if keep(a)])
 
     def _distinct_micro_steps(self) -> list[int]:
         """The first, a middle and the last micro-step: every other one repeats the middle one."""
@@ -250,7 +269,7 @@ class Program:
     def validate(self) -> None:
         """Raise ProgramError unless every micro-step waits for each collective it issued, after
         issuing it, uses gathered buckets only between wait and release, and ends with nothing
-        gathered but what it carries to the next micro-step."""
+        gathered but what it carries to the next micro-step, and the boundary waits for the second hops."""
         pending: dict[tuple, int] = {}
         gathered: dict[int, int] = {}  # bucket -> gathers waited and not released
         for mb in self._distinct_micro_steps():
@@ -271,12 +290,15 @@ class Program:
                     if not gathered.get(a.bucket):
                         raise ProgramError(f"{where}: releases a bucket that is not gathered")
                     gathered[a.bucket] -= 1
-            carry = sum(1 for a in actions if a.kind is Kind.ALL_GATHER_NEXT)
+            carry = sum(1 for a in actions if a.kind in (Kind.ALL_GATHER_NEXT, Kind.SECOND_HOP))
             left = sum(pending.values())
             if left != carry or any(gathered.values()):
                 raise ProgramError(f"micro-step {mb} ends with {left} collectives not waited for "
-                                   f"({carry} carried to the next) and gathered buckets "
+                                   f"({carry} carried to the next or the boundary) and gathered buckets "
                                    f"{sorted(b for b, n in gathered.items() if n)} not released")
+        hops = sorted(a.bucket for a in self.micro_step if a.kind is Kind.SECOND_HOP)
+        if hops != sorted(a.bucket for a in self.boundary if a.waits_for is Kind.SECOND_HOP):
+            raise ProgramError(f"the boundary does not wait for exactly the second hops of buckets {hops}")
 
     def fingerprint(self) -> str:
         return digest("|".join(map(repr, self.micro_step + self.boundary)) + repr(self.plan.plan))

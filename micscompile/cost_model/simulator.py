@@ -88,11 +88,15 @@ class Prediction:
     bubble_fraction: float | None = None
     """Pipelines: idle time of the busiest pipeline rank over its busy time."""
     action_spans: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
-    """(start, end, live bytes after) per action of the first micro-step, then per boundary action;
-    a collective's span runs from its issue to its completion."""
+    """(start, end, live bytes after) per action of the micro-step (as the first micro-step runs it;
+    one only the last runs, such as a second hop, as the last), then per boundary action; a
+    collective's span runs from its issue to its completion."""
     uncertainty: float = 0.0
     """Relative half-width of the step time's interval: the cluster's held-out prediction error
     (``Cluster.prediction_error``; 0: none known)."""
+    exposed_boundary_s: float = 0.0
+    """Of ``exposed_comm_s``: the time the step waits at the boundary for its gradient all-reduces over
+    the replicas (2-hop's second hop), the loss's and the gradient norm's."""
 
     def interval(self) -> str:
         """``"+-14%"``, or ``"(no held-out error for this cluster)"``."""
@@ -287,11 +291,13 @@ def simulate_program(
         return end
 
     def run_compute_beside_collectives(duration: float, name: str) -> None:
-        """Compute, slowed by each collective in flight (issued, not yet waited for) up to that
+        """Compute, slowed by each collective in flight (issued, not yet done) up to that
         collective's maximum."""
         extra = 0.0
         for queue in pending.values() if slowing[0] else ():  # (none slow compute on an uncalibrated cluster)
             for c in queue:
+                if c.end_s <= t:
+                    continue  # done (a second hop is waited for only at the boundary)
                 take = min(c.slowdown * duration, c.slowdown_left_s)
                 c.slowdown_left_s -= take
                 extra += take
@@ -306,11 +312,11 @@ def simulate_program(
             t = end
 
     activations = 0
-    spans: list[tuple[float, float, int]] = []
+    spans: dict[int, tuple[float, float, int]] = {}  # action index (micro-step, then boundary) -> its span
 
-    def note_span(start: float, end: float) -> None:
-        if record:
-            spans.append((start, end, static + dynamic + activations))
+    def note_span(start: float, end: float, index: int) -> None:
+        if record and index not in spans:
+            spans[index] = (start, end, static + dynamic + activations)
 
     def relative_state() -> tuple:
         """Everything the rest of the step depends on, relative to now (``fast_forward``)."""
@@ -346,7 +352,9 @@ def simulate_program(
                 mb, seen = micro_batches - 1, None
                 continue
             seen = state, (t, dict(busy), exposed)
-        for a in program.issued_in(mb):
+        for i, a in enumerate(program.micro_step):
+            if not program.issues(a, mb):
+                continue
             start, end = t, None
             if a.kind is Kind.COMPUTE:
                 note_memory(a.activation_peak_bytes)
@@ -372,6 +380,10 @@ def simulate_program(
                     end = flight.end_s
                     if a.kind in synchronous:  # the host blocks on it (its WAIT then finds it done)
                         wait_until(flight.end_s)
+            elif a.kind is Kind.SECOND_HOP and not replicate_every_micro_step:  # (else: the peer's own, after
+                flight = issue(a)                                                 # every reduce-scatter)
+                pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
+                end = flight.end_s
             elif a.kind is Kind.WAIT:
                 flight = pending[(a.waits_for, a.bucket)].popleft()
                 slowing[0] -= flight.slowdown > 0
@@ -382,40 +394,54 @@ def simulate_program(
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)
-            if mb == 0:
-                note_span(start, t if end is None else end)
+            if mb == 0 or mb == micro_batches - 1:  # (an action the first one skips: as the last runs it)
+                note_span(start, t if end is None else end, i)
         # gradient accumulation into the shard accumulators
         if accumulate:  # (not for a pipeline chunk's forward half)
             run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
         mb += 1
 
     ends = []
-    for a in program.boundary:
+    boundary_exposed = 0.0
+
+    def wait_boundary(end: float) -> None:
+        nonlocal boundary_exposed
+        before = exposed
+        wait_until(end)
+        boundary_exposed += exposed - before
+
+    for i, a in enumerate(program.boundary, start=len(program.micro_step)):
         start = t
-        if a.kind is Kind.ALL_REDUCE and replicate_every_micro_step:
+        if replicate_every_micro_step and Kind.SECOND_HOP in (a.kind, a.waits_for) or (
+                a.kind is Kind.ALL_REDUCE and replicate_every_micro_step):
             continue  # (done after every micro-step's reduce-scatter)
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
-            note_span(start, ends[-1])
+            note_span(start, ends[-1], i)
+        elif a.kind is Kind.WAIT:  # a second hop started in the last micro-step
+            flight = pending[(a.waits_for, a.bucket)].popleft()
+            slowing[0] -= flight.slowdown > 0
+            ends.append(flight.end_s)
+            note_span(start, start, i)
         elif a.kind is Kind.NORM_ALL_REDUCE:  # the norm of the summed gradients: after the sums
-            wait_until(max(ends, default=t))
+            wait_boundary(max(ends, default=t))
             ends = [issue(a).end_s]
-            note_span(start, ends[-1])
+            note_span(start, ends[-1], i)
         elif a.kind is Kind.OPTIMIZER:
-            wait_until(max(ends, default=t))
+            wait_boundary(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)
             if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
                 opt_s = n_params * gpu.optimizer_param_s + shard_numel * gpu.optimizer_element_s
             else:
                 opt_s = _memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params)
             run_compute(opt_s, "optimizer")
-            note_span(start, t)
+            note_span(start, t, i)
     step = max([t, *stream_free.values()])
     graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
     return Prediction(
         step_time_s=step, compute_s=busy["compute"], exposed_comm_s=exposed,
         stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
         flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
-        world_size=program.plan.world_size, events=events, memory=memory, action_spans=spans,
-        uncertainty=cluster.prediction_error,
+        world_size=program.plan.world_size, events=events, memory=memory, action_spans=[spans[i] for i in sorted(spans)],
+        uncertainty=cluster.prediction_error, exposed_boundary_s=boundary_exposed,
     )

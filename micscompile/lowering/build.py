@@ -31,7 +31,7 @@ def build_program(
     actions: list[Action] = []
     issued: dict[torch.fx.Node, Kind] = {}
     run: list[torch.fx.Node] = []
-    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target is C.collective_wait}
+    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in (C.collective_wait, C.accumulate)}
     live = activation_bytes(graph, exclude=collective_nodes)
 
     def flush() -> None:
@@ -52,6 +52,8 @@ def build_program(
         if node.op != "call_function":
             continue
         kind = ISSUE_KIND.get(node.target)
+        if node.target is C.accumulate:
+            continue  # (priced with the micro-step's accumulation, cost_model.simulator)
         if node.target is C.collective_wait:
             flush()
             actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]]))
@@ -59,9 +61,10 @@ def build_program(
             flush()
             bucket = node.args[1]
             group = {Kind.ALL_GATHER: "shard", Kind.ALL_GATHER_NEXT: "shard", Kind.REDUCE_SCATTER: "shard",
-                     Kind.ALL_REDUCE: "world"}.get(kind)
+                     Kind.ALL_REDUCE: "world", Kind.SECOND_HOP: "replicate"}.get(kind)
             lay = layouts[bucket]
-            nbytes = lay.grad_bytes if kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK) else lay.full_bytes
+            nbytes = lay.grad_bytes if kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK) else \
+                lay.grad_shard_bytes if kind is Kind.SECOND_HOP else lay.full_bytes
             actions.append(Action(kind, bucket, group=group, tensor_bytes=nbytes,
                                   carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, ""),
                                   hierarchical=node.kwargs.get("hierarchical", False)))
@@ -76,10 +79,15 @@ def build_program(
 
 def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:
     """What runs once per step after the micro-steps: the replication all-reduce of every reduced
-    bucket (2-hop, d > 1), the loss all-reduce and the optimizer step."""
+    bucket (2-hop, d > 1; waits for the second hops a flat plan started in its last backward), the
+    loss all-reduce and the optimizer step."""
+    loss = [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4)]
+    hops = [a.bucket for a in micro_step if a.kind is Kind.SECOND_HOP]
+    if hops:  # the loss all-reduce is issued first: the step then waits for them all
+        return loss + [Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops] + [Action(Kind.OPTIMIZER)]
     boundary = []
     if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
         reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
         boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
                      for b in reduced]
-    return boundary + [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4), Action(Kind.OPTIMIZER)]
+    return boundary + loss + [Action(Kind.OPTIMIZER)]

@@ -3,7 +3,7 @@
 Time is the position in the rank's execution: one step per node of a rewritten graph
 as the runtime runs it. A flat plan runs its graph once per micro-step, so
 micro-step j covers ``[j * T, (j + 1) * T)`` with T = nodes + 1 (the last step is the
-runtime adding the graph's gradient outputs into its accumulators). A pipeline rank
+runtime taking the graph's outputs). A pipeline rank
 runs its chunks' forward and backward halves in schedule order (``pipeline_buffers``).
 A buffer lives over the half-open ``[start, end)``: from the node that allocates it
 to one past its last use (FX frees a value right after its last user; a view keeps
@@ -20,7 +20,8 @@ them from it, in exactly the order listed here, see ``micscompile.memory.arena``
   wait; to the end of the micro-step when its result is a view of it);
   ``grad_reorder`` / ``grad_partial``: a hierarchical reduce-scatter's reordered input
   and its intra-node result.
-* ``grad_shard``: a reduce-scatter's result, held until the runtime accumulates it.
+* ``grad_shard``: a reduce-scatter's result, held until it is accumulated (a flat plan's
+  graph, right after the wait; a pipeline chunk's output, by the runtime).
 * ``recv``: a pipeline P2P receive buffer, from the receive to the backward of its
   micro-batch (the runtime keeps a forward's inputs for its backward).
 
@@ -67,7 +68,8 @@ def on_device(buffers: list[Buffer]) -> list[Buffer]:
 
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
 _GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue, C.pack_local)
-_NO_ALLOC = (C.collective_wait, C.release, reload_wait, offload_done, *_GATHERS, *_GRAD_SYNCS)
+_NO_ALLOC = (C.collective_wait, C.release, reload_wait, offload_done, *_GATHERS, *_GRAD_SYNCS,
+             C.accumulate, C.accumulate_local, C.second_hop)  # (the last two write the accumulators)
 
 
 @dataclass
@@ -180,7 +182,8 @@ class GraphLifetimes:
                 lay = self.layouts[n.args[1]]
                 full, row = lay.grad_bytes, lay.grad_shard_bytes
                 name = f"RS{n.args[1]}"
-                held = held_until(self.wait_of.get(n, n))
+                result = self.wait_of.get(n, n)
+                held = last_use(result) + 1  # the output (a pipeline chunk's) or its accumulation (flat)
                 waited = when(self.wait_of[n]) + 1 if n in self.wait_of else held
                 if n.target is C.reduce_scatter_issue:
                     hier = n.kwargs.get("hierarchical", False)

@@ -3,7 +3,8 @@
 Input: a TrainGraph's graph (placeholders: params, buffers, inputs; output: loss and
 one gradient per trainable parameter). Output graph signature::
 
-    (comm, shard_0, ..., shard_{B-1}, *buffers, *inputs) -> (loss, grad_shard_0, ..., grad_shard_{B-1})
+    (comm, shard_0, ..., shard_{B-1}, *buffers, *inputs) -> (loss,)
+    a pipeline chunk's: -> (loss, grad_shard_0, ..., grad_shard_{B-1}, *sends)
 
 Rewrite, per bucket b (a gather unit, see passes.buckets):
 
@@ -28,16 +29,21 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
 * Gradients: after the bucket's last gradient is produced, ``reduce_scatter_issue``
   over the partition group (2hop) or ``all_reduce_issue`` over all ranks
   (every_step); each is waited just before the next bucket's reduction is issued,
-  the last one before the output. The boundary all-reduce of 2hop runs outside
-  the graph, once per optimizer step (runtime).
+  the last one before the output. A flat plan then adds the shard into the bucket's
+  fp32 accumulator (``accumulate``; at p = 1 ``accumulate_local`` adds the gradients
+  straight in) and, with 2hop over d > 1 replicas, starts its ``second_hop`` there: on
+  the last micro-step, the all-reduce over the replication group, under the rest of
+  the backward (the runtime waits for it at the boundary). A flat graph outputs only
+  the loss; a pipeline chunk outputs its gradient shards (the runtime accumulates them
+  and all-reduces them at the boundary).
 * A pipeline chunk (``plan.stages > 1``) runs its forward and backward as two graphs:
   a backward gather is issued no earlier than the first backward node, and outputs
   after the gradients (the chunk's sends) pass through.
 * Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
   reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
 * p = 1: no gathers (parameters are views of the local shard; with mixed precision,
-  of a cast copy made where the gather would be) and ``pack_local`` instead of a
-  reduce-scatter.
+  of a cast copy made where the gather would be) and ``accumulate_local`` (a pipeline
+  chunk: ``pack_local``) instead of a reduce-scatter.
 
 Invariants: every consumer of a parameter sits inside an interval of its bucket;
 intervals of one bucket are disjoint; every rank gets the same graph, so every rank
@@ -280,8 +286,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     grad_of = dict(zip(tg.trainable, grads))
     order = {n: i for i, n in enumerate(graph.nodes)}
     reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
+    flat = ctx.plan.stages == 1  # a pipeline chunk's gradients leave through its outputs (runtime.pipeline)
     if p == 1 and reduce_fn is C.reduce_scatter_issue:
-        reduce_fn = C.pack_local
+        reduce_fn = C.accumulate_local if flat else C.pack_local
+    hop = flat and ctx.plan.plan.grad_sync == "2hop" and ctx.plan.replicas > 1
     jobs = []
     for lay in layouts:
         gs = [grad_of.get(s.name) for s in lay.slots]
@@ -292,6 +300,21 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         jobs.append((order[at], lay.index, at, gs))
     jobs.sort(key=lambda j: (j[0], j[1]))
     results: dict[int, torch.fx.Node] = {}
+
+    def reduced(b: int, result: torch.fx.Node) -> None:
+        """The bucket's reduced shard is ``result``: a pipeline chunk outputs it; a flat plan adds it
+        into its accumulator there and then, on the last micro-step, starts its second hop."""
+        if not flat:
+            results[b] = result
+            return
+        with graph.inserting_after(result):
+            last = result
+            if result.target is not C.accumulate_local:
+                last = _tag(graph.call_function(C.accumulate, (comm, b, result)), result, b)
+            if hop:
+                with graph.inserting_after(last):
+                    _tag(graph.call_function(C.second_hop, (comm, b, ctx.plan.plan.reduce_dtype)), result, b)
+
     anchor, pending = None, None
     for _, b, at, gs in jobs:
         if anchor is not None and order.get(anchor, -1) >= order[at]:
@@ -301,17 +324,17 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
         anchor = issue
         order[issue] = order[at]
-        if reduce_fn is C.pack_local:
-            results[b] = issue
+        if reduce_fn in (C.pack_local, C.accumulate_local):
+            reduced(b, issue)
             continue
         if pending is not None:
             with graph.inserting_before(issue):
-                results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), at, pending[0])
+                reduced(pending[0], _tag(graph.call_function(C.collective_wait, (comm, pending[1])), at, pending[0]))
         pending = (b, issue)
     if pending is not None:
         with graph.inserting_before(output):
-            results[pending[0]] = _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0])
-    output.args = ((loss, *(results.get(lay.index) for lay in layouts), *extra),)
+            reduced(pending[0], _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0]))
+    output.args = ((loss, *extra) if flat else (loss, *(results.get(lay.index) for lay in layouts), *extra),)
 
     # ---- drop the full-parameter placeholders and what only they fed -------------------
     for node in reversed(list(graph.nodes)):

@@ -1,10 +1,12 @@
 """``TrainStep``: the step of a flat plan (no pipeline stages), docs/design.md#data-flow.
 
 Its one part is the whole rewritten graph. ``_micro_steps`` runs it once per micro-batch
-(its collectives are asynchronous and waited on where the graph needs them) and accumulates
-the gradient shards; ``runtime.step.Step`` does the rest: the boundary sync (2hop:
-all-reduce over the replication group), the scaling by 1 / (n * s) (the gradient of the
-global mean loss) and the optimizer step on the local fp32 shards.
+(its collectives are asynchronous and waited on where the graph needs them); the graph adds
+each bucket's reduced gradient shard into the part's accumulators as soon as it is reduced
+and, on the last micro-step, starts the bucket's second hop there (2hop: all-reduce over the
+replication group, under the rest of the backward). ``runtime.step.Step`` does the rest: the
+boundary waits for the second hops, scales by 1 / (n * s) (the gradient of the global mean
+loss) and steps the optimizer on the local fp32 shards.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class TrainStep(Step):
         self.gm = gm
         self.pass_records = pass_records
         self._comm = comm
+        comm.grads = part.grads  # the graph accumulates into them (collectives.accumulate)
 
     @staticmethod
     def prepare(lowered: LoweredFlat, graph: TrainGraph, device: torch.device) -> dict:
@@ -86,12 +89,8 @@ class TrainStep(Step):
 
     def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
         part = self._parts[0]
-        for j, outputs in _each_micro_step(self.gm, self._comm, micro, part.shards, part.buffers):
-            loss_sum += outputs[0].float()
-            for acc, g in zip(part.grads, outputs[1:]):
-                if g is not None:
-                    acc.copy_(g) if j == 0 else acc.add_(g)
-            del outputs  # gradient buffers die here, not a micro-batch later
+        for _, (loss,) in _each_micro_step(self.gm, self._comm, micro, part.shards, part.buffers):
+            loss_sum += loss.float()
 
 
 def _each_micro_step(gm: torch.fx.GraphModule, comm: Comm, micro: list, shards: list, buffers: list):

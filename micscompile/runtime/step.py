@@ -76,7 +76,8 @@ class Part:
     """The module buffers this part saves and exports, by name."""
     params: dict[str, nn.Parameter]
     boundary_buckets: list[int]
-    """The buckets the boundary all-reduces over "replicate" (the Program's 2-hop ALL_REDUCEs)."""
+    """The buckets the boundary all-reduces over "replicate" (the Program's boundary ALL_REDUCEs: a
+    pipeline's; a flat plan's second hops start in the graph, ``Kind.SECOND_HOP``)."""
 
 
 def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Module, shard_rank: int,
@@ -301,13 +302,16 @@ class Step(Checkpointable):
         raise NotImplementedError
 
     def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The 2-hop all-reduce of the gradients over "replicate", the loss (and its count) summed over
-        "world", tied gradients summed: every gradient is then the sum over the global batch."""
+        """The 2-hop all-reduce of the gradients over "replicate" (a flat plan's started in its last
+        backward: waited here), the loss (and its count) summed over "world", tied gradients summed:
+        every gradient is then the sum over the global batch."""
         reduce_dtype = self.program.plan.plan.reduce_dtype
         works = [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
                  for part in self._parts for b in part.boundary_buckets]
         loss_buf = loss_sum.reshape(-1)
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
+        for part in self._parts:  # a flat plan's second hops, started in the last backward (collectives.second_hop)
+            works[:0], part.comm.second_hops = part.comm.second_hops, []
         for w in works:
             C.collective_wait(None, w)
         self._sum_tied()
