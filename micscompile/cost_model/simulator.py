@@ -113,7 +113,8 @@ class Prediction:
         return (
             f"step {self.step_time_s * 1e3:.2f} ms {self.interval()} on {self.world_size} ranks: "
             f"compute {self.compute_s * 1e3:.2f} ms, "
-            f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms, {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
+            f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms ({self.exposed_boundary_s * 1e3:.2f} ms of it at the "
+            f"boundary), {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
             f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
             f"stream busy: {busy}"
         )
