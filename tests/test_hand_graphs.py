@@ -109,7 +109,7 @@ def test_partition_size_one_is_a_no_op_for_gathers():
     gradients are added into the accumulators instead of reduced, then all-reduced over the replicas."""
     tg = chain_trace(3)
     graph = rewrite(tg, p=1)
-    assert collective_counts(graph) == Counter({"accumulate_local": 3, "second_hop": 3})
+    assert collective_counts(graph) == Counter({"accumulate_local": 1, "second_hop": 1})  # one 25 MiB bucket
     compute = Counter(n.target for n in graph.nodes if n.op == "call_function" and n.target.__module__ != C.__name__
                       and n.target.__name__ != "unpack_param")
     assert compute == Counter(n.target for n in tg.gm.graph.nodes if n.op == "call_function")

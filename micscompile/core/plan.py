@@ -56,7 +56,9 @@ class Plan:
     max_gathers_in_flight: int | None = None
     """Most all-gathers issued and not yet waited for at once (caps the prefetch distance); None = no cap."""
     bucket_bytes: int | None = None
-    """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per block."""
+    """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per
+    block, or for a flat plan at p = 1 (nothing is gathered: a bucket is only an all-reduce) up to
+    ``P1_BUCKET_BYTES``."""
     checkpoint: Literal[False, True, "selective"] = False
     """Activation checkpointing (passes.checkpoint): True recomputes in backward every forward value
     of a segment but its outputs; "selective" also keeps matmul outputs (recomputes the cheap ops)."""
@@ -170,6 +172,12 @@ class Plan:
         return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
 
 
+P1_BUCKET_BYTES = 25 << 20
+"""The default bucket of a flat plan at p = 1: DDP's ``bucket_cap_mb`` (25). Per-block buckets there would buy
+overlap with many small all-reduces; on 4 gloo ranks sharing 2 cores nothing overlaps, and one
+large all-reduce after the backward was ~5% faster (docs/performance.md)."""
+
+
 @dataclass(frozen=True)
 class ResolvedPlan:
     """A Plan with its group sizes fixed for one world."""
@@ -189,6 +197,13 @@ class ResolvedPlan:
     @property
     def micro_batches(self) -> int:
         return self.plan.micro_batches
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """``Plan.bucket_bytes``, or its default for this partition size."""
+        if self.plan.bucket_bytes is None and self.partition_size == 1 and self.stages == 1:
+            return P1_BUCKET_BYTES
+        return self.plan.bucket_bytes
 
     def __str__(self) -> str:
         pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.pipeline_chunks}" if self.stages > 1 else ""

@@ -94,7 +94,7 @@ class Cluster:
     collective_interference: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured cost to the compute stream of a collective in flight, per group size ("2", "4", ...):
     {"exposed_fraction": of its duration, paid at issue; "slowdown": fraction by which compute
-    alongside it (until its wait) runs slower, at most "max_slowdown_s"; "queued_fraction": of its
+    alongside it (until it ends) runs slower, at most "max_slowdown_s"; "queued_fraction": of its
     duration a collective adds when issued while another of its group is in flight (1: they
     run one after the other, as on one NCCL stream)} (calibration). Where present it replaces
     ``(1 - overlap) * duration + collective_overhead_s``."""

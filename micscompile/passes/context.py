@@ -61,7 +61,7 @@ def make_context(
     """Buckets and layouts for ``plan``: needs no process group."""
     check_precision(tg, plan)
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
-    buckets, block_bucket = assign_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.plan.bucket_bytes)
+    buckets, block_bucket = assign_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.bucket_bytes)
     dtypes = plan.plan.param_dtype, plan.plan.reduce_dtype
     layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size, torch.float32, *dtypes))
     return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device,
