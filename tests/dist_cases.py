@@ -154,6 +154,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "predicted": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
         "layouts": [(lay.row_numel, lay.numel, len(lay.slots)) for lay in step.layouts],
         "program": str(step.program) if rank == 0 else "",
+        "keep_live": step.program.prefetch.keep_live if step.program.prefetch else 0,
         "eager_ops_left": [n.name for n in step.gm.graph.nodes if n.op == "call_function"
                            and isinstance(n.target, torch._ops.OpOverload) and not _is_view(n)],
         "codegen": None if step.codegen is None else [

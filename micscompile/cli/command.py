@@ -53,8 +53,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     cluster = calibrate(repeats=args.repeats, log=print if rank == 0 else None)
     if rank == 0:
-        cluster.save(args.out)
-        print(f"wrote {args.out}")
+        from micscompile.cost_model.specs import CALIBRATION_CACHE
+
+        cache = CALIBRATION_CACHE.expanduser()  # what mc.compile schedules on here from now on
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        for path in (args.out, cache):
+            cluster.save(path)
+            print(f"wrote {path}")
     dist.destroy_process_group()
     return 0
 

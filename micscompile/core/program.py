@@ -180,6 +180,8 @@ class Program:
     """The ``cost_model.specs.Cluster`` it was scheduled for (lowering.flat); prices ``predict`` and ``print``."""
     prefetch: Prefetch | None = None
     """Where the schedule put the gathers."""
+    choice: str = ""
+    """How the schedule was chosen (``lowering.flat``): what was priced, and the choice's predicted gain."""
     pricer: Callable[..., Any] | None = None
     """``pricer(program, cluster, **costs)`` -> a ``cost_model.simulator.Prediction``: the lowering that
     built the Program hands it the cost model (core imports nothing above it, docs/design.md#layering)."""
@@ -346,6 +348,8 @@ class Program:
         if pred is not None:
             head += f"\npredicted on {self.cluster.name}: {pred.step_time_s * 1e3:.3f} ms per step, " \
                     f"exposed comm {pred.exposed_comm_s * 1e3:.3f} ms"
+        if self.choice:
+            head += f"\n{self.choice}"
         timing = f"{'start ms':>10}{'end ms':>10}{'live':>11}  " if pred is not None else ""
         cols = f"{'#':>4}  {timing}{'action':<8}{'bucket':<22}{'group':<18}{'bytes':>12}  detail"
         lines = [head, cols, "-" * len(cols)]

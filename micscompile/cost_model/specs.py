@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,3 +195,46 @@ PRESETS: dict[str, Cluster] = {
     "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6),
     "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6),
 }
+
+
+# ---- the cluster a step is scheduled on when the user names none ------------------------------
+
+CALIBRATION_CACHE = Path("~/.cache/micscompile/local_cluster.json")
+"""Where ``micscompile calibrate`` also keeps this machine's calibration (``default_cluster`` reads it)."""
+
+CPU_ESTIMATE = GpuSpec(
+    name="cpu rank (built-in estimate)", device_type="cpu",
+    peak_flops={"float32": 50e9, "bfloat16": 50e9, "float16": 1e9},
+    memory_bandwidth_bps=24e9, memory_bytes=4 * GIB, matmul_efficiency=1.0, memory_efficiency=1.0,
+    op_overhead_s=2e-6)
+"""One gloo rank of a small CPU machine, rounded from a calibration of this project's 2-core CI
+machine with 4 ranks (docs/cost-model.md); ``default_cluster`` uses it until ``micscompile calibrate``
+has run here."""
+
+
+def _cpu_estimate(world_size: int, gpus_per_node: int) -> Cluster:
+    """Gloo on shared memory: ~1.5 GB/s per rank and ~1 ms per collective, and nothing hides behind
+    compute (the ranks' compute keeps the cores the communication threads need busy)."""
+    link = Link(bandwidth_bps=1.5e9, latency_s=1e-3)
+    return Cluster(name="cpu (built-in estimate)", nodes=-(-world_size // gpus_per_node), gpus_per_node=gpus_per_node,
+                   gpu=CPU_ESTIMATE, intra=link, inter=link, overlap=0.0)
+
+
+GPU_PRESETS = (("H100", "dgx-h100"), ("A100-SXM4-80GB", "p4de.24xlarge"), ("A100 80GB", "p4de.24xlarge"),
+               ("A100", "p4d.24xlarge"), ("V100", "p3dn.24xlarge"))
+"""(a substring of ``torch.cuda.get_device_name()``, the preset of the machines that GPU comes in), first match."""
+
+
+def default_cluster(device_type: str, device_name: str, world_size: int, gpus_per_node: int) -> Cluster | None:
+    """The cluster ``mc.compile`` prices its schedule on when given none: for a GPU, the preset of the
+    machines it comes in (``GPU_PRESETS``; None for another GPU); on CPU, this machine's calibration
+    (``$MICSCOMPILE_CLUSTER``, ./local_cluster.json, then ``CALIBRATION_CACHE``), else the built-in
+    estimate. Shaped as the run: ``gpus_per_node`` ranks per node, as many nodes as the world needs."""
+    nodes = -(-world_size // gpus_per_node)
+    if device_type != "cpu":
+        preset = next((name for part, name in GPU_PRESETS if part in device_name), None)
+        return None if preset is None else dataclasses.replace(PRESETS[preset], nodes=nodes, gpus_per_node=gpus_per_node)
+    for path in (os.environ.get("MICSCOMPILE_CLUSTER"), "local_cluster.json", CALIBRATION_CACHE.expanduser()):
+        if path and Path(path).is_file():
+            return dataclasses.replace(Cluster.load(path), nodes=nodes, gpus_per_node=gpus_per_node)
+    return _cpu_estimate(world_size, gpus_per_node)

@@ -334,6 +334,7 @@ def lower_flat(
             f"{minimum:,}, or lower bucket_bytes / raise partition_size"
         )
     cand, program = best
+    program = dataclasses.replace(program, choice=_choice(cand, candidates, cluster, forced is not None))
     program.validate()
     if not need_graph:
         return LoweredFlat(program, tuple(candidates), cand.prefetch)
@@ -342,7 +343,22 @@ def lower_flat(
     ctx, graph, records, lowered_program = base if reuse else lower(pf, log)
     if _collectives_of(lowered_program) != _collectives_of(program):
         raise ProgramError("the lowered graph's collectives differ from those the search chose")
-    return LoweredFlat(dataclasses.replace(lowered_program, prefetch=pf), tuple(candidates), pf, ctx, graph, records)
+    return LoweredFlat(dataclasses.replace(lowered_program, prefetch=pf, choice=program.choice), tuple(candidates), pf,
+                       ctx, graph, records)
+
+
+def _choice(cand: PrefetchCandidate, candidates: list[PrefetchCandidate], cluster: Cluster | None, forced: bool) -> str:
+    """One line for ``print(program)``: the schedule chosen, how, and its predicted gain over prefetching
+    one use interval ahead (the default without a cluster)."""
+    how = "given" if forced else "chosen"
+    if cluster is None or cand.step_time_s is None:
+        return f"schedule: {cand.prefetch} ({how}; no cluster to price candidates on)"
+    line = f"schedule: {cand.prefetch}, {how} of {len(candidates)} priced on {cluster.name}"
+    base = next((c for c in candidates if c.prefetch == Prefetch(distance=1) and c.step_time_s), None)
+    if base is not None and base is not cand:
+        line += (f": {cand.step_time_s * 1e3:.3f} ms predicted, {base.step_time_s / cand.step_time_s:.2f}x "
+                 f"prefetch 1's {base.step_time_s * 1e3:.3f} ms")
+    return line
 
 
 def lower_evaluation(

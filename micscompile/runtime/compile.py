@@ -27,7 +27,7 @@ from micscompile.core import collectives as C
 from micscompile.core.launch import step_device
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
-from micscompile.cost_model.specs import Cluster
+from micscompile.cost_model.specs import Cluster, default_cluster
 from micscompile.lowering.flat import LoweredFlat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
@@ -150,11 +150,13 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     each module's ``reset_parameters()``). Needs torch.distributed initialized.
 
     Where the gathers go (``lowering.flat``: prefetch distance, gathers issued across
-    micro-steps, buckets kept live from forward into backward) is chosen under
-    ``plan.memory_budget_bytes`` by simulating candidates on ``cluster`` (e.g.
-    ``Cluster.preset("local")`` after calibrating); without a cluster, one use interval
-    ahead where the budget allows. ``prefetch`` lists the candidates instead (``Prefetch``
-    objects or distances).
+    micro-steps, buckets kept live from forward into backward) and which buckets gather
+    hierarchically are chosen under ``plan.memory_budget_bytes`` by simulating candidates on
+    ``cluster``; without one, on this device's (``cost_model.specs.default_cluster``: the preset of
+    the machines a known GPU comes in; on CPU this machine's calibration, ``micscompile calibrate``,
+    else a built-in estimate; an unknown GPU: one use interval ahead, unpriced). ``print(step.program)``
+    shows the cluster, the choice and its predicted gain. ``prefetch`` lists the candidates instead
+    (``Prefetch`` objects or distances).
 
     ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
     live at offsets planned from the Program in one arena allocated once (``memory.planner``);
@@ -213,6 +215,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)
         state_keys = list(model.state_dict(keep_vars=True).keys())
+        if cluster is None:  # price the schedule on this device's cluster (None: an unknown GPU)
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            cluster = default_cluster(device.type, name, world, rp.gpus_per_node)
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)
         if isinstance(lowered, LoweredFlat):  # the boundary as the step will run it
