@@ -29,8 +29,10 @@ test: $(STAMP)
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 examples/train_lm.py $(ARGS)
 
+# mc.compile prices its default schedule on this machine's calibration: made once (2 min), then cached
 bench: $(STAMP)
 	$(PIP) install -q -e ".[bench]"
+	test -f $(HOME)/.cache/micscompile/local_cluster.json || OMP_NUM_THREADS=1 $(PY) -m micscompile calibrate --nproc 4
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc-per-node 4 benchmarks/bench_peers.py
 
 clean:

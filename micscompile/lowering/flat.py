@@ -44,8 +44,18 @@ from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import TrainGraph
 
 MAX_DISTANCE = 4
-MAX_KEEP_LIVE = 4
-"""Each kept bucket holds its gather from forward to backward: the first few are what pays."""
+
+
+def keep_live_counts(regathered: int) -> list[int]:
+    """The ``Prefetch.keep_live`` counts the search prices: 1 to 4, then doubling, then all
+    ``regathered`` buckets (where the gathers cannot hide, keeping every one live is what pays:
+    DeepSpeed's ``stage3_max_live_parameters``); O(log n) simulations for n blocks."""
+    counts = {k for k in (1, 2, 3, 4) if k <= regathered}
+    k = 8
+    while k < regathered:
+        counts.add(k)
+        k *= 2
+    return sorted(counts | ({regathered} if regathered else set()))
 
 
 @dataclass(frozen=True)
@@ -262,8 +272,8 @@ def lower_flat(
     more gathered than the first choice must fit the device's memory in the simulation):
     distance 1 (FSDP's one-ahead), deeper while it helps (up to ``Plan.max_gathers_in_flight``,
     at most MAX_DISTANCE), 0 only when 1 does not fit; then issuing the first gathers across
-    micro-steps; then keeping 1, 2, ... MAX_KEEP_LIVE buckets live from forward into backward (each
-    tried). Without a
+    micro-steps; then keeping 1, 2, 3, 4, 8, ... all buckets live from forward into backward (each
+    tried, ``keep_live_counts``). Without a
     cluster: distance 1 (0 if 1 does not fit). ``prefetch`` lists the candidates instead
     (ints are distances; e.g. ``(0,)``: no prefetch). ``costs`` go to ``simulate_program``.
     ``need_graph=False``: only the Program is wanted (no second lowering; ctx, graph and
@@ -319,8 +329,8 @@ def lower_flat(
         if rp.micro_batches > 1:
             consider(dataclasses.replace(best[0].prefetch, across_micro_steps=True))
         base_choice = best[0].prefetch
-        for k in range(1, MAX_KEEP_LIVE + 1):  # all of them: a kept bucket whose gather was hidden gains nothing
-            try:
+        for k in keep_live_counts(len(base[3].regathered_buckets)):  # each: a kept bucket whose gather was
+            try:                                                      # hidden gains nothing
                 consider(dataclasses.replace(base_choice, keep_live=k))
             except PlanError:  # fewer buckets are used in both forward and backward
                 break
