@@ -1,5 +1,6 @@
 """The cost model reproduces the thesis's analytic results; the simulator's invariants hold."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -18,6 +19,8 @@ from micscompile.cost_model.collective_time import (
     inter_node_bytes,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
+from micscompile.lowering.flat import lower_flat
+from micscompile.lowering.groups import planned_groups
 
 GB = 1 << 30
 
@@ -234,3 +237,39 @@ def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
     cluster = Cluster.preset("p4d.24xlarge", nodes=1)
     profiled = mc.simulate(trace, mc.Plan(partition_size=2), cluster.with_nodes(1), scaling=False)
     assert profiled.compute_s >= sum(a.measured_s for a in compute)
+
+
+def test_default_cluster_is_the_devices(monkeypatch, tmp_path):
+    """Issue 28: mc.compile without cluster= prices its schedule on this device's cluster: a known
+    GPU's preset, this machine's calibration (env, ./local_cluster.json, the cache), else the estimate."""
+    from micscompile.cost_model import specs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MICSCOMPILE_CLUSTER", raising=False)
+    monkeypatch.setattr(specs, "CALIBRATION_CACHE", tmp_path / "cache" / "local_cluster.json")
+    h100 = specs.default_cluster("cuda", "NVIDIA H100 80GB HBM3", 16, 8)
+    assert h100.gpu.name == "H100-80GB" and (h100.nodes, h100.gpus_per_node) == (2, 8)
+    assert specs.default_cluster("cuda", "NVIDIA A100-SXM4-80GB", 8, 8).name == "p4de.24xlarge"
+    assert specs.default_cluster("cuda", "NVIDIA A100-SXM4-40GB", 8, 8).name == "p4d.24xlarge"
+    assert specs.default_cluster("cuda", "NVIDIA GeForce RTX 4090", 2, 2) is None  # unknown: unpriced
+    estimate = specs.default_cluster("cpu", "cpu", 4, 2)
+    assert estimate.gpu is specs.CPU_ESTIMATE and (estimate.nodes, estimate.overlap) == (2, 0.0)
+    calibrated = dataclasses.replace(Cluster.preset("p3dn.24xlarge"), name="calibrated here")
+    specs.CALIBRATION_CACHE.parent.mkdir()
+    calibrated.save(specs.CALIBRATION_CACHE)
+    assert specs.default_cluster("cpu", "cpu", 4, 2).name == "calibrated here"
+    dataclasses.replace(calibrated, name="in the working directory").save(tmp_path / "local_cluster.json")
+    assert specs.default_cluster("cpu", "cpu", 4, 4).name == "in the working directory"
+    dataclasses.replace(calibrated, name="named").save(tmp_path / "named.json")
+    monkeypatch.setenv("MICSCOMPILE_CLUSTER", str(tmp_path / "named.json"))
+    got = specs.default_cluster("cpu", "cpu", 4, 4)
+    assert got.name == "named" and (got.nodes, got.gpus_per_node) == (1, 4)
+
+
+def test_program_names_the_schedules_choice_and_gain(lm_trace):
+    rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
+    program = lower_flat(lm_trace, rp, Cluster.preset("p4d.24xlarge"), planned_groups(rp)).program
+    first = str(program).splitlines()[2]
+    assert first.startswith(f"schedule: {program.prefetch}, chosen of ") and "priced on p4d.24xlarge" in first
+    given = lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=[1]).program
+    assert "schedule: prefetch 1 (given; no cluster to price candidates on)" in str(given)

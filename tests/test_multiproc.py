@@ -209,6 +209,7 @@ def test_program_prints_every_collective(results):
     assert "p=2 d=2 s=3" in text
     for code in ("AG0", "W:AG0", "REL0", "RS0", "W:RS0", "SH0", "W:SH0", "ARL", "OPT"):
         assert code in text, code
+    assert "\nschedule: prefetch " in text and ", chosen of " in text and " priced on " in text  # no cluster= given
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.k], ids=lambda c: c.id)
