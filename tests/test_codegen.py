@@ -115,7 +115,7 @@ def test_backend_refuses_pipelines_and_takes_only_plans():
 
 
 def test_plan_refuses_an_unknown_codegen_and_inductor_in_low_precision():
-    with pytest.raises(mc.PlanError, match="codegen must be 'eager' or 'inductor'"):
+    with pytest.raises(mc.PlanError, match="codegen must be 'auto', 'eager' or 'inductor'"):
         mc.Plan(codegen="triton")
     with pytest.raises(mc.PlanError, match="runs fp32 plans only"):
         mc.Plan(codegen="inductor", param_dtype=torch.bfloat16)
@@ -341,3 +341,26 @@ def test_a_lifted_module_attribute_that_changes_is_refused():
     model.temperature = 2.0
     msg = _first_error(run, x, y)
     assert "CaptureError" in msg and "changed from 1.5 to 2.0" in msg, msg
+
+
+def test_auto_codegen_is_the_cost_models_choice():
+    """Plan.codegen="auto" (the default): Inductor only where fusing the elementwise runs is predicted
+    >= 5% faster and the time saved over 10,000 steps pays for compiling; fp32 plans only."""
+    from models import meta_lm_trace
+
+    from micscompile.cost_model.specs import Cluster, default_cluster
+    from micscompile.runtime.codegen import choose_codegen
+
+    assert mc.Plan().codegen == "auto"
+    tg = meta_lm_trace(vocab=256, h=256, layers=4, batch=8, seq=64)
+    rp = mc.Plan(partition_size=2, micro_batches=3).resolve(4)
+    on_cpu = choose_codegen(tg, rp, default_cluster("cpu", "cpu", 4, 2))
+    assert on_cpu.codegen == "eager" and on_cpu.inductor_s <= on_cpu.eager_s  # matmul-bound: fusing saves ~nothing
+    slow = dataclasses.replace(Cluster.preset("dgx-h100"), name="slow dispatch")
+    slow = dataclasses.replace(slow, gpu=dataclasses.replace(slow.gpu, op_overhead_s=1e-3))
+    dispatch_bound = choose_codegen(tg, rp, slow)
+    assert dispatch_bound.codegen == "inductor" and dispatch_bound.eager_s > 1.05 * dispatch_bound.inductor_s
+    assert str(dispatch_bound).startswith("codegen: inductor (auto: predicted ") and "slow dispatch" in str(dispatch_bound)
+    bf16 = mc.Plan(partition_size=2, param_dtype=torch.bfloat16).resolve(4)
+    assert choose_codegen(tg, bf16, slow).reason == "Inductor runs fp32 plans only"
+    assert choose_codegen(tg, rp, None).codegen == "eager"

@@ -41,7 +41,8 @@ def _torchrun(nproc: int, module: str, args: list[str]) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ:  # not under torchrun yet: relaunch with --nproc ranks
-        return _torchrun(args.nproc, "micscompile", ["calibrate", "--out", args.out, "--repeats", str(args.repeats)])
+        out = ["--out", args.out] if args.out else []
+        return _torchrun(args.nproc, "micscompile", ["calibrate", *out, "--repeats", str(args.repeats)])
     import torch
     import torch.distributed as dist
 
@@ -55,9 +56,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if rank == 0:
         from micscompile.cost_model.specs import CALIBRATION_CACHE
 
-        cache = CALIBRATION_CACHE.expanduser()  # what mc.compile schedules on here from now on
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        for path in (args.out, cache):
+        paths = [Path(args.out)] if args.out else [Path("local_cluster.json"), CALIBRATION_CACHE.expanduser()]
+        for path in paths:  # the cache: what mc.compile schedules on here from now on
+            path.parent.mkdir(parents=True, exist_ok=True)
             cluster.save(path)
             print(f"wrote {path}")
     dist.destroy_process_group()
@@ -277,7 +278,8 @@ def parser() -> argparse.ArgumentParser:
                       help="search pipeline stages too")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
     cal.add_argument("--nproc", type=int, default=4, help="ranks to measure with (when not under torchrun)")
-    cal.add_argument("--out", default="local_cluster.json", help="where to write the calibrated cluster")
+    cal.add_argument("--out", default=None, help="where to write the calibrated cluster (default: ./local_cluster.json "
+                     "and ~/.cache/micscompile/local_cluster.json, which mc.compile's default schedule reads)")
     cal.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
     return ap
 

@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reduce-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the gradient reductions")
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device (no full weights)")
-    ap.add_argument("--codegen", choices=["eager", "inductor"], default="eager",
-                    help="Plan.codegen: run the compute between collectives op by op, or Inductor-compiled")
+    ap.add_argument("--codegen", choices=["auto", "eager", "inductor"], default="auto",
+                    help="Plan.codegen: run the compute between collectives op by op, Inductor-compiled, or as the "
+                         "cost model picks (auto)")
     ap.add_argument("--dynamo", action="store_true",
                     help="capture with torch.compile(loss, backend=mc.backend(plan, ...)) instead of mc.compile")
     ap.add_argument("--check", action="store_true", help="compare with single-process eager PyTorch")
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     out("passes: " + "; ".join(map(str, step.pass_records)))
     program = str(step.program).splitlines()
     out("\n".join(program if args.program else program[:16] + ["   ... (--program prints it all)"] + program[-8:]))
+    if step.codegen_choice is not None:
+        out(f"\n{step.codegen_choice}")
     if step.codegen is not None:
         out(f"\n{step.codegen}")
 

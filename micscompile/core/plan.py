@@ -78,10 +78,13 @@ class Plan:
     grad_sync: Literal["2hop", "every_step"] = "2hop"
     """"2hop": reduce-scatter in the partition group per micro-step, all-reduce in the
     replication group at the boundary; "every_step": all-reduce over all ranks every micro-step."""
-    codegen: Literal["eager", "inductor"] = "eager"
+    codegen: Literal["auto", "eager", "inductor"] = "auto"
     """How the compute between communication points runs: "eager" op by op (ops with an ``out=``
     overload write into the arena); "inductor": each region compiled by Inductor (C++ on CPU, Triton
-    on GPU), identical regions compiled once (micscompile.runtime.codegen)."""
+    on GPU), identical regions compiled once (micscompile.runtime.codegen); "auto": ``mc.compile``
+    picks one by the cost model on the cluster it schedules on (``runtime.codegen.choose_codegen``:
+    Inductor where fusing is predicted >= 5% faster and pays for its compile; ``step.codegen_choice``
+    says which and why)."""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None, optional: bool = False) -> None:
@@ -117,8 +120,8 @@ class Plan:
                             "(or 'selective') too")
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
-        if self.codegen not in ("eager", "inductor"):
-            raise PlanError(f"Plan.codegen must be 'eager' or 'inductor', got {self.codegen!r}")
+        if self.codegen not in ("auto", "eager", "inductor"):
+            raise PlanError(f"Plan.codegen must be 'auto', 'eager' or 'inductor', got {self.codegen!r}")
         if self.codegen == "inductor" and (self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32):
             raise PlanError("Plan.codegen='inductor' runs fp32 plans only: with bfloat16 parameters the regions "
                             "Inductor compiled on CPU returned non-finite layer-norm gradients for the tied LM (not "

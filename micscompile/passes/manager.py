@@ -60,7 +60,7 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
 def arena_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
     """With an arena, ops with an ``out=`` overload write into it; not when Inductor generates the
     compute (``Plan.codegen``: its kernels allocate their own outputs)."""
-    return [("out_variants", out_variants_pass)] if arena and plan.codegen == "eager" else []
+    return [("out_variants", out_variants_pass)] if arena and plan.codegen != "inductor" else []
 
 
 def run_passes(

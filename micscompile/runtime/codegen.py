@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ import torch.fx
 from torch import nn
 
 from micscompile.core.collectives import fmt_bytes
-from micscompile.cost_model.node_cost import _is_view
+from micscompile.core.program import Action, Kind
+from micscompile.cost_model.node_cost import _is_view, node_work
+from micscompile.cost_model.simulator import compute_time_s
 from micscompile.trace import META_BYTES, META_FQN, META_REGION
 
 
@@ -289,3 +292,93 @@ def compile_regions(
     graph.lint()
     gm.recompile()
     return regions
+
+
+# ---- Plan.codegen="auto": eager or Inductor, by the cost model -----------------------------------
+
+COMPILE_S_PER_OP = 14.6 / 136
+"""Inductor's compile time per op compiled, cold cache: 14.6 s for the 136 ops (4 regions) of
+bench_peers' GPT (4 x 256) at p=1 on this project's 2-core CPU machine (docs/performance.md)."""
+AMORTIZED_STEPS = 10_000
+"""The steps a compile must pay back over (a training run's order of magnitude)."""
+MIN_GAIN = 0.05
+"""Below this predicted gain per step the choice would sit inside measurement noise: eager."""
+
+
+@dataclass(frozen=True)
+class CodegenChoice:
+    """What ``Plan.codegen="auto"`` chose and why (``step.codegen_choice``)."""
+
+    codegen: str
+    reason: str
+    eager_s: float | None = None
+    """Predicted compute per micro-step, op by op."""
+    inductor_s: float | None = None
+    """Predicted compute per micro-step with fused elementwise runs."""
+    compile_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"codegen: {self.codegen} (auto: {self.reason})"
+
+
+def _fused_estimate(graph: torch.fx.Graph, gpu, dtype: str) -> tuple[float, float, int]:
+    """(eager, fused seconds per micro-step, ops to compile) of a traced graph on ``gpu``: eager pays
+    every op's dispatch and bytes; Inductor runs each maximal run of non-matmul ops inside one
+    (phase, block) segment as one kernel that reads the run's inputs and writes its outputs once, and
+    the matmul-class ops as they are. Blocks of one stack (``layers.3``, ``layers.7``) compile once."""
+    def seconds(matmul_flops: float = 0, mem_bytes: float = 0, ops: int = 0) -> float:
+        return compute_time_s(Action(Kind.COMPUTE, ops=ops, matmul_flops=matmul_flops, mem_bytes=mem_bytes), gpu, dtype)
+
+    eager = fused = 0.0
+    first: dict[tuple[str, str], str] = {}  # (phase, module pattern) -> the first module of that pattern
+    to_compile = 0  # the ops of those first modules: the others reuse their compiled regions
+    run: list[torch.fx.Node] = []
+
+    def close() -> None:
+        nonlocal fused
+        if run:
+            inputs, outputs = _boundary(run)
+            moved = sum(n.meta.get(META_BYTES, 0) for n in (*inputs, *outputs))
+            fused += seconds(mem_bytes=moved, ops=1)
+            run.clear()
+
+    segment = None
+    for node in graph.nodes:
+        if node.op != "call_function" or _is_view(node):
+            continue
+        work = node_work(node)
+        eager += seconds(work.matmul_flops, work.mem_bytes, work.ops)
+        fqn = node.meta.get(META_FQN, "")
+        key = (node.meta.get(META_REGION, ""), re.sub(r"\.\d+(?=\.|$)", ".*", fqn))
+        if key != segment:
+            close()
+            segment = key
+        to_compile += first.setdefault(key, fqn) == fqn
+        if work.matmul_flops:  # a matmul-class op: its own kernel, as eager
+            close()
+            fused += seconds(work.matmul_flops, 0, 1)
+        else:
+            run.append(node)
+    close()
+    return eager, fused, to_compile
+
+
+def choose_codegen(tg, rp, cluster) -> CodegenChoice:
+    """``Plan.codegen="auto"``: Inductor when the cost model predicts its compute per step at least
+    ``MIN_GAIN`` faster and the time saved over ``AMORTIZED_STEPS`` steps pays for its compile; else
+    eager. Inductor runs fp32 plans only; without a cluster there is nothing to price it on."""
+    plan = rp.plan
+    if plan.param_dtype != torch.float32 or plan.reduce_dtype != torch.float32:
+        return CodegenChoice("eager", "Inductor runs fp32 plans only")
+    if cluster is None:
+        return CodegenChoice("eager", "no cluster to price Inductor on")
+    dtype = str(plan.param_dtype).removeprefix("torch.")
+    eager, fused, ops = _fused_estimate(tg.gm.graph, cluster.gpu, dtype)
+    compile_s = ops * COMPILE_S_PER_OP
+    saved = (eager - fused) * plan.micro_batches
+    gain = eager / fused if fused > 0 else 1.0
+    chosen = "inductor" if gain >= 1 + MIN_GAIN and saved * AMORTIZED_STEPS >= compile_s else "eager"
+    why = (f"predicted {eager * 1e3:.3f} ms of compute per micro-step op by op, {fused * 1e3:.3f} ms fused "
+           f"({gain:.2f}x) on {cluster.name}; {saved * AMORTIZED_STEPS:.0f} s saved over {AMORTIZED_STEPS} steps "
+           f"against ~{compile_s:.0f} s of compiling")
+    return CodegenChoice(chosen, why, eager, fused, compile_s)

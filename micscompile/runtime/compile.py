@@ -33,6 +33,7 @@ from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.memory.lifetimes import arena_offsets
+from micscompile.runtime.codegen import choose_codegen
 from micscompile.runtime.flat import TrainStep
 from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
@@ -165,6 +166,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     ``plan.codegen="inductor"``: the compute between communication points is compiled by Inductor
     here, before the first collective (a region it cannot compile raises ``CodegenError``);
     ``step.codegen`` lists the regions and their compile times (``micscompile.runtime.codegen``).
+    ``"auto"`` (the default) picks eager or Inductor by the cost model on the same cluster as the
+    schedule; ``step.codegen_choice`` says which and why.
 
     ``timeout`` (seconds or a timedelta; default: the default process group's): how long any
     collective of the step may take. It is set on every process group the step uses (the
@@ -218,6 +221,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if cluster is None:  # price the schedule on this device's cluster (None: an unknown GPU)
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             cluster = default_cluster(device.type, name, world, rp.gpus_per_node)
+        codegen_choice = None
+        if rp.plan.codegen == "auto":  # eager or Inductor, priced on the same cluster
+            codegen_choice = choose_codegen(tg, rp, cluster)
+            rp = dataclasses.replace(rp, plan=rp.plan.replace(codegen=codegen_choice.codegen))
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)
         if isinstance(lowered, LoweredFlat):  # the boundary as the step will run it
@@ -236,6 +243,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     _check_agreement(prints, error, world, order)
     step = kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
+    step.codegen_choice = codegen_choice
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
     step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
     return step

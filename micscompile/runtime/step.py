@@ -112,6 +112,8 @@ class Step(Checkpointable):
         """What this rank runs: a ``Program`` (flat) or a ``LoweredPipeline`` (print it)."""
         self.codegen = codegen
         """With ``Plan.codegen="inductor"``: the compiled regions and their compile times (print it)."""
+        self.codegen_choice = None
+        """With ``Plan.codegen="auto"``: what the cost model chose and why (``runtime.codegen.CodegenChoice``)."""
         self.graph = graph
         self.device = device
         self._parts = parts
