@@ -27,7 +27,8 @@ SLACK_S = 20.0  # process start-up is not in it: timed from the victim's last br
 pytestmark = pytest.mark.multiproc
 
 
-def _worker(rank: int, store: str, out_dir: str, how: str, backend: str = "gloo", world: int = WORLD) -> None:
+def _worker(rank: int, store: str, out_dir: str, how: str, backend: str = "gloo", world: int = WORLD,
+            pipeline: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -45,21 +46,28 @@ def _worker(rank: int, store: str, out_dir: str, how: str, backend: str = "gloo"
         torch.manual_seed(0)
         model = cls()
         batch = make_batches(1, 8)[0]
-        step = mc.compile(model, mc.Plan(partition_size=2, micro_batches=2), loss_fn=make_loss(model),
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=batch, timeout=TIMEOUT_S)
+        plan = mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=2) if pipeline else \
+            mc.Plan(partition_size=2, micro_batches=2)
+        step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                          example_inputs=batch, timeout=TIMEOUT_S)
         step(*batch)  # one whole step first
-        if rank == world - 1:  # the victim: the third collective of step 2 is its last, mid-micro-batch
-            record, calls = step.comm_stats().record, [0]
+        if rank == world - 1:  # the victim: its third collective (a pipeline: P2P batch) of step 2 is its last
+            calls = [0]
 
-            def last_breath(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == 3:
-                    with open(os.path.join(out_dir, "victim.json"), "w") as f:
-                        json.dump({"t": time.time()}, f)
-                    os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-                return record(*args, **kwargs)
+            def dying(call):
+                def last_breath(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == 3:
+                        with open(os.path.join(out_dir, "victim.json"), "w") as f:
+                            json.dump({"t": time.time()}, f)
+                        os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+                    return call(*args, **kwargs)
+                return last_breath
 
-            step.comm_stats().record = last_breath
+            if pipeline:  # mid-exchange: the stage before it waits on its activations' gradients
+                dist.batch_isend_irecv = dying(dist.batch_isend_irecv)
+            else:
+                step.comm_stats().record = dying(step.comm_stats().record)
         for _ in range(3):
             step(*batch)
     except BaseException as exc:
@@ -75,6 +83,12 @@ def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
     _the_others_exit_nonzero_within_the_timeout(tmp_path, how, "gloo", WORLD)
 
 
+def test_a_rank_killed_in_a_pipeline_exchange_the_others_exit_within_the_timeout(tmp_path):
+    """Issue 29: SIGKILL in the middle of a P2P exchange (S=2 1F1B): its stage neighbour raises from
+    the exchange, the other pipe from the boundary all-reduce, each a CollectiveError in time."""
+    _the_others_exit_nonzero_within_the_timeout(tmp_path, "killed", "gloo", WORLD, pipeline=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (dist.is_nccl_available() and torch.cuda.device_count() >= 2), reason="needs 2 GPUs and NCCL")
 @pytest.mark.parametrize("how", ["killed", "hung"])
@@ -82,9 +96,11 @@ def test_nccl_with_blocking_wait_the_others_exit_nonzero_within_the_timeout(tmp_
     _the_others_exit_nonzero_within_the_timeout(tmp_path, how, "nccl", 2)
 
 
-def _the_others_exit_nonzero_within_the_timeout(tmp_path, how: str, backend: str, world: int) -> None:
+def _the_others_exit_nonzero_within_the_timeout(tmp_path, how: str, backend: str, world: int,
+                                                pipeline: bool = False) -> None:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path), how, backend, world))
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path), how, backend, world,
+                                               pipeline))
              for r in range(world)]
     for p in procs:
         p.start()
