@@ -144,7 +144,18 @@ def save(step: mc.TrainStep, schedule, out: Path, keep: int, rank: int) -> Path:
     return final
 
 
+def check_complete(path: Path) -> None:
+    """Refuse a checkpoint that is not whole: DCP writes ``.metadata`` last, on rank 0, once every
+    rank's files are in (a run killed mid-save leaves the files without it, under ``.tmp``)."""
+    if path.name.endswith(".tmp") or not (path / ".metadata").is_file():
+        files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise SystemExit(f"{path} is not a complete checkpoint: it has no .metadata (written last, once every "
+                         f"rank's files are in; found {files or 'nothing'}): a run was killed while saving it. "
+                         f"Resume from an earlier step_* directory")
+
+
 def load(step: mc.TrainStep, schedule, path: Path) -> None:
+    check_complete(path)
     state = step.state_dict()
     state["schedule"] = schedule.state_dict()
     dcp.load(state, checkpoint_id=str(path))
