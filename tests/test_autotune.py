@@ -259,3 +259,18 @@ def test_a_prediction_carries_its_clusters_held_out_error():
     pipe = mc.simulate(tg, mc.Plan(partition_size=4, pipeline_stages=2, micro_batches=2),
                        mc.Cluster.preset("p4d.24xlarge", nodes=1))
     assert pipe.uncertainty == p4d.uncertainty
+
+
+def test_repricing_places_second_hops_for_each_partition_size(symbolic):
+    """One Pricer, one structure lowered once, priced at p = n (no replicas: no second hop) and then at
+    p < n (each bucket's all-reduce over the replicas in the last backward) and back: each equals
+    mc.simulate, whichever partition size the structure was first lowered for."""
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    pricer = Pricer(symbolic, cl, [1, 2, 8])
+    pf = mc.Prefetch(distance=1)
+    for p in (16, 8, 16):
+        plan = mc.Plan(partition_size=p, micro_batches=2, hierarchical=False)
+        got = pricer.predict(plan, 2, pf)
+        want = mc.simulate(symbolic.at_batch(2), plan, cl, prefetch=[pf], scaling=False)
+        assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9), p
+        assert got.exposed_boundary_s == pytest.approx(want.exposed_boundary_s, rel=1e-9, abs=1e-12), p

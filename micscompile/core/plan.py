@@ -202,6 +202,12 @@ class ResolvedPlan:
         return self.plan.micro_batches
 
     @property
+    def second_hop_in_backward(self) -> bool:
+        """A flat 2-hop plan over d > 1 replicas all-reduces each bucket over the replicas in its last
+        backward, as soon as the bucket is reduced (a pipeline: at the boundary)."""
+        return self.stages == 1 and self.plan.grad_sync == "2hop" and self.replicas > 1
+
+    @property
     def bucket_bytes(self) -> int | None:
         """``Plan.bucket_bytes``, or its default for this partition size."""
         if self.plan.bucket_bytes is None and self.partition_size == 1 and self.stages == 1:

@@ -11,7 +11,7 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.collectives import GroupInfo
 from micscompile.core.plan import ResolvedPlan
-from micscompile.core.program import ISSUE_KIND, Action, Kind, Program
+from micscompile.core.program import ISSUE_KIND, REGION_BWD, Action, Kind, Program
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
 from micscompile.trace import META_FLOPS, META_FQN, META_REGION
@@ -75,6 +75,23 @@ def build_program(
             run.append(node)
     flush()
     return Program(rank, plan, layouts, groups, actions, boundary_actions(plan, layouts, actions))
+
+
+def with_second_hops(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:
+    """``micro_step`` with the second hops ``insert_collectives`` places for ``plan``: one right after
+    each bucket's reduction is done (its reduce-scatter's wait; at p = 1 its pack), where
+    ``ResolvedPlan.second_hop_in_backward``; none otherwise. For a Program lowered for another
+    partition size (``tune.repricing``)."""
+    out = []
+    for a in micro_step:
+        if a.kind is Kind.SECOND_HOP:
+            continue
+        out.append(a)
+        done = a.kind is Kind.PACK or (a.kind is Kind.WAIT and a.waits_for is Kind.REDUCE_SCATTER)
+        if done and plan.second_hop_in_backward:
+            out.append(Action(Kind.SECOND_HOP, a.bucket, group="replicate",
+                              tensor_bytes=layouts[a.bucket].grad_shard_bytes, region=REGION_BWD))
+    return out
 
 
 def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:

@@ -289,7 +289,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     flat = ctx.plan.stages == 1  # a pipeline chunk's gradients leave through its outputs (runtime.pipeline)
     if p == 1 and reduce_fn is C.reduce_scatter_issue:
         reduce_fn = C.accumulate_local if flat else C.pack_local
-    hop = flat and ctx.plan.plan.grad_sync == "2hop" and ctx.plan.replicas > 1
+    hop = ctx.plan.second_hop_in_backward
     jobs = []
     for lay in layouts:
         gs = [grad_of.get(s.name) for s in lay.slots]

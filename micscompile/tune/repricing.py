@@ -10,7 +10,7 @@ structure, whatever its depth. Within one structure:
   FLOP count a numpy array over the sizes), lowered once, and ``at_index`` picks one size's
   Program out of it;
 * the partition size p changes only the buckets' sizes and groups: ``for_partition`` puts the
-  layouts, groups, hierarchical choice and replication all-reduces of p into the Program
+  layouts, groups, hierarchical choice and replication all-reduces (second hops) of p into the Program
   lowered for another p (tests: equal to lowering p directly).
 
 Each candidate then costs one ``lowering.flat.apply_prefetch`` and one simulation. Predictions
@@ -29,7 +29,7 @@ from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.build import boundary_actions, build_program
+from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets, lower_flat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import LoweredPipeline
@@ -81,7 +81,7 @@ def for_partition(program: Program, trace: TrainGraph, rp: ResolvedPlan, cluster
                               hierarchical=a.kind is Kind.REDUCE_SCATTER and a.bucket in hier)
         return a
 
-    micro_step = [one(a) for a in program.micro_step]
+    micro_step = with_second_hops(rp, layouts, [one(a) for a in program.micro_step])
     return Program(0, rp, layouts, groups, micro_step, boundary_actions(rp, layouts, micro_step), cluster,
                    pricer=simulate_program)
 
@@ -152,8 +152,10 @@ class Pricer:
                     self._layouts[lkey] = make_context(tg, rp).layouts
                 out = for_partition(program, tg, rp, self.cluster, self._layouts[lkey])
             else:
+                micro_step = with_second_hops(rp, program.layouts, program.micro_step)
                 out = dataclasses.replace(program, plan=rp, groups=planned_groups(rp), cluster=self.cluster,
-                                          boundary=boundary_actions(rp, program.layouts, program.micro_step))
+                                          micro_step=micro_step,
+                                          boundary=boundary_actions(rp, program.layouts, micro_step))
             self._sized_cache[key] = at_index(out, i)
         return dataclasses.replace(self._sized_cache[key], plan=rp)
 
