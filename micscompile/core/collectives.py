@@ -399,18 +399,14 @@ def accumulate(comm: Comm, bucket: int, grad: torch.Tensor) -> None:
 
 def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
     """A flat plan at p = 1: the bucket's gradients added (and cast) straight into their slots of its
-    fp32 accumulator, the first micro-step copying them in and zeroing the rest: no pack buffer, no
+    fp32 accumulator, the first micro-step packing them in (``pack_grads``): no pack buffer, no
     extra copy. Returns the accumulator."""
     layout, acc = comm.layouts[bucket], comm.grads[bucket]
-    first = comm.micro_step == 0
+    if comm.micro_step == 0:
+        return pack_grads(layout, grads, acc)
     for slot, g in zip(layout.slots, grads):
-        dst = acc[slot.offset : slot.offset + slot.numel]
         if g is not None:
-            dst.view(g.shape).copy_(g) if first else dst.view(g.shape).add_(g)
-        elif first:
-            dst.zero_()
-    if first:
-        acc[layout.numel :].zero_()
+            acc[slot.offset : slot.offset + slot.numel].view(g.shape).add_(g)
     return acc
 
 
@@ -421,7 +417,6 @@ def second_hop(comm: Comm, bucket: int, dtype: torch.dtype) -> None:
     if comm.micro_step == comm.micro_steps - 1:
         comm.second_hops.append(all_reduce_start(comm.stats, comm.replicate, comm.grads[bucket], dtype,
                                                  what=_what("second-hop all_reduce", bucket, comm.replicate)))
-
 
 
 def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype,

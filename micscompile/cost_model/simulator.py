@@ -186,6 +186,8 @@ def simulate_program(
     group right after it, every micro-step, on that group's stream (FSDP2's HSDP), and the boundary
     has no all-reduce of its own.
     """
+    if replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
+        program = program.without_second_hops()
     gpu = cluster.gpu
     compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
     groups = program.groups
@@ -381,8 +383,8 @@ def simulate_program(
                     end = flight.end_s
                     if a.kind in synchronous:  # the host blocks on it (its WAIT then finds it done)
                         wait_until(flight.end_s)
-            elif a.kind is Kind.SECOND_HOP and not replicate_every_micro_step:  # (else: the peer's own, after
-                flight = issue(a)                                                 # every reduce-scatter)
+            elif a.kind is Kind.SECOND_HOP:
+                flight = issue(a)
                 pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
                 end = flight.end_s
             elif a.kind is Kind.WAIT:
@@ -413,8 +415,7 @@ def simulate_program(
 
     for i, a in enumerate(program.boundary, start=len(program.micro_step)):
         start = t
-        if replicate_every_micro_step and Kind.SECOND_HOP in (a.kind, a.waits_for) or (
-                a.kind is Kind.ALL_REDUCE and replicate_every_micro_step):
+        if a.kind is Kind.ALL_REDUCE and replicate_every_micro_step:
             continue  # (done after every micro-step's reduce-scatter)
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown

@@ -308,12 +308,13 @@ class Step(Checkpointable):
         backward: waited here), the loss (and its count) summed over "world", tied gradients summed:
         every gradient is then the sum over the global batch."""
         reduce_dtype = self.program.plan.plan.reduce_dtype
-        works = [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
-                 for part in self._parts for b in part.boundary_buckets]
+        works = [w for part in self._parts for w in part.comm.second_hops]  # a flat plan's, issued in its
+        for part in self._parts:                                              # last backward
+            part.comm.second_hops.clear()
+        works += [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
+                  for part in self._parts for b in part.boundary_buckets]
         loss_buf = loss_sum.reshape(-1)
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
-        for part in self._parts:  # a flat plan's second hops, started in the last backward (collectives.second_hop)
-            works[:0], part.comm.second_hops = part.comm.second_hops, []
         for w in works:
             C.collective_wait(None, w)
         self._sum_tied()
