@@ -1,107 +1,284 @@
-"""The plan fuzzer (issue 29 item 1, first version): random flat plans over the test models, each run
-on 4 real gloo ranks in its own launch, classed as trained with parity, refused, or failed.
+"""The plan fuzzer (issue 29): random models under random Plans, each trained on 4 real gloo ranks in
+its own launch and classed as trained with parity, refused, or failed.
 
     OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --n 200 --seed 0
-    OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --replay 17        # one case again, verbose
+    OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --replay 17        # one case again
 
-Case ``seed + i`` draws, from its own ``random.Random``:
+Case ``seed`` draws, from its own ``random.Random(seed)``:
 
-- a model from ``tests/models.py``: the tied LM (a weight shared by the embedding and the head), the
-  conv net (buffers, batch norm in eval) or the quirky graph (unused parameters, in-place ops,
-  several inputs);
-- a Plan over what a flat plan accepts: p, s, grad_sync, gpus_per_node and hierarchical gathers, a
-  forced Prefetch (distance, keep-live, across micro-steps) or the default search, checkpointing
-  (plain, selective, every 1-2 blocks, with offload), bf16 compute and reduction, the arena, a model
-  built on meta, SGD or AdamW.
+- a model: the tied LM (2-6 blocks; a weight shared by the embedding and the head), the conv net
+  (buffers), the quirky graph (a parameter only the loss reads, an unused one, in-place ops), a tiny
+  Hugging Face GPT-2 / Llama / BERT, or a ``RandomNet`` drawn for the purpose (odd sizes, skip
+  connections, a weight shared across blocks, buffers, an unused parameter, in-place ops, one or two
+  inputs; ``tests/models.py``);
+- a Plan over everything it accepts: flat (p, s, grad_sync) or a pipeline (S, t, m; 1F1B, GPipe or
+  interleaved with v = 2), gpus_per_node and hierarchical gathers, a forced Prefetch or the default
+  search, bucket sizes, a memory budget, a cap on gathers in flight, checkpointing (plain, selective,
+  every 1-2 blocks, with offload), fp32 / bf16 / fp16 compute and reduction, codegen (eager, auto,
+  Inductor), the arena, a model built on meta;
+- a training set-up: SGD or AdamW, gradient clipping (``max_grad_norm``, ``inf``: measured only), the
+  token-weighted loss (``(loss_sum, count)`` with targets padded by ``ignore_index``).
 
-It runs ``tests/dist_cases.run_case`` (the parity suite's own case: 5 steps, against single-process
-eager on the same global batch; mixed precision against ``train_reference_mixed``, which sums in
-the same micro-batch order) and classes the outcome:
+Each case trains 4 steps and is compared with ``cli.parity.train_reference_mixed``: single-process eager
+on the same global batch, cut into the plan's micro-batches and summed in their order (in fp32 too, so
+that AdamW's amplification of summation order neither hides nor fakes an error), with the same clipping,
+loss scaling and token count. Outcomes:
 
-- **parity**: losses and the gathered state within docs/design.md's metric (1e-5; 2e-2 for mixed);
-- **refused**: ``mc.compile`` raised the same error on every rank (it checks everything rank-locally
-  before its first collective);
-- **failed**: wrong numbers, another exception, or a hang past ``--timeout``.
-
-Not drawn yet: pipelines, clipping, counted losses, fp16, Inductor, the Hugging Face models and
-random graphs; those are the next steps of issue 29.
+- **parity**: every loss and the gathered state within docs/design.md's metric (1e-5; 2e-2 mixed);
+- **refused**: every rank raised the same error from micscompile's own code while building the Plan or
+  in ``mc.compile`` (which checks everything rank-locally before its first collective);
+- **failed**: wrong numbers, a crash, an error in the steps or not micscompile's, ranks that disagree,
+  or a hang past ``--timeout``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import random
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
-from dist_cases import LOCAL_BATCH, Case, run_case  # noqa: E402
 from harness import launch  # noqa: E402
-from models import MODELS  # noqa: E402
+from models import MODELS, RandomNet, TiedLM, lm_batches  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import micscompile as mc  # noqa: E402
-from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE  # noqa: E402
+from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, train_reference_mixed  # noqa: E402
+from micscompile.runtime.materialize import initialize  # noqa: E402
 
-WORLD = 4
-COMPILE = str(Path("micscompile", "runtime", "compile.py"))
+WORLD, STEPS, LOCAL_BATCH = 4, 4, 12
+ORDER_MARGIN = 4
+"""A value may differ from the reference by up to this many times the difference between the reference
+and itself summed in the reverse micro-batch order (when that exceeds docs/design.md's tolerance)."""
+MICSCOMPILE = str(Path(mc.__file__).resolve().parent)
+FAMILIES = ("tied_lm", "convnet", "quirky", "random", "hf")
+HF_FAMILIES = ("gpt2", "llama", "bert")
+HF_SEQ, HF_BATCH = 8, 4
 
 
-def draw(seed: int) -> Case:
+@dataclass(frozen=True)
+class FuzzCase:
+    seed: int
+    model: str
+    """One of FAMILIES; "random" builds RandomNet(seed), "hf" the tiny ``hf`` family."""
+    layers: int = 2
+    hf: str = "gpt2"
+    plan: tuple = ()
+    """The Plan's fields that differ from its defaults, as (name, value) pairs."""
+    prefetch: mc.Prefetch | None = None
+    opt: str = "sgd"
+    clip: float | None = None
+    counted: bool = False
+    meta: bool = False
+    arena: bool = True
+
+    @property
+    def kwargs(self) -> dict:
+        return {"codegen": "eager", **dict(self.plan)}  # eager unless drawn (Plan's default is "auto")
+
+    @property
+    def id(self) -> str:
+        def show(v):
+            return str(v)[6:] if isinstance(v, torch.dtype) else v
+        names = {"hf": f"hf-{self.hf}", "tied_lm": f"tied_lm{self.layers}", "random": f"random{self.seed}"}
+        what = names.get(self.model, self.model)
+        plan = ",".join(f"{k}={show(v)}" for k, v in self.plan)
+        extra = [self.opt] + ([f"clip={self.clip}"] if self.clip is not None else []) + (["sum/count"] if self.counted else [])
+        extra += (["meta"] if self.meta else []) + ([] if self.arena else ["noarena"])
+        if self.prefetch is not None:
+            pf = self.prefetch
+            extra.append(f"prefetch(d={pf.distance},keep={pf.keep_live}{',across' if pf.across_micro_steps else ''})")
+        return f"{what} Plan({plan}) {' '.join(extra)}"
+
+
+def draw(seed: int) -> FuzzCase:
     """The case of ``seed``: the same on every machine and Python run."""
     rng = random.Random(seed)
-    model = rng.choice(sorted(MODELS))
-    p = rng.choice([1, 2, 4])
-    s = rng.choice([d for d in (1, 2, 3, 4) if LOCAL_BATCH % d == 0])
-    k = rng.choice([None, 2])
-    checkpoint = rng.choice([False, False, True, "selective"])
+    model = rng.choices(FAMILIES, weights=(4, 2, 1, 5, 1))[0]
+    plan: dict = {}
+    pipeline = model != "quirky" and rng.random() < 0.3
+    if pipeline:
+        stages = rng.choice([2, 2, 4])
+        plan["pipeline_stages"] = stages
+        plan["partition_size"] = rng.choice([t for t in (1, 2) if stages * t <= WORLD])
+        schedule = rng.choice(["1f1b", "1f1b", "gpipe", "interleaved"])
+        if schedule != "1f1b":
+            plan["pipeline_schedule"] = schedule
+        if schedule == "interleaved":
+            plan["pipeline_chunks"] = 2
+    else:
+        plan["partition_size"] = rng.choice([1, 2, 4])
+        if rng.random() < 0.2:
+            plan["grad_sync"] = "every_step"
+    s = rng.choice([d for d in (1, 2, 3, 4) if LOCAL_BATCH % d == 0 and (model != "hf" or HF_BATCH % d == 0)])
+    if s > 1:
+        plan["micro_batches"] = s
+    if rng.random() < 0.3:
+        plan["gpus_per_node"] = 2
+        if not pipeline and plan["partition_size"] == 4:
+            plan["hierarchical"] = rng.choice(["auto", True, False])
+    if rng.random() < 0.2:
+        plan["bucket_bytes"] = 1 << rng.randint(8, 14)
+    if rng.random() < 0.1:
+        plan["memory_budget_bytes"] = 1 << rng.randint(8, 16)
+    if rng.random() < 0.15:
+        plan["max_gathers_in_flight"] = rng.choice([1, 2])
+    if rng.random() < 0.3:
+        plan["checkpoint"] = rng.choice([True, True, "selective"])
+        if rng.random() < 0.4:
+            plan["checkpoint_every"] = 2
+        if rng.random() < 0.3:
+            plan["offload_activations"] = True
+    if rng.random() < 0.25:
+        plan["param_dtype"] = rng.choice([torch.bfloat16, torch.float16])
+        if rng.random() < 0.5:
+            plan["reduce_dtype"] = plan["param_dtype"]
+    # Inductor compiles each region (tens of seconds on 2 cores): drawn rarely
+    codegen = rng.choices(["eager", "auto", "inductor"], weights=(16, 2, 1))[0]
+    if codegen != "eager":
+        plan["codegen"] = codegen
     prefetch = None
-    if rng.random() < 0.5:
+    if rng.random() < 0.3:
         prefetch = mc.Prefetch(distance=rng.randint(0, 3), keep_live=rng.randint(0, 2),
                                across_micro_steps=s > 1 and rng.random() < 0.5)
-    mixed = rng.random() < 0.25
-    return Case(
-        model, p, s, opt=rng.choice(["sgd", "adamw"]),
-        grad_sync=rng.choice(["2hop", "2hop", "every_step"]),
-        meta=rng.random() < 0.15,
-        k=k, hierarchical=rng.choice(["auto", True, False]) if k and p > k else "auto",
-        prefetch=prefetch, arena=rng.random() < 0.8,
-        checkpoint=checkpoint, checkpoint_every=rng.choice([1, 2]) if checkpoint else 1,
-        offload=bool(checkpoint) and rng.random() < 0.3,
-        param_dtype=torch.bfloat16 if mixed else torch.float32,
-        reduce_dtype=rng.choice([torch.bfloat16, torch.float32]) if mixed else torch.float32,
+    return FuzzCase(
+        seed=seed, model=model, layers=rng.choice([2, 4, 6]), hf=rng.choice(HF_FAMILIES), plan=tuple(plan.items()),
+        prefetch=prefetch, opt=rng.choice(["sgd", "adamw"]),
+        clip=rng.choice([None, None, 0.05, 1.0, float("inf")]),
+        counted=model in ("tied_lm", "random") and rng.random() < 0.3,
+        meta=model != "hf" and rng.random() < 0.15, arena=rng.random() < 0.85,
     )
 
 
-def _one(rank: int, world: int, case: Case) -> dict:
+def _sum_count(logits, y):
+    """The token-weighted loss: cross-entropy summed over the targets that are not ignored, and their count."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-100, reduction="sum"), (y != -100).sum()
+
+
+def _mean(logits, y):
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-100)
+
+
+def setup(case: FuzzCase, global_batch: int):
+    """(build the model, model -> loss_fn, the global batches, num_model_inputs) of ``case``."""
+    if case.model == "hf":
+        from micscompile.zoo import hf_models
+
+        def build():
+            return hf_models.build(case.hf, seq_len=HF_SEQ)
+        gen = torch.Generator().manual_seed(1)
+        probe = build()
+        batches = [hf_models.lm_batch(probe, global_batch, HF_SEQ, gen) for _ in range(STEPS)]
+        return build, lambda m: hf_models.lm_loss, batches, 1
+    if case.model == "random":
+        def build():
+            return RandomNet(case.seed)
+        probe = build()
+        loss = _sum_count if case.counted else _mean
+        return build, lambda m: loss, probe.batches(STEPS, global_batch, padded=case.counted), probe.inputs
+    if case.model == "tied_lm":
+        batches = lm_batches(STEPS, global_batch)
+        if case.counted:  # sample i keeps (i * 7 + k) % 6 of its 6 targets: ranks hold unequal counts
+            for k, (_, y) in enumerate(batches):
+                for i in range(global_batch):
+                    y[i, (i * 7 + k) % 6:] = -100
+        return (lambda: TiedLM(layers=case.layers)), (lambda m: _sum_count if case.counted else _mean), batches, 1
+    cls, make_loss, make_batches = MODELS[case.model]
+    return cls, make_loss, make_batches(STEPS, global_batch), 1
+
+
+def _optimizer(name: str):
+    if name == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+
+
+def run_case(rank: int, world: int, case: FuzzCase) -> dict:
+    """Train ``case`` on this rank and its reference: parity errors. Raises what the plan raises."""
+    stage = "plan"
     try:
-        return {"result": run_case(case, rank, world)}
-    except Exception as exc:  # noqa: BLE001 - the class and message are the outcome
-        in_compile = any(f.name == "compile" and f.filename.endswith(COMPILE) for f in traceback.extract_tb(exc.__traceback__))
-        return {"error": f"{type(exc).__name__}: {exc}", "in_compile": in_compile}
+        plan = mc.Plan(**case.kwargs)
+        rp = plan.resolve(world, world)
+        chains = world // rp.stages  # ranks that each take their own slice of the global batch
+        local_batch = HF_BATCH if case.model == "hf" else LOCAL_BATCH
+        build, make_loss, batches, n_in = setup(case, local_batch * chains)
+        torch.manual_seed(0)
+        model = build()
+        if case.meta:
+            torch.manual_seed(1)
+            initialize(model)
+        opt = _optimizer(case.opt)
+        pieces = chains * plan.micro_batches
+
+        def reference(batches):
+            return train_reference_mixed(copy.deepcopy(model), make_loss, opt, batches, pieces, plan.param_dtype,
+                                         num_model_inputs=n_in, max_grad_norm=case.clip)
+        ref_losses, ref_state = reference(batches)
+        # the same reference summed in the reverse order: how far summation order alone moves each value
+        rev_losses, rev_state = reference([[torch.cat(x.chunk(pieces)[::-1]) for x in b] for b in batches])
+        if case.meta:
+            with torch.device("meta"):
+                model = build()
+            torch.manual_seed(1)
+        chain = rank // (rp.stages * rp.partition_size) * rp.partition_size + rank % rp.partition_size
+        local = [tuple(x[chain * local_batch : (chain + 1) * local_batch] for x in b) for b in batches]
+        stage = "compile"
+        step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0],
+                          num_model_inputs=n_in, prefetch=None if case.prefetch is None else (case.prefetch,),
+                          arena=case.arena, max_grad_norm=case.clip)
+        stage = "steps"
+        losses = [float(step(*b)) for b in local]
+        state = step.full_state_dict()
+    except Exception as exc:  # noqa: BLE001 - the class, message and place are the outcome
+        where = traceback.extract_tb(exc.__traceback__)[-1].filename
+        return {"error": f"{type(exc).__name__}: {exc}", "stage": stage,
+                "ours": str(Path(where).resolve()).startswith(MICSCOMPILE)}
+    def errors(losses, state):
+        return [rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)] + [
+            rel_error(state[k], ref_state[k]) for k in sorted(ref_state)]
+    if state.keys() != ref_state.keys():
+        return {"error": f"state dict keys differ: {sorted(state.keys() ^ ref_state.keys())}", "stage": "steps",
+                "ours": True}
+    return {
+        "errors": errors(losses, state), "floor": errors(rev_losses, rev_state),
+        "names": [f"loss {i}" for i in range(len(losses))] + sorted(ref_state),
+        "mixed": plan.param_dtype != torch.float32 or plan.reduce_dtype != torch.float32,
+        "codegen": step.codegen_choice if rank == 0 else None,
+    }
 
 
-def classify(case: Case, timeout_s: float) -> tuple[str, str]:
+def classify(case: FuzzCase, timeout_s: float) -> tuple[str, str]:
     """(outcome, detail) of one case on ``WORLD`` fresh gloo ranks."""
     try:
-        values = launch(_one, WORLD, case, timeout_s=timeout_s, pg_timeout_s=min(60.0, timeout_s))
+        values = launch(run_case, WORLD, case, timeout_s=timeout_s, pg_timeout_s=min(60.0, timeout_s))
     except RuntimeError as exc:  # a rank crashed or hung
         return "failed", str(exc).splitlines()[0][:300]
     errors = [v for v in values if "error" in v]
     if errors:
-        first = errors[0]["error"]
-        if len(errors) == WORLD and all(e["in_compile"] and e["error"] == first for e in errors):
-            return "refused", first[:300]  # mc.compile checks everything rank-locally before any collective
-        return "failed", first[:300]
-    tol = LOW_PRECISION_TOLERANCE if case.mixed else TOLERANCE
-    worst = max(max(v["result"]["loss_err"], v["result"]["state_err"][0]) for v in values)
-    if worst > tol:
-        return "failed", f"parity: max error {worst:.2e} > {tol:.0e}"
-    return "parity", f"max error {worst:.1e}"
+        first = errors[0]
+        if (len(errors) == WORLD and all(e["error"] == first["error"] for e in errors)
+                and first["stage"] in ("plan", "compile") and first["ours"]):
+            return "refused", first["error"][:300]
+        return "failed", f"{first['stage']}: {first['error'][:300]}"
+    tol = LOW_PRECISION_TOLERANCE if values[0]["mixed"] else TOLERANCE
+    # each value within the tolerance, or within ORDER_MARGIN times what reordering the reference's sum
+    # moves it (AdamW turns summation noise on a near-zero gradient into whole lr-sized steps)
+    worst, floor, name = max((e, f, n) for v in values for e, f, n in zip(v["errors"], v["floor"], v["names"]))
+    bad = [(e, f, n) for v in values for e, f, n in zip(v["errors"], v["floor"], v["names"])
+           if e > max(tol, ORDER_MARGIN * f)]
+    if bad:
+        e, f, n = max(bad)
+        return "failed", f"parity: {n} error {e:.2e} > {tol:.0e} and > {ORDER_MARGIN} x its order floor {f:.1e}"
+    within = "" if worst <= tol else f", within {ORDER_MARGIN} x the order floor {floor:.1e} of {name}"
+    return "parity", f"max error {worst:.1e}{within}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,10 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=200, help="cases")
     ap.add_argument("--seed", type=int, default=0, help="the first case's seed (case i: seed + i)")
     ap.add_argument("--replay", type=int, default=None, help="run the one case of this seed")
-    ap.add_argument("--timeout", type=float, default=180.0, help="seconds before a case counts as hung")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds before a case counts as hung")
+    ap.add_argument("--json", type=Path, default=None, help="also write the outcomes here")
     args = ap.parse_args(argv)
     seeds = [args.replay] if args.replay is not None else range(args.seed, args.seed + args.n)
-    outcomes: dict[int, tuple[str, str, Case]] = {}
+    outcomes: dict[int, tuple[str, str, FuzzCase]] = {}
     start = time.perf_counter()
     for i, seed in enumerate(seeds):
         case = draw(seed)
@@ -123,10 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     counts = collections.Counter(o for o, _, _ in outcomes.values())
     print(f"\nseeds {seeds[0]}-{seeds[-1]}: {len(outcomes)} configurations, {counts['parity']} trained with parity, "
           f"{counts['refused']} refused before any collective, {counts['failed']} failed")
+    refusals = collections.Counter(detail.split(":")[0] + ": " + detail.split(":", 1)[1][:90]
+                                   for o, detail, _ in outcomes.values() if o == "refused")
+    for why, n in refusals.most_common():
+        print(f"  refused x{n}: {why}")
     for seed, (outcome, detail, case) in outcomes.items():
         if outcome == "failed":
             print(f"  FAILED seed {seed} {case.id}: {detail}\n    replay: OMP_NUM_THREADS=1 python "
                   f"benchmarks/fuzz_plans.py --replay {seed}")
+    if args.json:
+        import json
+
+        args.json.write_text(json.dumps({str(s): {"outcome": o, "detail": d, "case": c.id}
+                                         for s, (o, d, c) in outcomes.items()}, indent=1))
     return 1 if counts["failed"] else 0
 
 

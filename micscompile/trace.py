@@ -70,6 +70,22 @@ LOSS_FQN = "<loss>"
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+@contextlib.contextmanager
+def _reparametrized(model: nn.Module, tensors: dict[str, torch.Tensor]):
+    """``torch.nn.utils.stateless._reparametrize_module`` (tied weights tied), then every module's own
+    parameters and buffers put back as they were. A module reachable under two names (a block reused
+    by reference: ``self.blocks[2] = self.blocks[1]``) is swapped once per name, and torch's exit
+    restores one of the two swaps with the traced tensor: the caller's model kept fake meta
+    parameters, and ``mc.compile`` then sharded zeros (found by benchmarks/fuzz_plans.py)."""
+    saved = [(store, key, t) for m in model.modules() for store in (m._parameters, m._buffers) for key, t in store.items()]
+    try:
+        with _reparametrize_module(model, tensors, tie_weights=True):
+            yield
+    finally:
+        for store, key, t in saved:
+            store[key] = t
+
+
 def find_blocks(model: nn.Module) -> list[str]:
     """Block FQNs in ``named_modules`` order."""
     blocks: list[str] = []
@@ -536,7 +552,7 @@ def trace(
         # a loss_fn that reads a parameter (a temperature, a regulariser) must see the traced one
         # ... and the backward: a model that checkpoints itself (torch.utils.checkpoint) runs its
         # forward again there, which must read the traced parameters too
-        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
+        with _reparametrized(model, {**params, **buffers}):
             out = model(*inputs[:num_model_inputs])
             enter(LOSS_FQN)
             loss, count = _split_loss(loss_fn(out, *inputs[num_model_inputs:]))

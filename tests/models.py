@@ -140,3 +140,111 @@ class Branchy(ConvNet):
         if h.mean() > 0:  # a data-dependent jump: Dynamo's graph break
             h = h * 2
         return h
+
+
+class Affine(nn.Module):
+    """A fixed per-feature affine map held in buffers (``reset_parameters`` sets them: meta-ready)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.empty(h))
+        self.register_buffer("shift", torch.empty(h))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.7, 1.3, self.scale.shape[0]))
+            self.shift.copy_(torch.linspace(-0.2, 0.2, self.shift.shape[0]))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+class RandomBlock(nn.Module):
+    """One block of a ``RandomNet``: ``kind`` is one of RandomNet.KINDS."""
+
+    def __init__(self, kind: str, h: int, shared: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "mlp":
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 2 * h + 1), nn.Linear(2 * h + 1, h)
+        elif kind == "shared":  # the weight of an earlier block, read again here (one parameter, two uses)
+            self.fc = shared
+        elif kind == "buffer":
+            self.fc, self.affine = nn.Linear(h, h), Affine(h)
+        elif kind == "unused":  # a parameter nothing reads
+            self.fc = nn.Linear(h, h)
+            self.spare = nn.Parameter(torch.empty(3, h))
+            self.reset_parameters()
+        else:  # "linear", "inplace"
+            self.fc = nn.Linear(h, h)
+
+    def reset_parameters(self) -> None:  # this block's own tensors only (its children reset theirs)
+        if "spare" in self._parameters:
+            with torch.no_grad():
+                self.spare.normal_()
+
+    def forward(self, x):
+        if self.kind == "mlp":
+            return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        if self.kind == "buffer":
+            return F.silu(self.affine(self.fc(x)))
+        if self.kind == "inplace":  # in-place ops on a fresh activation
+            h = self.fc(x)
+            h.mul_(0.5)
+            return F.relu(h, inplace=True) + x
+        return torch.tanh(self.fc(x))  # "linear", "shared", "unused"
+
+
+class RandomNet(nn.Module):
+    """A graph drawn from ``seed`` for the plan fuzzer: odd sizes, 2-6 blocks of RandomNet.KINDS (an MLP,
+    a weight shared with an earlier block, buffers, an unused parameter, in-place ops), skip connections
+    from an earlier block's output, one or two inputs (the second joins mid-way), a classification head.
+    ``forward(x[, x2])`` returns logits over ``self.classes``."""
+
+    KINDS = ("mlp", "linear", "shared", "buffer", "unused", "inplace")
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        import random
+
+        rng = random.Random(seed)
+        self.d_in, h, self.classes = rng.choice([5, 6, 7, 9]), rng.choice([6, 7, 10, 11, 13]), rng.choice([3, 4, 5])
+        self.inputs = rng.choice([1, 1, 2])
+        self.inp = nn.Linear(self.d_in, h)
+        self.inp2 = nn.Linear(3, h, bias=False) if self.inputs == 2 else None
+        blocks: list[RandomBlock] = []
+        for _ in range(rng.randint(2, 6)):
+            linear = [b.fc for b in blocks if hasattr(b, "fc")]
+            kind = rng.choice([k for k in self.KINDS if k != "shared" or linear])
+            blocks.append(RandomBlock(kind, h, rng.choice(linear) if kind == "shared" else None))
+        self.blocks = nn.ModuleList(blocks)
+        self.skips = {i: rng.randrange(i - 1) for i in range(2, len(blocks)) if rng.random() < 0.4}
+        """block i adds the output of block skips[i] (< i - 1) to its input"""
+        self.join = rng.randrange(len(blocks)) if self.inputs == 2 else None
+        self.head = nn.Linear(h, self.classes)
+
+    def forward(self, x, x2=None):
+        h = self.inp(x)
+        outs = []
+        for i, block in enumerate(self.blocks):
+            if i == self.join:
+                h = h + self.inp2(x2)
+            if i in self.skips:
+                h = h + outs[self.skips[i]]
+            h = block(h)
+            outs.append(h)
+        return self.head(h)
+
+    def batches(self, steps: int, batch: int, seed: int = 0, padded: bool = False):
+        """(x[, x2], y) per step; ``padded``: about a quarter of the targets are -100 (ignored)."""
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(steps):
+            xs = (torch.randn(batch, self.d_in, generator=g),)
+            xs += (torch.randn(batch, 3, generator=g),) if self.inputs == 2 else ()
+            y = torch.randint(self.classes, (batch,), generator=g)
+            if padded:
+                y = torch.where(torch.rand(batch, generator=g) < 0.25, -100, y)
+            out.append((*xs, y))
+        return out

@@ -18,7 +18,7 @@ from micscompile.cost_model.simulator import simulate_program
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.phase_split import split_phases
 from micscompile.lowering.pipeline import lower_pipeline
-from micscompile.lowering.pipeline_split import split
+from micscompile.lowering.pipeline_split import forward_units, split
 from micscompile.lowering.stage_balance import balance
 
 
@@ -83,9 +83,21 @@ def test_chunks_run_in_turn_reproduce_the_joint_graph(model_name, chunks):
 
 
 def test_more_chunks_than_blocks_is_refused():
-    tg = meta_lm_trace(vocab=29, h=8, layers=2, batch=2, seq=4)  # 5 blocks
-    with pytest.raises(mc.PlanError, match="cannot cut 5 blocks into 6 pipeline chunks"):
+    tg = meta_lm_trace(vocab=29, h=8, layers=2, batch=2, seq=4)  # 5 blocks, the head reading the tied embedding
+    with pytest.raises(mc.PlanError, match="only 5 of its 5 blocks read parameters"):
         split(tg, _resolved(6, 3))
+
+
+def test_a_block_without_parameters_is_never_a_chunk_of_its_own():
+    """The conv net's input normalisation holds buffers only: cut alone, its rank's optimizer would get
+    an empty parameter list (found by the plan fuzzer). It goes with the next block; 4 chunks are refused."""
+    cls, make_loss, make_batches = MODELS["convnet"]
+    model = cls()
+    tg = mc.trace(model, make_batches(1, 4)[0], make_loss(model))
+    assert forward_units(tg) == ["norm", "conv1", "conv2", "fc"]
+    assert split(tg, _resolved(3)).starts == (0, 2, 3)
+    with pytest.raises(mc.PlanError, match="only 3 of its 4 blocks read parameters.*use at most 3"):
+        split(tg, _resolved(4))
 
 
 def _brute_force(costs, chunks):

@@ -51,6 +51,29 @@ def test_tied_weight_is_one_placeholder_with_two_names():
     assert len(outputs) == 1 + len(g.trainable)
 
 
+def test_a_module_reached_under_two_names_keeps_its_own_parameters():
+    """A block reused by reference (here ``blocks.0`` is ``fc``): torch's reparametrization swaps its
+    weights once per name and put a traced fake tensor back into the caller's model (found by the plan
+    fuzzer: ``mc.compile`` then sharded zeros)."""
+    class Reused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.blocks = nn.ModuleList([self.fc, self.fc])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return self.head(x)
+
+    model = Reused()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters(remove_duplicate=False)}
+    graph = mc.trace(model, (torch.randn(3, 4), torch.tensor([0, 1, 0])), cls_loss)
+    assert graph.param_aliases["fc.weight"] == ["fc.weight", "blocks.0.weight", "blocks.1.weight"]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert p is before[name][0] and torch.equal(p, before[name][1]), name
+
+
 def test_real_and_meta_traces_are_the_same_graph():
     _, meta = _lm_graph(meta=True)
     _, real = _lm_graph(meta=False)

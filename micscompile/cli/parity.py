@@ -70,6 +70,7 @@ def train_reference_mixed(
     param_dtype: torch.dtype,
     num_model_inputs: int = 1,
     loss_scaler: LossScaler | None = None,
+    max_grad_norm: float | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -81,6 +82,10 @@ def train_reference_mixed(
     mean loss). In fp16 the slices' backward is seeded with a dynamic loss scale (``loss_scaler``,
     default ``LossScaler()``), the summed gradients unscaled, and a step with a non-finite gradient
     skipped while the scale backs off, as the step does (``runtime.loss_scale``).
+    A loss that returns ``(loss_sum, count)`` (the token-weighted loss) divides the summed gradients
+    and losses by the whole batch's count instead. ``max_grad_norm``: the summed gradients are
+    clipped with ``torch.nn.utils.clip_grad_norm_`` before each step (a non-finite norm skips it).
+    In ``torch.float32`` this is the fp32 reference summed in the plan's micro-batch order.
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
@@ -94,23 +99,30 @@ def train_reference_mixed(
             for lp, mp in zip(low.parameters(), masters):
                 lp.copy_(mp)
         totals: list[torch.Tensor | None] = [None] * len(masters)  # None: no slice reached the parameter
-        loss_sum = 0.0
+        loss_sum, count = 0.0, None
         for piece in zip(*(x.chunk(chunks) for x in batch)):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
             loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
+            if isinstance(loss, tuple):  # (loss_sum, count)
+                loss, n = loss
+                count = (count or 0) + int(n)
             seed = None if scaler is None else torch.full_like(loss, scaler.scale)
             grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
             for i, g in enumerate(grads):
                 if g is not None:
                     totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
             loss_sum += float(loss.detach().float())
-        unscale = chunks * (1.0 if scaler is None else scaler.scale)
+        divisor = chunks if count is None else count
+        unscale = divisor * (1.0 if scaler is None else scaler.scale)
         for mp, total in zip(masters, totals):
             mp.grad = None if total is None else total / unscale
         finite = all(t is None or bool(torch.isfinite(t).all()) for t in totals)
         if scaler is not None:
             scaler.update(finite)
-        if finite or scaler is None:
+        if finite and max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_([mp for mp in masters if mp.grad is not None], max_grad_norm)
+            finite = bool(torch.isfinite(norm))
+        if finite or (scaler is None and max_grad_norm is None):
             opt.step()
-        losses.append(loss_sum / chunks)
+        losses.append(loss_sum / divisor)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

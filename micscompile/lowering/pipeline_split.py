@@ -152,6 +152,19 @@ def unit_costs(tg: TrainGraph, units: list[str], gpu: GpuSpec, t: int) -> tuple[
     return seconds, unit_state(tg, units, t), saved
 
 
+def unit_params(tg: TrainGraph, units: list[str]) -> list[bool]:
+    """Whether each unit's forward reads a trainable parameter (a tied one counts for every unit that
+    reads it: each chunk that does holds it)."""
+    index = {u: i for i, u in enumerate(units)}
+    params = {n for n, name in zip(tg.gm.graph.find_nodes(op="placeholder"), tg.param_names) if name in tg.trainable}
+    reads = [False] * len(units)
+    for n in tg.gm.graph.nodes:
+        i = index.get(node_block(n, tg.blocks))
+        if i is not None and n.meta.get(META_REGION) == REGION_FWD and any(a in params for a in n.all_input_nodes):
+            reads[i] = True
+    return reads
+
+
 def unit_state(tg: TrainGraph, units: list[str], t: int) -> list[float]:
     """Model-state bytes per unit on one of ``t`` ranks: fp32 weights, gradients, Adam m and v, sharded."""
     index = {u: i for i, u in enumerate(units)}
@@ -164,9 +177,10 @@ def unit_state(tg: TrainGraph, units: list[str], t: int) -> list[float]:
 
 
 def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved: list[float],
-               gpu: GpuSpec | None) -> tuple[int, ...]:
+               gpu: GpuSpec | None, params: list[bool]) -> tuple[int, ...]:
     """Where the S * v chunks start: time balanced among the cuts whose chunks fit the device (each
-    keeps its model states and the activations of its rank's most micro-batches in flight)."""
+    keeps its model states and the activations of its rank's most micro-batches in flight) and read
+    a parameter each (``params``: per unit, ``unit_params``)."""
     plan = rp.plan
     chunks = rp.stages * plan.pipeline_chunks
     # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
@@ -174,12 +188,22 @@ def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved
     in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
     memory = [s + a * in_flight for s, a in zip(state, saved)]
     capacity = (gpu or A100_40GB).memory_bytes
+    # every chunk must hold parameters (its rank's optimizer steps them): a block without any (a
+    # normalisation held in buffers) is cut together with the next block that has some
+    firsts = [0] + [i + 1 for i, b in enumerate(params[:-1]) if b and any(params[i + 1:])]
+    if chunks > len(firsts):
+        raise PlanError(f"cannot cut the model into {chunks} pipeline chunks (stages x chunks per rank): only "
+                        f"{len(firsts)} of its {len(params)} blocks read parameters, and a chunk without any would "
+                        f"have nothing to train; use at most {len(firsts)}")
+    bounds = list(zip(firsts, firsts[1:] + [len(params)]))
+
+    def merged(values):
+        return [sum(values[a:b]) for a, b in bounds]
     try:
-        return tuple(balance(seconds, chunks, memory, lambda c: capacity))
-    except PlanError:
-        if chunks > len(seconds):
-            raise
-        return tuple(balance(seconds, chunks))  # nothing fits: balance time alone (the prediction shows the peak)
+        starts = balance(merged(seconds), chunks, merged(memory), lambda c: capacity)
+    except PlanError:  # nothing fits: balance time alone (the prediction shows the peak)
+        starts = balance(merged(seconds), chunks)
+    return tuple(firsts[i] for i in starts)
 
 
 def assign_chunks(tg: TrainGraph, chunk_of_block: dict[str, int], last: int) -> dict[torch.fx.Node, int]:
@@ -244,7 +268,7 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
     units = forward_units(tg)
     seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
     if starts is None:
-        starts = cut_points(rp, seconds, state, saved, gpu)
+        starts = cut_points(rp, seconds, state, saved, gpu, unit_params(tg, units))
     if len(starts) != chunks or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(units):
         raise PlanError(f"bad pipeline cut points {starts} for {chunks} chunks of {len(units)} blocks")
     chunk_of_block = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}

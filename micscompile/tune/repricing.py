@@ -40,6 +40,7 @@ from micscompile.lowering.pipeline_split import (
     forward_units,
     split,
     unit_costs,
+    unit_params,
     unit_state,
 )
 from micscompile.lowering.predict import model_buffer_bytes
@@ -170,19 +171,19 @@ class Pricer:
         if self._units is None:
             units = forward_units(self.trace)
             seconds, _, saved = unit_costs(self.trace, units, self.cluster.gpu, 1)
-            self._units = units, seconds, saved, {}, ChunkKeys(self.trace, units)
+            self._units = units, seconds, saved, {}, ChunkKeys(self.trace, units), unit_params(self.trace, units)
         return self._units
 
     def _cuts(self, rp: ResolvedPlan, i: int) -> tuple[int, ...]:
         """Where ``lowering.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
-        units, seconds, saved, states, _ = self._unit_analysis()
+        units, seconds, saved, states, _, params = self._unit_analysis()
         plan, t = rp.plan, rp.partition_size
         key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
         if key not in self._cut_cache:  # (the same for every checkpointing, offload and prefetch choice)
             if t not in states:
                 states[t] = unit_state(self.trace, units, t)
             self._cut_cache[key] = cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
-                                              states[t], [_pick(a, i) for a in saved], self.cluster.gpu)
+                                              states[t], [_pick(a, i) for a in saved], self.cluster.gpu, params)
         return self._cut_cache[key]
 
     def _split(self, rp: ResolvedPlan, starts: tuple[int, ...]) -> tuple[list, PipelineSplit]:
