@@ -207,6 +207,7 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
     try:
         plan = mc.Plan(**case.kwargs)
         rp = plan.resolve(world, world)
+        stage = "reference"  # (an error here, even from micscompile.cli.parity, is the fuzzer's own: failed)
         chains = world // rp.stages  # ranks that each take their own slice of the global batch
         local_batch = HF_BATCH if case.model == "hf" else LOCAL_BATCH
         build, make_loss, batches, n_in = setup(case, local_batch * chains)
@@ -261,11 +262,16 @@ def classify(case: FuzzCase, timeout_s: float) -> tuple[str, str]:
         values = launch(run_case, WORLD, case, timeout_s=timeout_s, pg_timeout_s=min(60.0, timeout_s))
     except RuntimeError as exc:  # a rank crashed or hung
         return "failed", str(exc).splitlines()[0][:300]
+    return judge(values)
+
+
+def judge(values: list[dict]) -> tuple[str, str]:
+    """(outcome, detail) from every rank's ``run_case`` result."""
     errors = [v for v in values if "error" in v]
     if errors:
         first = errors[0]
-        if (len(errors) == WORLD and all(e["error"] == first["error"] for e in errors)
-                and first["stage"] in ("plan", "compile") and first["ours"]):
+        if len(errors) == len(values) and all(e["error"] == first["error"] and e["stage"] in ("plan", "compile")
+                                              and e["ours"] for e in errors):
             return "refused", first["error"][:300]
         return "failed", f"{first['stage']}: {first['error'][:300]}"
     tol = LOW_PRECISION_TOLERANCE if values[0]["mixed"] else TOLERANCE

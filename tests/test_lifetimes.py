@@ -60,6 +60,10 @@ PREFETCH = {"p4-s2-across": (mc.Prefetch(2, 1, True),)}
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 @pytest.mark.parametrize("model", ["gpt", "bert", "cnn"])
 def test_static_plan_is_within_1pct_of_L_and_below_the_caching_allocator(traces, model, plan):
+    if model == "cnn" and plan == "S2-t1-interleaved":  # 4 chunks, but its input normalisation has no parameters
+        with pytest.raises(mc.PlanError, match="only 3 of its 4 blocks read parameters"):
+            step_buffers_of(traces[model], PLANS[plan], WORLD)
+        return
     buffers = step_buffers_of(traces[model], PLANS[plan], WORLD, prefetch=PREFETCH.get(plan))
     mp = mc.plan_memory(buffers)
     mp.check(buffers)

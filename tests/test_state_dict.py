@@ -28,6 +28,10 @@ PLANS = {  # name: Plan; the first saves the checkpoint every other plan resumes
     "S2": mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=2),
     "S2t1": mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=4, pipeline_schedule="interleaved",
                     pipeline_chunks=2),
+    # optimizer states over every rank (issue 30): p=2 d=2, p=1 d=4, a pipeline's stage over t*d = 2
+    "p2w": mc.Plan(partition_size=2, micro_batches=2, optimizer_sharding="world"),
+    "p1w": mc.Plan(partition_size=1, optimizer_sharding="world"),
+    "S2w": mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=2, optimizer_sharding="world"),
 }
 
 
@@ -79,8 +83,15 @@ def resume_cases(rank: int, world: int, root: str) -> dict:
     out["pipe_tail"] = _train(pipe, PLANS["S2"], rank, batches[K:])
     out["pipe_full"] = pipe.full_state_dict()
 
+    # and one with the optimizer states over the world (resumed in both modes below)
+    _, world = _compile(PLANS["p2w"], rank, batches)
+    _train(world, PLANS["p2w"], rank, batches[:K])
+    dcp.save(world.state_dict(), checkpoint_id=os.path.join(root, "p2w"))
+    out["world_tail"] = _train(world, PLANS["p2w"], rank, batches[K:])
+    out["world_full"] = world.full_state_dict()
+
     resumed = {}
-    for name, source in [*((n, "p2") for n in PLANS), ("p2<-S2", "S2")]:
+    for name, source in [*((n, "p2") for n in PLANS), ("p2<-S2", "S2"), ("p2w<-p2w", "p2w"), ("p2<-p2w", "p2w")]:
         plan = PLANS[name.split("<-")[0]]
         _, other = _compile(plan, rank, batches, seed=1)
         sd = other.state_dict()
@@ -135,7 +146,7 @@ def test_resume_under_the_same_plan_is_bitwise(results):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["p4", "S2", "S2t1"])
+@pytest.mark.parametrize("name", ["p4", "S2", "S2t1", "p2w", "p1w", "S2w"])
 def test_resume_under_another_plan_reshards(results, name):
     for res in results:
         other = res["resumed"][name]
@@ -144,6 +155,21 @@ def test_resume_under_another_plan_reshards(results, name):
             assert math.isclose(a, b, rel_tol=RESHARD_RTOL), (name, other["losses"], res["losses"][K:])
         for k, v in res["full"].items():
             torch.testing.assert_close(other["full"][k], v, rtol=RESHARD_RTOL, atol=1e-7, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+@pytest.mark.multiproc
+def test_optimizer_states_over_the_world_resume_in_either_mode(results):
+    """Saved with optimizer_sharding="world" (each rank's Adam state a quarter-size piece): resumed under
+    the same plan bitwise, and with the states over the partition group (p=2) as a reshard."""
+    for res in results:
+        same, other = res["resumed"]["p2w<-p2w"], res["resumed"]["p2<-p2w"]
+        assert same["steps"] == other["steps"] == res["saved_steps"]
+        assert same["losses"] == res["world_tail"]
+        for a, b in zip(other["losses"], res["world_tail"]):
+            assert math.isclose(a, b, rel_tol=RESHARD_RTOL), (other["losses"], res["world_tail"])
+        for k, v in res["world_full"].items():
+            assert torch.equal(same["full"][k], v), k
+            torch.testing.assert_close(other["full"][k], v, rtol=RESHARD_RTOL, atol=1e-7)
 
 
 @pytest.mark.multiproc

@@ -167,6 +167,8 @@ class Comm:
     each micro-step's reduced shard into them (``accumulate``, ``accumulate_local``)."""
     second_hops: list = field(default_factory=list)
     """The second hops ``second_hop`` started in the last micro-step (``Pending``), waited at the boundary."""
+    optimizer_shards: int = 1
+    """d with ``Plan.optimizer_sharding="world"`` (the second hop is then a reduce-scatter), else 1."""
 
     def alloc(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer for a collective (``like``'s device, ``dtype`` or its dtype): the arena's next
@@ -415,8 +417,9 @@ def second_hop(comm: Comm, bucket: int, dtype: torch.dtype) -> None:
     gradient shard all-reduced over "replicate" in ``dtype`` as soon as it is final, under the rest
     of the backward; the step waits for it at the boundary (``comm.second_hops``)."""
     if comm.micro_step == comm.micro_steps - 1:
-        comm.second_hops.append(all_reduce_start(comm.stats, comm.replicate, comm.grads[bucket], dtype,
-                                                 what=_what("second-hop all_reduce", bucket, comm.replicate)))
+        start, kind = (reduce_scatter_start, REDUCE_SCATTER) if comm.optimizer_shards > 1 else (all_reduce_start, ALL_REDUCE)
+        comm.second_hops.append(start(comm.stats, comm.replicate, comm.grads[bucket], dtype,
+                                      what=_what(f"second-hop {kind}", bucket, comm.replicate)))
 
 
 def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype,
@@ -429,6 +432,28 @@ def all_reduce_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtyp
     stats.record(ALL_REDUCE, group, buf.numel() * buf.element_size())
     return Pending(work, acc, None if buf is acc else lambda: acc.copy_(buf),
                    what=what or f"boundary all_reduce over {group.label()}")
+
+
+def reduce_scatter_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, dtype: torch.dtype,
+                         what: str | None = None) -> Pending:
+    """``optimizer_sharding="world"``: a gradient accumulator reduce-scattered over ``group`` (the
+    replicas) in ``dtype``. Cut into ``group.size`` rows, its row ``group.rank`` becomes the sum over the
+    group (written back at the wait); the other rows are left as they were: the optimizer reads only
+    this rank's row, and the update gather (``update_gather_start``) overwrites the parameters' others."""
+    buf = acc if acc.dtype == dtype else acc.to(dtype)
+    row = acc.view(group.size, -1)[group.rank]
+    out = buf.new_empty(row.numel())
+    work = dist.reduce_scatter_single(out, buf, op=dist.ReduceOp.SUM, group=group.group, async_op=True)
+    stats.record(REDUCE_SCATTER, group, buf.numel() * buf.element_size())
+    return Pending(work, row, lambda: row.copy_(out), what=what or f"boundary reduce_scatter over {group.label()}")
+
+
+def update_gather_start(stats: CommStats, group: GroupInfo, shard: torch.Tensor, bucket: int) -> Pending:
+    """``optimizer_sharding="world"``: after the optimizer stepped row ``group.rank`` of a bucket's shard,
+    every replica's row all-gathered into every replica's shard (in place)."""
+    work = dist.all_gather_single(shard, shard.view(group.size, -1)[group.rank], group=group.group, async_op=True)
+    stats.record(ALL_GATHER, group, shard.numel() * shard.element_size())
+    return Pending(work, shard, what=_what("update all_gather", bucket, group))
 
 
 # ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------

@@ -78,6 +78,14 @@ class Plan:
     grad_sync: Literal["2hop", "every_step"] = "2hop"
     """"2hop": reduce-scatter in the partition group per micro-step, all-reduce in the
     replication group at the boundary; "every_step": all-reduce over all ranks every micro-step."""
+    optimizer_sharding: Literal["partition", "world"] = "partition"
+    """Where the optimizer state lives. "partition": each rank steps its whole shard (1/p of the
+    model), so the d replicas of a shard hold the same optimizer state. "world" (asymmetric
+    partitioning, the MiCS thesis's section 5.2.1): the boundary all-reduce over the replicas becomes
+    a reduce-scatter, each rank steps 1/d of its shard (1/(p*d) of the model; in a pipeline 1/(t*d) of
+    its stage) and all-gathers the updated parameters over the replicas. The same bytes cross the
+    wire; the optimizer state (Adam's m and v) and the optimizer's compute shrink by d. With d = 1
+    it changes nothing (``ResolvedPlan.optimizer_shards`` is 1)."""
     codegen: Literal["auto", "eager", "inductor"] = "auto"
     """How the compute between communication points runs: "eager" op by op (ops with an ``out=``
     overload write into the arena); "inductor": each region compiled by Inductor (C++ on CPU, Triton
@@ -120,6 +128,11 @@ class Plan:
                             "(or 'selective') too")
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
+        if self.optimizer_sharding not in ("partition", "world"):
+            raise PlanError(f"Plan.optimizer_sharding must be 'partition' or 'world', got {self.optimizer_sharding!r}")
+        if self.optimizer_sharding == "world" and self.grad_sync != "2hop":
+            raise PlanError("optimizer_sharding='world' turns the boundary all-reduce over the replicas into a "
+                            "reduce-scatter; grad_sync='every_step' has no boundary all-reduce: use grad_sync='2hop'")
         if self.codegen not in ("auto", "eager", "inductor"):
             raise PlanError(f"Plan.codegen must be 'auto', 'eager' or 'inductor', got {self.codegen!r}")
         if self.codegen == "inductor" and (self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32):
@@ -208,6 +221,12 @@ class ResolvedPlan:
         return self.stages == 1 and self.plan.grad_sync == "2hop" and self.replicas > 1
 
     @property
+    def optimizer_shards(self) -> int:
+        """How many ranks split each partition-group shard for the optimizer: d with
+        ``optimizer_sharding="world"``, else 1 (each replica steps its whole shard)."""
+        return self.replicas if self.plan.optimizer_sharding == "world" else 1
+
+    @property
     def bucket_bytes(self) -> int | None:
         """``Plan.bucket_bytes``, or its default for this partition size."""
         if self.plan.bucket_bytes is None and self.partition_size == 1 and self.stages == 1:
@@ -219,8 +238,9 @@ class ResolvedPlan:
         plan = self.plan
         mixed = "" if plan.param_dtype == plan.reduce_dtype == torch.float32 else \
             f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"
+        opt = " optimizer_sharding=world" if self.optimizer_shards > 1 else ""
         return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas}{pipe} "
-                f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}")
+                f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}{opt}")
 
     @property
     def spans_nodes(self) -> bool:

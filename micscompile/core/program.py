@@ -75,6 +75,8 @@ class Kind(enum.Enum):
     LOSS_ALL_REDUCE = "ARL"
     NORM_ALL_REDUCE = "ARN"
     OPTIMIZER = "OPT"
+    UPDATE_GATHER = "AGU"
+    """``optimizer_sharding="world"``: after the optimizer, a bucket's updated shard all-gathered over the replicas."""
 
 
 ISSUE_KIND = {
@@ -91,7 +93,7 @@ ISSUE_KIND = {
 COLLECTIVE_OF_KIND = {
     Kind.ALL_GATHER: C.ALL_GATHER, Kind.ALL_GATHER_NEXT: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
-    Kind.SECOND_HOP: C.ALL_REDUCE,
+    Kind.SECOND_HOP: C.ALL_REDUCE, Kind.UPDATE_GATHER: C.ALL_GATHER,
 }
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 
@@ -244,7 +246,15 @@ class Program:
         """Every collective one optimizer step issues, in order, as ``kind:group:bytes``. Every rank
         of a group must issue that group's collectives in the same order; ``mc.compile`` checks
         that all ranks hold the same list before the first collective of a step."""
-        return [f"{COLLECTIVE_OF_KIND[a.kind]}:{a.group}:{a.tensor_bytes}" for a in self.collectives()]
+        return [f"{self.collective_of(a)}:{a.group}:{a.tensor_bytes}" for a in self.collectives()]
+
+    def collective_of(self, a: Action) -> str:
+        """The collective ``a`` issues. The replicas' reduction (a flat plan's second hop, a pipeline's
+        boundary all-reduce over "replicate") is a reduce-scatter with ``optimizer_sharding="world"``:
+        each rank then steps its 1/d of the shard, and ``UPDATE_GATHER`` all-gathers the result."""
+        if a.group == "replicate" and a.kind in (Kind.SECOND_HOP, Kind.ALL_REDUCE) and self.plan.optimizer_shards > 1:
+            return C.REDUCE_SCATTER
+        return COLLECTIVE_OF_KIND[a.kind]
 
     def collectives(self) -> list[Action]:
         """The collectives of one optimizer step, every micro-step expanded, in issue order; a
@@ -315,7 +325,7 @@ class Program:
         stats = CommStats() if stats is None else stats
         for a in self.collectives():
             rings = self.groups["intra"].size if a.group == "inter" else 1  # k rings share the node's NICs
-            stats.record(COLLECTIVE_OF_KIND[a.kind], self.groups[a.group], a.tensor_bytes, parallel_rings=rings)
+            stats.record(self.collective_of(a), self.groups[a.group], a.tensor_bytes, parallel_rings=rings)
         return stats
 
     def wire_bytes(self) -> dict[tuple[str, str], int]:

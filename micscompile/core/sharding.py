@@ -12,6 +12,7 @@ optimizer sees those pieces, which is exact for elementwise optimizers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -91,6 +92,16 @@ class BucketLayout:
         hi = min(max(start + self.row_numel - slot.offset, 0), slot.numel)
         return lo, max(lo, hi)
 
+    def optimizer_layout(self, shards: int) -> BucketLayout:
+        """The layout the optimizer sees when ``shards`` ranks split each shard (``Plan.optimizer_sharding=
+        "world"``, ``shards`` = d): the bucket cut into p * d rows of ``row_numel / d``; rank
+        ``shard_rank * d + q`` (q: its index among the replicas) steps row q of its shard."""
+        if shards == 1:
+            return self
+        if self.row_numel % shards:
+            raise ValueError(f"bucket {self.name}: a shard of {self.row_numel} elements does not split into {shards}")
+        return dataclasses.replace(self, partition_size=self.partition_size * shards, row_numel=self.row_numel // shards)
+
     def shard_offset(self, slot: ParamSlot, shard_rank: int) -> int:
         """Where ``slot``'s local piece starts in ``shard_rank``'s shard."""
         return slot.offset + self.local_range(slot, shard_rank)[0] - shard_rank * self.row_numel
@@ -103,9 +114,11 @@ def build_layouts(
     dtype: torch.dtype = torch.float32,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    row_multiple: int = 1,
 ) -> list[BucketLayout]:
     """Layouts for ``buckets`` = [(bucket name, [canonical param names])] in bucket order; the
-    shards in ``dtype``, gathered in ``param_dtype`` and reduced in ``reduce_dtype`` (None: ``dtype``)."""
+    shards in ``dtype``, gathered in ``param_dtype`` and reduced in ``reduce_dtype`` (None: ``dtype``),
+    each shard padded to a multiple of ``row_multiple`` elements (d with ``optimizer_sharding="world"``)."""
     same = {None, dtype}.__contains__
     layouts = []
     for index, (name, params) in enumerate(buckets):
@@ -115,6 +128,7 @@ def build_layouts(
             slots.append(ParamSlot(pname, tuple(shapes[pname]), numel, offset))
             offset += numel
         row = -(-offset // partition_size)
+        row += -row % row_multiple
         layouts.append(BucketLayout(index, name, tuple(slots), partition_size, row, dtype,
                                     None if same(param_dtype) else param_dtype,
                                     None if same(reduce_dtype) else reduce_dtype))

@@ -22,7 +22,8 @@ issued while another of its group is in flight takes ``queued_fraction`` of its 
 (gloo runs a group's collectives on two threads).
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
-``state_bytes_per_param`` per shard element, 16 for fp32 Adam), buffers, gathered
+``state_bytes_per_param`` per shard element, 16 for fp32 Adam, of which Adam's m and v, 8, over 1/d of
+the shard with ``optimizer_sharding="world"``), buffers, gathered
 buckets (issue -> release), packed gradient buckets (issue -> wait) and activations
 (Program.activation_bytes).
 """
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from micscompile.core.collectives import fmt_bytes
-from micscompile.core.program import COLLECTIVE_OF_KIND, Action, Kind, Program
+from micscompile.core.program import Action, Kind, Program
 from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s
 from micscompile.cost_model.specs import Cluster, GpuSpec
 
@@ -133,6 +134,9 @@ class Prediction:
 
 
 GATHERS = (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT)
+OPTIMIZER_STATE_BYTES_PER_PARAM = 8
+"""Of ``state_bytes_per_param``, the optimizer's own state per element (Adam's m and v in fp32): what
+``optimizer_sharding="world"`` keeps for 1/d of the shard only."""
 
 
 def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> float:
@@ -193,7 +197,10 @@ def simulate_program(
     groups = program.groups
     layouts = program.layouts
     shard_numel = sum(lay.row_numel for lay in layouts)
-    static = shard_numel * state_bytes_per_param + buffer_bytes
+    # optimizer_sharding="world": each rank keeps the optimizer state of, and steps, 1/d of its shard
+    opt_numel = shard_numel // program.plan.optimizer_shards
+    opt_state = min(OPTIMIZER_STATE_BYTES_PER_PARAM, state_bytes_per_param)
+    static = shard_numel * (state_bytes_per_param - opt_state) + opt_numel * opt_state + buffer_bytes
 
     t = 0.0
     busy: dict[str, float] = defaultdict(float)
@@ -235,7 +242,7 @@ def simulate_program(
         if pieces is not None:
             key = (a.kind, tuple(pieces), a.group, a.hierarchical)
         if key not in priced:  # (a step repeats few distinct collectives)
-            kind = COLLECTIVE_OF_KIND[a.kind]
+            kind = program.collective_of(a)
             stages = [hierarchical_stages_s(kind, b, group.ranks, cluster) if a.hierarchical else
                       (collective_time_s(kind, b, group.ranks, cluster), 0.0, 0.0)
                       for b in ((a.tensor_bytes,) if pieces is None else pieces)]
@@ -420,6 +427,8 @@ def simulate_program(
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1], i)
+        elif a.kind is Kind.UPDATE_GATHER:  # after the optimizer; the step ends when they do
+            note_span(start, issue(a).end_s, i)
         elif a.kind is Kind.WAIT:  # a second hop started in the last micro-step
             flight = pending[(a.waits_for, a.bucket)].popleft()
             slowing[0] -= flight.slowdown > 0
@@ -433,9 +442,9 @@ def simulate_program(
             wait_boundary(max(ends, default=t))
             n_params = sum(len(lay.slots) for lay in layouts)
             if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
-                opt_s = n_params * gpu.optimizer_param_s + shard_numel * gpu.optimizer_element_s
+                opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s
             else:
-                opt_s = _memory_time_s(optimizer_bytes_per_param * shard_numel, gpu, ops=10 * n_params)
+                opt_s = _memory_time_s(optimizer_bytes_per_param * opt_numel, gpu, ops=10 * n_params)
             run_compute(opt_s, "optimizer")
             note_span(start, t, i)
     step = max([t, *stream_free.values()])

@@ -101,10 +101,20 @@ def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micr
     loss = [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4)]
     hops = [a.bucket for a in micro_step if a.kind is Kind.SECOND_HOP]
     if hops:  # the loss all-reduce is issued first: the step then waits for them all
-        return loss + [Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops] + [Action(Kind.OPTIMIZER)]
+        return loss + [Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops] + [Action(Kind.OPTIMIZER)] + \
+            update_gathers(plan, layouts, hops)
     boundary = []
+    reduced = []
     if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
         reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
         boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
                      for b in reduced]
-    return boundary + loss + [Action(Kind.OPTIMIZER)]
+    return boundary + loss + [Action(Kind.OPTIMIZER)] + update_gathers(plan, layouts, reduced)
+
+
+def update_gathers(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], buckets: list[int]) -> list[Action]:
+    """``optimizer_sharding="world"``: after the optimizer stepped each rank's 1/d of its shards, the
+    updated shards of ``buckets`` (those the replicas reduced) all-gathered over the replicas."""
+    if plan.optimizer_shards == 1:
+        return []
+    return [Action(Kind.UPDATE_GATHER, b, group="replicate", tensor_bytes=layouts[b].shard_bytes) for b in buckets]

@@ -157,7 +157,8 @@ def _check_tied_layouts(sp: PipelineSplit, chunks: list[LoweredFlat]) -> None:
         spans = set()
         for c in holders:
             layout, slot = next((ly, s) for ly in chunks[c].program.layouts for s in ly.slots if s.name == name)
-            spans.add(tuple(layout.local_range(slot, r) for r in range(layout.partition_size)))
+            rows = layout.optimizer_layout(chunks[c].plan.optimizer_shards)  # (the optimizer's pieces, too)
+            spans.add(tuple(lay.local_range(slot, r) for lay in (layout, rows) for r in range(lay.partition_size)))
         if len(spans) > 1:
             raise PlanError(f"tied parameter {name} is sharded differently in chunks {list(holders)} (it shares "
                             "a bucket with other parameters); leave bucket_bytes unset so that it has a bucket of its own")

@@ -63,6 +63,7 @@ def make_context(
     param_bytes = {n: tg.param_bytes(n) for n in tg.param_names}
     buckets, block_bucket = assign_buckets(tg.param_names, param_bytes, tg.blocks, first_uses(tg), plan.bucket_bytes)
     dtypes = plan.plan.param_dtype, plan.plan.reduce_dtype
-    layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size, torch.float32, *dtypes))
+    layouts = tuple(build_layouts(buckets, tg.param_shapes, plan.partition_size, torch.float32, *dtypes,
+                                  row_multiple=plan.optimizer_shards))
     return PassContext(plan=plan, graph=tg, layouts=layouts, block_bucket=block_bucket, device=device,
                        prefetch=prefetch)

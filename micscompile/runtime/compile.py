@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import hashlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -205,6 +206,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     try:  # everything that can fail on bad input, rank-local: no collective yet
         _check_max_grad_norm(max_grad_norm)
         rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+        if plan.optimizer_sharding == "world" and rp.replicas == 1:
+            warnings.warn(f"optimizer_sharding='world' changes nothing with d = 1 replica ({rp}): the partition "
+                          "group already holds one copy of the optimizer state", stacklevel=2)
         not_fp32 = [(n, str(p.dtype)) for n, p in model.named_parameters() if p.dtype != torch.float32]
         if not_fp32:
             raise PlanError(f"parameters must be float32 (the fp32 master weights; compute in low precision "

@@ -64,7 +64,8 @@ class TrainStep(Step):
         """After the ranks agreed: the DeviceMesh's groups, the communicator and its arena, the step."""
         groups = flat_groups(lowered.plan, lowered.rank, device)
         comm = Comm(lowered.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"),
-                    groups.get("intra"), arena=None if arena_offsets is None else Arena(*arena_offsets, device))
+                    groups.get("intra"), arena=None if arena_offsets is None else Arena(*arena_offsets, device),
+                    optimizer_shards=lowered.plan.optimizer_shards)
         return cls(gm=prepared["gm"], program=dataclasses.replace(lowered.program, groups=groups), comm=comm,
                    groups=groups, pass_records=lowered.records, device=device, codegen=prepared["codegen"], **kwargs)
 

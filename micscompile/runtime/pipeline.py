@@ -142,7 +142,7 @@ class PipelineStep(Step):
         for c in pp.my_chunks():
             st, sched = pp.split.stages[c], pp.chunks[c]
             comm = Comm(sched.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], stats=stats,
-                        arena=planned_arena)
+                        arena=planned_arena, optimizer_shards=rp.optimizer_shards)
             phases = chunk_phases[c]
             chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, model, groups["shard"].rank, device,
                                                   init_fn, graph.unused_params, own_buffers=True),

@@ -168,16 +168,18 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def build(homes: list[Home], optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor],
-          aliases: dict[str, list[str]], steps: int, owner: object) -> dict:
-    """The sharded state dict (module docstring) over live storage."""
-    by_fqn = _by_fqn(homes)
+          aliases: dict[str, list[str]], steps: int, owner: object, optimizer_homes: list[Home] | None = None) -> dict:
+    """The sharded state dict (module docstring) over live storage: the parameters from ``homes``, the
+    optimizer state from ``optimizer_homes`` (default: the same; the optimizer's smaller pieces with
+    ``optimizer_sharding="world"``)."""
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict] = {}
     names = {}
-    for fqn, hs in by_fqn.items():
+    for fqn, hs in _by_fqn(homes).items():
         shards = FlatShards(hs[0].shape, [Part(h.values, h.lo, h.write) for h in hs], owner)
         for alias in aliases.get(fqn, [fqn]):
             model[alias] = shards
+    for fqn, hs in _by_fqn(homes if optimizer_homes is None else optimizer_homes).items():
         held = [(h, optimizer.state[h.param]) for h in hs if h.param is not None and h.param in optimizer.state]
         for h in hs:
             if h.param is not None:
@@ -213,7 +215,7 @@ def _load_values(dst: list[tuple[torch.Tensor, int]], src: object, what: str, ow
 
 
 def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor],
-          owner: object) -> int:
+          owner: object, optimizer_homes: list[Home] | None = None) -> int:
     """Load ``sd`` (``build``'s layout) into the live shards, buffers and optimizer; returns its step count."""
     missing = [k for k in ("model", "optim", "steps") if k not in sd]
     if missing:
@@ -223,6 +225,8 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
         if fqn not in model:
             raise KeyError(f"state dict has no parameter {fqn!r}")
         _load_values([(h.values, h.lo) for h in hs], model[fqn], f"model.{fqn}", owner)
+    optimizer_homes = homes if optimizer_homes is None else optimizer_homes
+    for fqn, hs in _by_fqn(optimizer_homes).items():
         saved = optim["state"].get(fqn)
         if saved is None:
             continue
@@ -242,7 +246,7 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
     for name, buf in buffers.items():
         if name in model and model[name] is not buf:
             buf.copy_(model[name])
-    names = {id(h.param): h.fqn for h in homes if h.param is not None}
+    names = {id(h.param): h.fqn for h in optimizer_homes if h.param is not None}
     for group in optimizer.param_groups:
         first = next((names[id(p)] for p in group["params"] if id(p) in names), None)
         saved = next((g for g in optim["param_groups"] if first in g["params"]), None)
@@ -274,7 +278,7 @@ class Checkpointable:
         if init_optimizer_state(self.optimizer):
             self._provisional = True
         sd = build(self._homes(), self.optimizer, self._state_buffers(), self.graph.param_aliases,
-                   self.steps, self)
+                   self.steps, self, self._homes(optimizer=True))
         if self.loss_scaler is not None:  # fp16: the dynamic loss scale
             sd["loss_scale"] = self.loss_scaler.state_dict()
         return sd
@@ -283,7 +287,7 @@ class Checkpointable:
         """Take ``sd``: the dict ``state_dict()`` returned, after ``dcp.load`` filled it (nothing to
         copy), or one with full tensors (e.g. ``{"model": model.state_dict(), "optim": ..., "steps": n}``)."""
         init_optimizer_state(self.optimizer)
-        self.steps = apply(sd, self._homes(), self.optimizer, self._state_buffers(), self)
+        self.steps = apply(sd, self._homes(), self.optimizer, self._state_buffers(), self, self._homes(optimizer=True))
         if self.loss_scaler is not None and "loss_scale" in sd:
             self.loss_scaler.load_state_dict(sd["loss_scale"])
         self._provisional = self.steps == 0

@@ -77,7 +77,15 @@ class Part:
     params: dict[str, nn.Parameter]
     boundary_buckets: list[int]
     """The buckets the boundary all-reduces over "replicate" (the Program's boundary ALL_REDUCEs: a
-    pipeline's; a flat plan's second hops start in the graph, ``Kind.SECOND_HOP``)."""
+    pipeline's; a flat plan's second hops start in the graph, ``Kind.SECOND_HOP``); reduce-scatters
+    with ``optimizer_sharding="world"``."""
+    update_buckets: list[int]
+    """``optimizer_sharding="world"``: the buckets all-gathered over "replicate" after the optimizer."""
+    optimizer_rows: list[torch.Tensor]
+    """What the optimizer steps of each bucket's shard: the whole shard, or with
+    ``optimizer_sharding="world"`` its row among the d replicas'."""
+    step_grads: list[torch.Tensor]
+    """The gradient of ``optimizer_rows`` (what is scaled and clipped)."""
 
 
 def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Module, shard_rank: int,
@@ -89,12 +97,23 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Modul
         buffers[LOSS_SCALE] = torch.ones((), dtype=torch.float32, device=device)
     grads = [torch.zeros_like(s) for s in shards]
     inputs = [buffers[n] for n in graph.buffer_names]
+    # optimizer_sharding="world": the optimizer steps row q (this rank's among the d replicas) of each shard
+    d = comm.optimizer_shards
+    q = comm.replicate.rank if d > 1 else 0
+    rows, row_grads = [s.view(d, -1)[q] for s in shards], [g.view(d, -1)[q] for g in grads]
+    params = shard_parameters(optimizer_layouts(comm), rows, row_grads, shard_rank * d + q, set(graph.trainable), unused)
     return dict(
         comm=comm, shards=shards, grads=grads, buffers=inputs,
         buffer_state=dict(zip(graph.buffer_names, inputs)) if own_buffers else buffers,
-        params=dict(shard_parameters(comm.layouts, shards, grads, shard_rank, set(graph.trainable), unused)),
+        params=dict(params), optimizer_rows=rows, step_grads=row_grads,
         boundary_buckets=[a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE],
+        update_buckets=[a.bucket for a in program.boundary if a.kind is Kind.UPDATE_GATHER],
     )
+
+
+def optimizer_layouts(comm: Comm) -> list:
+    """The layouts of what a part's optimizer steps (``BucketLayout.optimizer_layout``)."""
+    return [lay.optimizer_layout(comm.optimizer_shards) for lay in comm.layouts]
 
 
 class Step(Checkpointable):
@@ -200,6 +219,7 @@ class Step(Checkpointable):
         if finite:
             with record_function("mc.optimizer"):
                 self.optimizer.step()
+            self._update_gather()
         self.steps += 1
         return (loss_buf[0] * scale).detach()
 
@@ -217,8 +237,8 @@ class Step(Checkpointable):
             if self.max_grad_norm is not None:  # clip_grad_norm_'s rule: max_norm / (norm + 1e-6), never above 1
                 factor = scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         for part in self._parts:
-            if part.grads:
-                torch._foreach_mul_(part.grads, factor)
+            if part.step_grads:
+                torch._foreach_mul_(part.step_grads, factor)
         if not measured:
             return True
         finite = bool(torch.isfinite(self.grad_norm))  # one host sync, clipping or fp16 only
@@ -235,9 +255,10 @@ class Step(Checkpointable):
     def _global_grad_norm(self) -> torch.Tensor:
         """The L2 norm of the whole (summed) gradient, every element once: this rank's pieces without
         padding, a tied parameter in its lowest part only, one replica of each shard (the replication
-        group's rank 0), summed over the world (every partition group and pipeline stage)."""
+        group's rank 0; with ``optimizer_sharding="world"`` each rank's own row), summed over the world
+        (every partition group and pipeline stage)."""
         pieces = []
-        if self._groups["replicate"].rank == 0:
+        if self._groups["replicate"].rank == 0 or self.program.plan.optimizer_shards > 1:
             tied = self._tied_parts()
             pieces = [p.grad for part in self._parts for name, p in part.params.items()
                       if p.grad is not None and p.grad.numel() and part.index == min(tied.get(name, [part.index]))]
@@ -311,7 +332,8 @@ class Step(Checkpointable):
         works = [w for part in self._parts for w in part.comm.second_hops]  # a flat plan's, issued in its
         for part in self._parts:                                              # last backward
             part.comm.second_hops.clear()
-        works += [C.all_reduce_start(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
+        reduce = C.reduce_scatter_start if self.program.plan.optimizer_shards > 1 else C.all_reduce_start
+        works += [reduce(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
                   for part in self._parts for b in part.boundary_buckets]
         loss_buf = loss_sum.reshape(-1)
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
@@ -322,6 +344,15 @@ class Step(Checkpointable):
 
     def _sum_tied(self) -> None:
         """Sum the gradients of parameters held by several parts (pipeline chunks); none in a flat plan."""
+
+    def _update_gather(self) -> None:
+        """``optimizer_sharding="world"``: each bucket's updated rows all-gathered over the replicas (the
+        next step's gathers read the whole shard)."""
+        replicate = self._groups["replicate"]
+        works = [C.update_gather_start(self._stats, replicate, part.shards[b], b)
+                 for part in self._parts for b in part.update_buckets]
+        for w in works:
+            C.collective_wait(None, w)
 
     # ---- inspection and export -------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
@@ -344,12 +375,25 @@ class Step(Checkpointable):
         """Parameter -> the parts holding it, where more than one does."""
         return {}
 
-    def _homes(self) -> list[Home]:
-        """A parameter held by several parts is saved from the lowest one and loaded into every one."""
+    def _homes(self, optimizer: bool = False) -> list[Home]:
+        """Where this rank's piece of each parameter lives (``optimizer``: the piece the optimizer steps,
+        a row of it with ``optimizer_sharding="world"``). A parameter held by several parts is saved from
+        the lowest one and loaded into every one."""
         r, tied = self._groups["shard"].rank, self._tied_parts()
-        return [Home(slot.name, slot.shape, lay.local_range(slot, r)[0], local_piece(lay, slot, shard, r),
-                     part.params.get(slot.name), part.index == min(tied.get(slot.name, [part.index])))
-                for part in self._parts for lay, shard in zip(part.comm.layouts, part.shards) for slot in lay.slots]
+        d = self.program.plan.optimizer_shards
+        q = self._groups["replicate"].rank if d > 1 else 0
+        out = []
+        for part in self._parts:
+            layouts, shards, rank = part.comm.layouts, part.shards, r
+            if optimizer:
+                layouts, shards, rank = optimizer_layouts(part.comm), part.optimizer_rows, r * d + q
+            for lay, shard in zip(layouts, shards):
+                for slot in lay.slots:
+                    param = part.params.get(slot.name) if optimizer or d == 1 else None
+                    out.append(Home(slot.name, slot.shape, lay.local_range(slot, rank)[0],
+                                    local_piece(lay, slot, shard, rank), param,
+                                    part.index == min(tied.get(slot.name, [part.index]))))
+        return out
 
     def _state_buffers(self) -> dict[str, torch.Tensor]:
         return {n: b for part in self._parts for n, b in part.buffer_state.items() if n in self._state_keys}
