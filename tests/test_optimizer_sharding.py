@@ -78,7 +78,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             "optimizer_bytes": _state_bytes(step.optimizer),
             "measured": {k: r.bytes for k, r in stats.rows.items()},
             "wire_bytes": {k: STEPS * v for k, v in step.program.wire_bytes().items()},
-            "shards": rp.optimizer_shards, "skipped": step.skipped_steps, "program": str(step.program) if rank == 0 and case.stages == 1 else "",
+            "shards": rp.optimizer_shards, "skipped": step.skipped_steps,
+            "program": str(step.program) if rank == 0 and case.stages == 1 else "",
         }
     return out
 

@@ -215,3 +215,15 @@ def test_micro_batches_in_flight_cost_only_what_their_forward_keeps():
     transient = simulate_program(forward, cluster, record=False, accumulate=False)
     assert transient.peak_memory_bytes - transient.static_memory_bytes > 2 * kept  # gathered weights on top
     assert 0 < peak[8] - peak[1] <= 3 * kept
+
+
+def test_a_parameter_nothing_reads_is_held_by_a_chunk():
+    """Quirky's ``unused`` Linear never runs: it is still state (saved, exported), so a chunk holds it
+    (found by the plan fuzzer: a pipeline's full_state_dict raised KeyError)."""
+    cls, make_loss, make_batches = MODELS["quirky"]
+    model = cls()
+    tg = mc.trace(model, make_batches(1, 4)[0], make_loss(model))
+    sp = split(tg, _resolved(2))
+    held = [set(st.graph.param_names) for st in sp.stages]
+    assert set().union(*held) == set(tg.param_names)
+    assert {"unused.weight", "unused.bias"} <= held[-1]

@@ -114,7 +114,8 @@ def _plans(args: argparse.Namespace, cluster) -> list:
     return [mc.Plan(partition_size=p, pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches,
                     pipeline_schedule="interleaved" if args.chunks > 1 else args.schedule,
                     pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
-                    hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype)
+                    hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype,
+                    optimizer_sharding=args.optimizer_sharding)
             for p in sizes]
 
 
@@ -246,6 +247,8 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
     sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")
+    sp.add_argument("--optimizer-sharding", choices=("partition", "world"), default="partition",
+                    help="optimizer states over the partition group, or over all p*d ranks (asymmetric)")
 
 
 def parser() -> argparse.ArgumentParser:

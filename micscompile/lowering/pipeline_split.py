@@ -339,6 +339,12 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
     for name, by_chunk in parts.items():
         for c in by_chunk:
             holders.setdefault(name, set()).add(c)
+    # a parameter nothing reads is still state (saved, loaded, exported; eager never steps it): the
+    # chunk of its block holds it, or the last chunk (found by benchmarks/fuzz_plans.py)
+    chunk_of_unit = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}
+    for name in tg.param_names:
+        if name not in holders:
+            holders[name] = {chunk_of_unit.get(block_of(name.rpartition(".")[0], tg.blocks), chunks - 1)}
     tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
     # a tied parameter's module is a block of its own in every chunk: its bucket then holds it
     # alone and is sharded alike wherever it is (its gradient is summed piece by piece)

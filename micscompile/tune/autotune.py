@@ -136,7 +136,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         print(f"predicted step times {rows[0].prediction.interval()} (held-out error on this cluster); "
               f"~: a tie with the best", file=file)
     measured = any(c.measured_step_s is not None for c in rows)
-    head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} "
+    head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} {'opt':>5} "
             f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
     head += f" {'measured s':>10}" if measured else ""
     print(head, file=file)
@@ -148,7 +148,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
-                f"{short(c.prefetch):<9} {pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
+                f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} {pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
         line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
         print(line, file=file)
@@ -167,6 +167,7 @@ def autotune(
     offload: Sequence[bool] = (False, True),
     hierarchical: Sequence = ("auto", False),
     pipeline_chunks: Sequence[int] = (1, 2),
+    optimizer_sharding: Sequence[str] = ("partition", "world"),
     flops_per_sample: float | None = None,
     progress: bool = True,
     top: int = 10,
@@ -182,7 +183,7 @@ def autotune(
     size up to 32 that splits the batch); a concrete trace searches only its own micro-batch size.
     ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
     compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
-    where v > 1). ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
+    where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1). ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
@@ -194,7 +195,8 @@ def autotune(
     sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
     space = configs(n, k, global_batch_size, len(trace.blocks), partition_sizes=partition_sizes,
                     pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint,
-                    offload=offload, hierarchical=hierarchical, chunks=pipeline_chunks)
+                    offload=offload, hierarchical=hierarchical, chunks=pipeline_chunks,
+                    optimizer_sharding=optimizer_sharding)
     if not space:
         raise PlanError(f"no plan splits a global batch of {global_batch_size} over {n} ranks with micro-batch sizes "
                         f"{list(sizes or [])  or 'up to 32'}: choose a global batch divisible by n / S for some "
@@ -215,7 +217,8 @@ def autotune(
             bar.update()
             if floor > capacity:
                 out.append(Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need {fmt_bytes(floor)} "
-                                     f"per GPU (16 B per parameter over S*p = {cfg.stages * cfg.partition} ranks), "
+                                     f"per GPU (16 B per parameter over S*p = {cfg.stages * cfg.partition} ranks, "
+                                     f"Adam's 8 over d times more with optimizer_sharding='world'), "
                                      f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
                 continue
             pred = pricer.predict(plan, cfg.micro_batch, pf)

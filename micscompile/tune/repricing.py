@@ -101,7 +101,7 @@ def _structure(rp: ResolvedPlan) -> tuple:
     """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph: not the
     partition size (``for_partition``), the micro-batch size (``at_index``) or the pipeline's depth."""
     plan = rp.plan
-    return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1
+    return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1, rp.optimizer_shards
 
 
 class Pricer:
@@ -145,10 +145,10 @@ class Pricer:
     def _sized(self, program: Program, tg: TrainGraph, rp: ResolvedPlan, i: int) -> Program:
         """``program`` (a structure's, at distance 0) for ``rp`` at the ``i``-th size (cached: many
         candidates differ only in the micro-batch count and the prefetch)."""
-        key = (id(program), rp.partition_size, rp.replicas, rp.plan.hierarchical, i)
+        key = (id(program), rp.partition_size, rp.replicas, rp.plan.hierarchical, rp.optimizer_shards, i)
         if key not in self._sized_cache:
             if rp.partition_size > 1:
-                lkey = (id(tg), rp.partition_size)
+                lkey = (id(tg), rp.partition_size, rp.optimizer_shards)
                 if lkey not in self._layouts:
                     self._layouts[lkey] = make_context(tg, rp).layouts
                 out = for_partition(program, tg, rp, self.cluster, self._layouts[lkey])

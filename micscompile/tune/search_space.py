@@ -3,8 +3,8 @@
 A point of the space is a :class:`Config`: pipeline stages S, partition size p (the intra-stage
 t when S > 1), micro-batch size b (the micro-batch count follows from the global batch: every
 rank of a stage trains on its own samples, so s = G / (b d p) = G S / (b n), docs/design.md's
-m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing, offload
-and hierarchical collectives. Each is priced with every prefetch choice
+m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing, offload,
+hierarchical collectives and where the optimizer states live (``Plan.optimizer_sharding``). Each is priced with every prefetch choice
 (``passes.context.Prefetch``) that applies to it.
 """
 
@@ -27,6 +27,8 @@ FLAT_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2), Prefetch(distance=1
 """FSDP's one-ahead, deeper, across micro-steps, keeping the last forward buckets live."""
 PIPELINE_PREFETCH = (Prefetch(distance=1), Prefetch(distance=2))
 """Inside a pipeline chunk gathers are neither kept live nor issued across micro-steps."""
+OPTIMIZER_SHARDING = ("partition", "world")
+"""Over the partition group, or over all p * d ranks (only where d > 1: with one replica they are the same)."""
 CHUNKS = (1, 2)
 """v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
 
@@ -41,28 +43,34 @@ class Config:
     offload: bool
     hierarchical: bool | str
     chunks: int = 1
+    optimizer: str = "partition"
+    """``Plan.optimizer_sharding``."""
+    replicas: int = 1
+    """d: ranks holding the same shard."""
 
     def plan(self, base: Plan) -> Plan:
         return dataclasses.replace(
             base, partition_size=self.partition, pipeline_stages=self.stages, micro_batches=self.micro_batches,
             checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical,
-            pipeline_chunks=self.chunks, pipeline_schedule="interleaved" if self.chunks > 1 else base.pipeline_schedule)
+            pipeline_chunks=self.chunks, pipeline_schedule="interleaved" if self.chunks > 1 else base.pipeline_schedule,
+            optimizer_sharding=self.optimizer)
 
     @property
     def structure(self) -> tuple:
         """The Programs a candidate's pricing shares with others (``micscompile.tune.repricing``)."""
-        return self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1
+        return self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1, self.optimizer
 
 
 def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
             partition_sizes: Sequence[int] | None = None, pipeline_stages: Sequence[int] | None = None,
             micro_batch_sizes: Sequence[int] | None = None, checkpoint: Sequence = CHECKPOINT,
             offload: Sequence[bool] = OFFLOAD, hierarchical: Sequence = HIERARCHICAL,
-            chunks: Sequence[int] = CHUNKS) -> list[Config]:
+            chunks: Sequence[int] = CHUNKS, optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING) -> list[Config]:
     """Every valid point: S * p divides the world, b * n / S divides the global batch (default b: every
     such size up to MAX_MICRO_BATCH), a stage's partition group inside one node, at least two of the
     ``units`` blocks per chunk, interleaving (v > 1) where m is a multiple of S, offload only with
-    checkpointing, hierarchical variants only where a partition group spans whole nodes. Fewer
+    checkpointing, hierarchical variants only where a partition group spans whole nodes, the optimizer
+    states over the world only where d > 1. Fewer
     micro-batches than stages is allowed (the pipeline never fills; its bubble prices it)."""
     stages = pipeline_stages or [s for s in divisors(world) if 2 * s <= units]
     out = []
@@ -79,11 +87,13 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                     continue
                 s = global_batch // (b * ways)
                 vs = [v for v in chunks if v == 1 or (S > 1 and s % S == 0 and 2 * S * v <= units)]
-                for v, ck, off in itertools.product(vs, checkpoint, offload):
+                d = ways // p
+                homes = [o for o in optimizer_sharding if o == "partition" or d > 1] or ["partition"]
+                for v, ck, off, opt in itertools.product(vs, checkpoint, offload, homes):
                     if off and not ck:
                         continue
                     for hier in (hierarchical if spans else hierarchical[:1]):
-                        out.append(Config(S, p, b, s, ck, off, hier, v))
+                        out.append(Config(S, p, b, s, ck, off, hier, v, opt, d))
     return out
 
 
@@ -96,7 +106,9 @@ def prefetches(cfg: Config) -> tuple[Prefetch, ...]:
     return tuple(pf for pf in FLAT_PREFETCH if cfg.micro_batches > 1 or not pf.across_micro_steps)
 
 
-def state_floor_bytes(num_params: int, cfg: Config, bytes_per_param: int = 16) -> float:
+def state_floor_bytes(num_params: int, cfg: Config, bytes_per_param: int = 16, optimizer_bytes: int = 8) -> float:
     """A lower bound of any rank's model-state bytes: its stage's share of the fp32 weights,
-    gradients and Adam state, evenly split (the busiest stage holds at least the average)."""
-    return num_params * bytes_per_param / (cfg.stages * cfg.partition)
+    gradients and Adam state (``optimizer_bytes`` of the ``bytes_per_param``: over d times more ranks
+    with the optimizer states over the world), evenly split (the busiest stage holds at least the average)."""
+    shards = cfg.replicas if cfg.optimizer == "world" else 1
+    return num_params * (bytes_per_param - optimizer_bytes + optimizer_bytes / shards) / (cfg.stages * cfg.partition)
