@@ -148,7 +148,8 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
-                f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} {pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
+                f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} "
+                f"{pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
         line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
         print(line, file=file)
@@ -183,7 +184,8 @@ def autotune(
     size up to 32 that splits the batch); a concrete trace searches only its own micro-batch size.
     ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
     compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
-    where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1). ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
+    where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1).
+    ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """

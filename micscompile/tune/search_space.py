@@ -4,8 +4,8 @@ A point of the space is a :class:`Config`: pipeline stages S, partition size p (
 t when S > 1), micro-batch size b (the micro-batch count follows from the global batch: every
 rank of a stage trains on its own samples, so s = G / (b d p) = G S / (b n), docs/design.md's
 m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing, offload,
-hierarchical collectives and where the optimizer states live (``Plan.optimizer_sharding``). Each is priced with every prefetch choice
-(``passes.context.Prefetch``) that applies to it.
+hierarchical collectives and where the optimizer states live (``Plan.optimizer_sharding``). Each is
+priced with every prefetch choice (``passes.context.Prefetch``) that applies to it.
 """
 
 from __future__ import annotations
