@@ -15,18 +15,20 @@ Case ``seed`` draws, from its own ``random.Random(seed)``:
   interleaved with v = 2), gpus_per_node and hierarchical gathers, a forced Prefetch or the default
   search, bucket sizes, a memory budget, a cap on gathers in flight, checkpointing (plain, selective,
   every 1-2 blocks, with offload), fp32 / bf16 / fp16 compute and reduction, codegen (eager, auto,
-  Inductor), the arena, a model built on meta;
+  Inductor), the optimizer states over the partition group or the world, the arena, a model built on meta;
 - a training set-up: SGD or AdamW, gradient clipping (``max_grad_norm``, ``inf``: measured only), the
   token-weighted loss (``(loss_sum, count)`` with targets padded by ``ignore_index``).
 
 Each case trains 4 steps and is compared with ``cli.parity.train_reference_mixed``: single-process eager
 on the same global batch, cut into the plan's micro-batches and summed in their order (in fp32 too, so
-that AdamW's amplification of summation order neither hides nor fakes an error), with the same clipping,
-loss scaling and token count. Outcomes:
+that AdamW's amplification of summation order neither hides nor fakes an error) and in the plan's
+reduce_dtype (an fp16 sum overflows, and the loss scale backs off, where the plan's does), with the same
+clipping, loss scaling and token count. Outcomes:
 
 - **parity**: every loss and the gathered state within docs/design.md's metric (1e-5; 2e-2 mixed);
 - **refused**: every rank raised the same error from micscompile's own code while building the Plan or
-  in ``mc.compile`` (which checks everything rank-locally before its first collective);
+  in ``mc.compile`` (which checks everything rank-locally before its first collective), other than
+  that the ranks disagree (they were given the same model, plan and batch);
 - **failed**: wrong numbers, a crash, an error in the steps or not micscompile's, ranks that disagree,
   or a hang past ``--timeout``.
 """
@@ -52,6 +54,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import micscompile as mc  # noqa: E402
 from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, train_reference_mixed  # noqa: E402
+from micscompile.runtime.compile import AGREEMENT_HINTS  # noqa: E402
 from micscompile.runtime.materialize import initialize  # noqa: E402
 
 WORLD, STEPS, LOCAL_BATCH = 4, 4, 12
@@ -149,13 +152,16 @@ def draw(seed: int) -> FuzzCase:
     if rng.random() < 0.3:
         prefetch = mc.Prefetch(distance=rng.randint(0, 3), keep_live=rng.randint(0, 2),
                                across_micro_steps=s > 1 and rng.random() < 0.5)
-    return FuzzCase(
-        seed=seed, model=model, layers=rng.choice([2, 4, 6]), hf=rng.choice(HF_FAMILIES), plan=tuple(plan.items()),
+    case = dict(
+        seed=seed, model=model, layers=rng.choice([2, 4, 6]), hf=rng.choice(HF_FAMILIES),
         prefetch=prefetch, opt=rng.choice(["sgd", "adamw"]),
         clip=rng.choice([None, None, 0.05, 1.0, float("inf")]),
         counted=model in ("tied_lm", "random") and rng.random() < 0.3,
         meta=model != "hf" and rng.random() < 0.15, arena=rng.random() < 0.85,
     )
+    if plan.get("grad_sync") != "every_step" and rng.random() < 0.25:  # (drawn last: the rest as before it)
+        plan["optimizer_sharding"] = "world"
+    return FuzzCase(plan=tuple(plan.items()), **case)
 
 
 def _sum_count(logits, y):
@@ -221,7 +227,7 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
 
         def reference(batches):
             return train_reference_mixed(copy.deepcopy(model), make_loss, opt, batches, pieces, plan.param_dtype,
-                                         num_model_inputs=n_in, max_grad_norm=case.clip)
+                                         num_model_inputs=n_in, max_grad_norm=case.clip, reduce_dtype=plan.reduce_dtype)
         ref_losses, ref_state = reference(batches)
         # the same reference summed in the reverse order: how far summation order alone moves each value
         rev_losses, rev_state = reference([[torch.cat(x.chunk(pieces)[::-1]) for x in b] for b in batches])
@@ -270,8 +276,9 @@ def judge(values: list[dict]) -> tuple[str, str]:
     errors = [v for v in values if "error" in v]
     if errors:
         first = errors[0]
-        if len(errors) == len(values) and all(e["error"] == first["error"] and e["stage"] in ("plan", "compile")
-                                              and e["ours"] for e in errors):
+        disagree = any(hint in first["error"] for hint in AGREEMENT_HINTS.values())  # (every rank had the same input)
+        if not disagree and len(errors) == len(values) and all(
+                e["error"] == first["error"] and e["stage"] in ("plan", "compile") and e["ours"] for e in errors):
             return "refused", first["error"][:300]
         return "failed", f"{first['stage']}: {first['error'][:300]}"
     tol = LOW_PRECISION_TOLERANCE if values[0]["mixed"] else TOLERANCE

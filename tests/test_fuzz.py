@@ -35,7 +35,7 @@ def test_the_draw_is_a_function_of_the_seed():
     assert {c.model for c in cases} == set(fuzz_plans.FAMILIES)
     drawn = {k for c in cases for k in c.kwargs}
     assert {"pipeline_stages", "pipeline_chunks", "checkpoint", "offload_activations", "param_dtype", "bucket_bytes",
-            "memory_budget_bytes", "max_gathers_in_flight", "hierarchical", "grad_sync"} <= drawn
+            "memory_budget_bytes", "max_gathers_in_flight", "hierarchical", "grad_sync", "optimizer_sharding"} <= drawn
     assert {c.kwargs["codegen"] for c in cases} == {"eager", "auto", "inductor"}
     assert any(c.clip for c in cases) and any(c.counted for c in cases) and any(c.meta for c in cases)
 
@@ -57,3 +57,6 @@ def test_the_judge_classes_parity_refusals_and_failures():
     for odd in ({**refusal, "stage": "steps"}, {**refusal, "ours": False}, {**refusal, "error": "PlanError: other"}):
         assert judge([refusal] * 3 + [odd])[0] == "failed", odd  # in a step, not ours, or ranks that disagree
     assert judge([refusal] + [_rank()] * 3)[0] == "failed"
+    # ranks given the same input that compile different programs: micscompile's inconsistency, not bad input
+    disagree = {**refusal, "error": "RuntimeError: ranks compiled different programs (model, plan or batch differ)"}
+    assert judge([disagree] * 4)[0] == "failed"

@@ -146,7 +146,7 @@ def test_the_replicas_reduce_scatter_and_gather_the_bytes_of_one_all_reduce(resu
         part, world = res[case]["partition"]["measured"], res[case]["world"]["measured"]
         assert (ALL_REDUCE, "replicate") in part and (ALL_REDUCE, "replicate") not in world
         assert (REDUCE_SCATTER, "replicate") in world and (ALL_GATHER, "replicate") in world
-        if case.param_dtype == torch.float32:  # (fp16: the gradients reduce in fp16, the parameters gather in fp32)
+        if case.param_dtype == torch.float32:  # (fp16 here: the gradients reduce in fp32, the updates gather in fp16)
             total_part, total_world = sum(part.values()), sum(world.values())
             assert abs(total_world - total_part) <= 0.02 * total_part, (part, world)
         # (a pipeline's tied-weight all-reduce between its chunks is not in its Programs' wire bytes; a step

@@ -227,3 +227,21 @@ def test_a_parameter_nothing_reads_is_held_by_a_chunk():
     held = [set(st.graph.param_names) for st in sp.stages]
     assert set().union(*held) == set(tg.param_names)
     assert {"unused.weight", "unused.bias"} <= held[-1]
+
+
+def test_every_stage_fingerprints_the_pipeline_alike_with_offload():
+    """A rank lowers only its own chunks' graphs; with offloaded activations the lowered Program cuts its
+    compute around the copies, unlike the Program the search chose, so stage 0 and stage 1 disagreed and
+    mc.compile refused a valid plan ("ranks compiled different programs"; found by the plan fuzzer)."""
+    from micscompile.cost_model.specs import Cluster
+    from micscompile.lowering.groups import planned_groups
+    from micscompile.lowering.lowered import lower
+
+    model, (x, y) = MODELS["tied_lm"][0](layers=6), MODELS["tied_lm"][2](1, 12)[0]
+    tg = mc.trace(model, (x, y), MODELS["tied_lm"][1](model))
+    rp = mc.Plan(pipeline_stages=2, partition_size=2, checkpoint="selective", checkpoint_every=2,
+                 offload_activations=True, codegen="eager").resolve(4, 4)
+    cluster = Cluster.preset("p4d.24xlarge")
+    first, second = (lower(tg, rp, cluster, planned_groups(rp, r), r) for r in (0, 2))
+    assert first.fingerprint() == second.fingerprint()
+    assert first.collective_fingerprint() == second.collective_fingerprint()

@@ -71,6 +71,7 @@ def train_reference_mixed(
     num_model_inputs: int = 1,
     loss_scaler: LossScaler | None = None,
     max_grad_norm: float | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -86,6 +87,8 @@ def train_reference_mixed(
     and losses by the whole batch's count instead. ``max_grad_norm``: the summed gradients are
     clipped with ``torch.nn.utils.clip_grad_norm_`` before each step (a non-finite norm skips it).
     In ``torch.float32`` this is the fp32 reference summed in the plan's micro-batch order.
+    ``reduce_dtype``: the slices' gradients are summed in it (a plan's ``reduce_dtype``: an fp16 sum
+    overflows, and the fp16 loss scale backs off, where the plan's reduction does), then unscaled in fp32.
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
@@ -110,12 +113,13 @@ def train_reference_mixed(
             grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
             for i, g in enumerate(grads):
                 if g is not None:
-                    totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
+                    g = g.to(reduce_dtype)
+                    totals[i] = g if totals[i] is None else totals[i] + g
             loss_sum += float(loss.detach().float())
         divisor = chunks if count is None else count
         unscale = divisor * (1.0 if scaler is None else scaler.scale)
         for mp, total in zip(masters, totals):
-            mp.grad = None if total is None else total / unscale
+            mp.grad = None if total is None else total.float() / unscale
         finite = all(t is None or bool(torch.isfinite(t).all()) for t in totals)
         if scaler is not None:
             scaler.update(finite)

@@ -169,6 +169,9 @@ class Comm:
     """The second hops ``second_hop`` started in the last micro-step (``Pending``), waited at the boundary."""
     optimizer_shards: int = 1
     """d with ``Plan.optimizer_sharding="world"`` (the second hop is then a reduce-scatter), else 1."""
+    updates: dict = field(default_factory=dict)
+    """``optimizer_sharding="world"``: bucket -> the last optimizer step's update gather (``Pending``), waited
+    just before the bucket's next gather: under the next step's forward until then (``settle``)."""
 
     def alloc(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer for a collective (``like``'s device, ``dtype`` or its dtype): the arena's next
@@ -306,6 +309,8 @@ def all_gather_issue(comm: Comm, bucket: int, shard: torch.Tensor, hierarchical:
     """Start gathering a bucket over the partition group into a [p * row_numel] buffer in the
     layout's ``gather_dtype`` (p = 1, mixed precision: only the cast)."""
     layout = comm.layouts[bucket]
+    if comm.updates:
+        settle(comm, bucket)  # its shard is whole again
     if hierarchical:
         pending = _hierarchical_all_gather(comm, layout, shard, f"AG{bucket}")
     else:
@@ -448,12 +453,45 @@ def reduce_scatter_start(stats: CommStats, group: GroupInfo, acc: torch.Tensor, 
     return Pending(work, row, lambda: row.copy_(out), what=what or f"boundary reduce_scatter over {group.label()}")
 
 
-def update_gather_start(stats: CommStats, group: GroupInfo, shard: torch.Tensor, bucket: int) -> Pending:
+def settle(comm: Comm, bucket: int | None = None) -> None:
+    """Wait for the update gather of ``bucket`` (None: of every bucket) the last optimizer step left in flight."""
+    for b in [bucket] if bucket is not None else list(comm.updates):
+        pending = comm.updates.pop(b, None)
+        if pending is not None:
+            collective_wait(comm, pending)
+
+
+def update_gather_start(stats: CommStats, group: GroupInfo, shard: torch.Tensor, bucket: int,
+                        dtype: torch.dtype | None = None) -> Pending:
     """``optimizer_sharding="world"``: after the optimizer stepped row ``group.rank`` of a bucket's shard,
-    every replica's row all-gathered into every replica's shard (in place)."""
-    work = dist.all_gather_single(shard, shard.view(group.size, -1)[group.rank], group=group.group, async_op=True)
-    stats.record(ALL_GATHER, group, shard.numel() * shard.element_size())
-    return Pending(work, shard, what=_what("update all_gather", bucket, group))
+    every replica's row all-gathered into every replica's shard: in place, or in ``dtype`` (the plan's
+    param_dtype: what the next gathers cast the shard to anyway) into a buffer whose other rows are
+    copied into the shard at the wait, this rank's own row keeping its fp32 master (the wire carries
+    as many bytes as the second half of a ``dtype`` all-reduce; ``exact_rows`` restores the masters)."""
+    rows = shard.view(group.size, -1)
+    what = _what("update all_gather", bucket, group)
+    if dtype is None or dtype == shard.dtype:
+        work = dist.all_gather_single(shard, rows[group.rank], group=group.group, async_op=True)
+        stats.record(ALL_GATHER, group, shard.numel() * shard.element_size())
+        return Pending(work, shard, what=what)
+    buf = shard.new_empty(shard.numel(), dtype=dtype)
+    low = buf.view(group.size, -1)
+    low[group.rank].copy_(rows[group.rank])
+    work = dist.all_gather_single(buf, low[group.rank], group=group.group, async_op=True)
+    stats.record(ALL_GATHER, group, buf.numel() * buf.element_size())
+
+    def finish() -> torch.Tensor:
+        others = [r for r in range(group.size) if r != group.rank]
+        rows[others] = low[others].to(shard.dtype)
+        return shard
+    return Pending(work, None, finish, what=what)
+
+
+def exact_rows(group: GroupInfo, shard: torch.Tensor) -> None:
+    """Every replica's fp32 master row of a shard all-gathered into every replica's shard (after update
+    gathers in a low precision, before the shard is exported: a state dict, the full parameters)."""
+    with guarded(f"exact all_gather over {group.label()}"):
+        dist.all_gather_single(shard, shard.view(group.size, -1)[group.rank], group=group.group)
 
 
 # ---- hierarchical collectives (a partition group of p ranks over m = p / k nodes) -----------

@@ -352,6 +352,13 @@ def simulate_program(
             for f in queue:
                 f.end_s += steps * period
 
+    # optimizer_sharding="world", in the steady state: the previous step's update gathers run from this
+    # step's start (on the replicate stream); a bucket's first gather waits for its own (the runtime's
+    # collectives.settle), a plan that gathers nothing for all of them, the optimizer for the rest
+    updates = {a.bucket: issue(a).end_s for a in program.boundary if a.kind is Kind.UPDATE_GATHER}
+    if updates and not any(a.kind in GATHERS for a in program.micro_step):
+        wait_until(max(updates.values()))
+        updates.clear()
     micro_batches = program.plan.micro_batches
     mb, seen = 0, None
     while mb < micro_batches:
@@ -371,6 +378,8 @@ def simulate_program(
                 run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
                 activations = a.activation_bytes
             elif a.kind in GATHERS:
+                if a.bucket in updates:
+                    wait_until(updates.pop(a.bucket))
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 flight = issue(a)
@@ -427,8 +436,8 @@ def simulate_program(
         if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1], i)
-        elif a.kind is Kind.UPDATE_GATHER:  # after the optimizer; the step ends when they do
-            note_span(start, issue(a).end_s, i)
+        elif a.kind is Kind.UPDATE_GATHER:  # issued at the step's start (the previous step's), above
+            note_span(start, start, i)
         elif a.kind is Kind.WAIT:  # a second hop started in the last micro-step
             flight = pending[(a.waits_for, a.bucket)].popleft()
             slowing[0] -= flight.slowdown > 0
@@ -439,7 +448,7 @@ def simulate_program(
             ends = [issue(a).end_s]
             note_span(start, ends[-1], i)
         elif a.kind is Kind.OPTIMIZER:
-            wait_boundary(max(ends, default=t))
+            wait_boundary(max([*ends, *updates.values()], default=t))
             n_params = sum(len(lay.slots) for lay in layouts)
             if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
                 opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s

@@ -102,19 +102,28 @@ def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micr
     hops = [a.bucket for a in micro_step if a.kind is Kind.SECOND_HOP]
     if hops:  # the loss all-reduce is issued first: the step then waits for them all
         return loss + [Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops] + [Action(Kind.OPTIMIZER)] + \
-            update_gathers(plan, layouts, hops)
+            update_gathers(plan, layouts, hops, micro_step)
     boundary = []
     reduced = []
     if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
         reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
         boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
                      for b in reduced]
-    return boundary + loss + [Action(Kind.OPTIMIZER)] + update_gathers(plan, layouts, reduced)
+    return boundary + loss + [Action(Kind.OPTIMIZER)] + update_gathers(plan, layouts, reduced, micro_step)
 
 
-def update_gathers(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], buckets: list[int]) -> list[Action]:
+def update_gathers(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], buckets: list[int],
+                   micro_step: list[Action]) -> list[Action]:
     """``optimizer_sharding="world"``: after the optimizer stepped each rank's 1/d of its shards, the
-    updated shards of ``buckets`` (those the replicas reduced) all-gathered over the replicas."""
+    updated shards of ``buckets`` (those the replicas reduced) all-gathered over the replicas, in the
+    gathers' dtype (``collectives.update_gather_start``), in the order the next step first gathers them
+    (each is waited for there)."""
     if plan.optimizer_shards == 1:
         return []
-    return [Action(Kind.UPDATE_GATHER, b, group="replicate", tensor_bytes=layouts[b].shard_bytes) for b in buckets]
+    first = {}
+    for i, a in enumerate(micro_step):
+        if a.kind in (Kind.ALL_GATHER, Kind.ALL_GATHER_NEXT):
+            first.setdefault(a.bucket, i)
+    return [Action(Kind.UPDATE_GATHER, b, group="replicate",
+                   tensor_bytes=layouts[b].row_numel * layouts[b].gather_dtype.itemsize)
+            for b in sorted(buckets, key=lambda b: (first.get(b, len(micro_step)), b))]

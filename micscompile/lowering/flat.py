@@ -84,6 +84,10 @@ class LoweredFlat:
     graph: torch.fx.Graph | None = None
     """The rewritten graph of the chosen distance (None when only the Program was asked for)."""
     records: list | None = None
+    searched: str = ""
+    """The fingerprint of the Program the search chose, before the graph was lowered: the same on every
+    rank whether or not it lowered the graph (whose Program may cut its compute differently, e.g. around
+    offload copies). A pipeline fingerprints its other ranks' chunks by it."""
 
     @property
     def plan(self) -> ResolvedPlan:
@@ -347,14 +351,14 @@ def lower_flat(
     program = dataclasses.replace(program, choice=_choice(cand, candidates, cluster, forced is not None))
     program.validate()
     if not need_graph:
-        return LoweredFlat(program, tuple(candidates), cand.prefetch)
+        return LoweredFlat(program, tuple(candidates), cand.prefetch, searched=program.fingerprint())
     pf = cand.prefetch
     reuse = pf == Prefetch(distance=0) and log is None  # the search lowered exactly this one already
     ctx, graph, records, lowered_program = base if reuse else lower(pf, log)
     if _collectives_of(lowered_program) != _collectives_of(program):
         raise ProgramError("the lowered graph's collectives differ from those the search chose")
     return LoweredFlat(dataclasses.replace(lowered_program, prefetch=pf, choice=program.choice), tuple(candidates), pf,
-                       ctx, graph, records)
+                       ctx, graph, records, searched=program.fingerprint())
 
 
 def _choice(cand: PrefetchCandidate, candidates: list[PrefetchCandidate], cluster: Cluster | None, forced: bool) -> str:

@@ -60,7 +60,9 @@ class LoweredPipeline:
         return order + [str(self.schedule)]
 
     def fingerprint(self) -> str:
-        text = "|".join(self.program(c).fingerprint() for c in range(len(self.chunks)))
+        """What every rank must agree on: each chunk's searched Program (``LoweredFlat.searched``: a rank
+        lowers only its own chunks' graphs), the schedule and the cuts."""
+        text = "|".join(chunk.searched or chunk.program.fingerprint() for chunk in self.chunks)
         return digest(text + str(self.schedule) + str(self.split.starts))
 
     def collective_fingerprint(self) -> str:

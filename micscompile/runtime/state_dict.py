@@ -274,7 +274,9 @@ class Checkpointable:
 
         Any plan (p, S, world size) loads what any other saved; a plain single-process model loads
         the parameters with ``dcp.load({"model": model.state_dict()}, checkpoint_id=path)``.
-        No collective: DCP's own planning exchanges what it needs."""
+        No collective: DCP's own planning exchanges what it needs (but with ``optimizer_sharding="world"``
+        and low-precision gathers, an all-gather of the fp32 master rows over the replicas first)."""
+        self._settle(exact=True)
         if init_optimizer_state(self.optimizer):
             self._provisional = True
         sd = build(self._homes(), self.optimizer, self._state_buffers(), self.graph.param_aliases,
@@ -286,11 +288,15 @@ class Checkpointable:
     def load_state_dict(self, sd: dict) -> None:
         """Take ``sd``: the dict ``state_dict()`` returned, after ``dcp.load`` filled it (nothing to
         copy), or one with full tensors (e.g. ``{"model": model.state_dict(), "optim": ..., "steps": n}``)."""
+        self._settle()
         init_optimizer_state(self.optimizer)
         self.steps = apply(sd, self._homes(), self.optimizer, self._state_buffers(), self, self._homes(optimizer=True))
         if self.loss_scaler is not None and "loss_scale" in sd:
             self.loss_scaler.load_state_dict(sd["loss_scale"])
         self._provisional = self.steps == 0
+
+    def _settle(self, exact: bool = False) -> None:
+        """Wait for what the last step left in flight on the shards (none by default)."""
 
     def _drop_provisional_state(self) -> None:
         if self._provisional:

@@ -199,6 +199,8 @@ class Step(Checkpointable):
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
         loss_sum = self._loss_accumulator()
+        if self.program.plan.partition_size == 1:  # the graph reads the shards: nothing gathers them
+            self._settle()
         with torch.no_grad(), probe:
             if self._arena is not None:
                 self._arena.begin_step()
@@ -282,6 +284,7 @@ class Step(Checkpointable):
         the global token mean. The first call traces and lowers the forward (rank-local, no collective)."""
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         run = self._evaluation()  # before any collective: a plan it cannot evaluate raises on every rank
+        self._settle()
         micro = split_batch([x.to(self.device, non_blocking=True) for x in batch], self.program.plan.micro_batches)
         loss_sum = self._loss_accumulator()
         probe = OutsideArena() if self.track_memory else contextlib.nullcontext()
@@ -329,6 +332,7 @@ class Step(Checkpointable):
         backward: waited here), the loss (and its count) summed over "world", tied gradients summed:
         every gradient is then the sum over the global batch."""
         reduce_dtype = self.program.plan.plan.reduce_dtype
+        self._settle()  # (a bucket the micro-steps never gathered) before the optimizer writes its rows
         works = [w for part in self._parts for w in part.comm.second_hops]  # a flat plan's, issued in its
         for part in self._parts:                                              # last backward
             part.comm.second_hops.clear()
@@ -346,13 +350,30 @@ class Step(Checkpointable):
         """Sum the gradients of parameters held by several parts (pipeline chunks); none in a flat plan."""
 
     def _update_gather(self) -> None:
-        """``optimizer_sharding="world"``: each bucket's updated rows all-gathered over the replicas (the
-        next step's gathers read the whole shard)."""
+        """``optimizer_sharding="world"``: start all-gathering each bucket's updated rows over the replicas.
+        Each is waited for just before the bucket's next gather (``collectives.settle``), so it runs under
+        the next step's forward; at p = 1 (the graph reads the shards, nothing is gathered) at the next
+        step's start, and before anything else reads or writes the shards (``_settle``)."""
         replicate = self._groups["replicate"]
-        works = [C.update_gather_start(self._stats, replicate, part.shards[b], b)
-                 for part in self._parts for b in part.update_buckets]
-        for w in works:
-            C.collective_wait(None, w)
+        for part in self._parts:
+            for b in part.update_buckets:
+                dtype = part.comm.layouts[b].gather_dtype
+                part.comm.updates[b] = C.update_gather_start(self._stats, replicate, part.shards[b], b, dtype)
+                self._inexact = self._inexact or dtype != part.shards[b].dtype
+
+    _inexact = False
+    """Update gathers in a low precision left other replicas' rows rounded in the shards (``_settle(exact=True)``)."""
+
+    def _settle(self, exact: bool = False) -> None:
+        """Wait for every update gather still in flight (``_update_gather``); ``exact``: then, if they ran
+        in a low precision, all-gather the fp32 master rows (a collective over the replicas)."""
+        for part in self._parts:
+            C.settle(part.comm)
+        if exact and self._inexact:
+            for part in self._parts:
+                for b in part.update_buckets:
+                    C.exact_rows(self._groups["replicate"], part.shards[b])
+            self._inexact = False
 
     # ---- inspection and export -------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
@@ -367,7 +388,9 @@ class Step(Checkpointable):
         return self._stats
 
     def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of every parameter it holds (1-D, possibly empty), by canonical name."""
+        """This rank's piece of every parameter it holds (1-D, possibly empty), by canonical name (with
+        ``optimizer_sharding="world"`` and low-precision gathers, collective over the replicas)."""
+        self._settle(exact=True)
         rank = self._groups["shard"].rank
         return {k: v for part in self._parts for k, v in local_pieces(part.comm.layouts, part.shards, rank).items()}
 
@@ -401,6 +424,7 @@ class Step(Checkpointable):
     def _gathered(self) -> dict[str, torch.Tensor]:
         """Every parameter this rank's parts hold, unsharded over the partition group, and their
         buffers, on CPU (collective over the partition group)."""
+        self._settle(exact=True)
         out: dict[str, torch.Tensor] = {}
         for part in self._parts:
             out.update(C.gather_full(part.comm.layouts, part.shards, self._groups["shard"], self.graph.param_aliases))
