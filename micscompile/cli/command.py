@@ -211,7 +211,7 @@ def _autotune(args: argparse.Namespace) -> int:
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
-                         pipeline_stages=None if args.pipelines else (1,))
+                         pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding)
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
     return 0 if ranked and ranked[0].feasible else 1
 
@@ -277,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
     _model_args(tune)
     tune.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     tune.add_argument("--top", type=int, default=10, help="rows of the printed table")
+    tune.add_argument("--optimizer-sharding", nargs="+", choices=("partition", "world"), default=["partition", "world"],
+                      help="where the optimizer states may live: over the partition group, over all p*d ranks")
     tune.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=True,
                       help="search pipeline stages too")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
