@@ -60,7 +60,7 @@ from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 SYSTEMS = [  # (name, partition size): micscompile's default schedule first in each group
     ("micscompile p=1", 1), ("DDP (no_sync)", 1),
-    ("micscompile p=2 (2-hop)", 2), ("micscompile p=2, optimizer over world", 2), ("FSDP2 HSDP 2x2", 2),
+    ("micscompile p=2 (2-hop)", 2), ("micscompile p=2, optim. world", 2), ("FSDP2 HSDP 2x2", 2),
     ("FSDP2 HSDP 2x2, AR last", 2),
     ("micscompile p=4", 4), ("micscompile p=4, hierarchical", 4), ("FSDP2 full shard", 4),
     ("DeepSpeed ZeRO-3", 4),
@@ -123,7 +123,7 @@ def _plan(system: str, p: int, s: int, k: int) -> mc.Plan:
     """micscompile's Plan for a row: the default schedule, hierarchical gathers forced, or the optimizer
     states over all ranks (issue 30)."""
     return mc.Plan(partition_size=p, micro_batches=s, gpus_per_node=k, hierarchical=True if HIERARCHICAL in system
-                   else "auto", optimizer_sharding="world" if "optimizer over world" in system else "partition")
+                   else "auto", optimizer_sharding="world" if "optim. world" in system else "partition")
 
 
 def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_rank: int):

@@ -21,9 +21,9 @@ Case ``seed`` draws, from its own ``random.Random(seed)``:
 
 Each case trains 4 steps and is compared with ``cli.parity.train_reference_mixed``: single-process eager
 on the same global batch, cut into the plan's micro-batches and summed in their order (in fp32 too, so
-that AdamW's amplification of summation order neither hides nor fakes an error) and in the plan's
-reduce_dtype (an fp16 sum overflows, and the loss scale backs off, where the plan's does), with the same
-clipping, loss scaling and token count. Outcomes:
+that AdamW's amplification of summation order neither hides nor fakes an error) and reduced in the plan's
+reduce_dtype where the plan reduces (each sum exact, rounded once: an fp16 sum overflows, and the loss
+scale backs off, where the true sum does), with the same clipping, loss scaling and token count. Outcomes:
 
 - **parity**: every loss and the gathered state within docs/design.md's metric (1e-5; 2e-2 mixed);
 - **refused**: every rank raised the same error from micscompile's own code while building the Plan or
@@ -227,7 +227,9 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
 
         def reference(batches):
             return train_reference_mixed(copy.deepcopy(model), make_loss, opt, batches, pieces, plan.param_dtype,
-                                         num_model_inputs=n_in, max_grad_norm=case.clip, reduce_dtype=plan.reduce_dtype)
+                                         num_model_inputs=n_in, max_grad_norm=case.clip, reduce_dtype=plan.reduce_dtype,
+                                         micro_batches=plan.micro_batches,
+                                         partition_size=None if plan.grad_sync == "every_step" else rp.partition_size)
         ref_losses, ref_state = reference(batches)
         # the same reference summed in the reverse order: how far summation order alone moves each value
         rev_losses, rev_state = reference([[torch.cat(x.chunk(pieces)[::-1]) for x in b] for b in batches])

@@ -72,6 +72,8 @@ def train_reference_mixed(
     loss_scaler: LossScaler | None = None,
     max_grad_norm: float | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    micro_batches: int = 1,
+    partition_size: int | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -87,8 +89,14 @@ def train_reference_mixed(
     and losses by the whole batch's count instead. ``max_grad_norm``: the summed gradients are
     clipped with ``torch.nn.utils.clip_grad_norm_`` before each step (a non-finite norm skips it).
     In ``torch.float32`` this is the fp32 reference summed in the plan's micro-batch order.
-    ``reduce_dtype``: the slices' gradients are summed in it (a plan's ``reduce_dtype``: an fp16 sum
-    overflows, and the fp16 loss scale backs off, where the plan's reduction does), then unscaled in fp32.
+    ``reduce_dtype``: the slices' gradients are summed in it where the plan sums them in it (an fp16 sum
+    overflows, and the fp16 loss scale backs off, where the plan's reduction does): slice i is chain
+    i // ``micro_batches``'s micro-batch i % ``micro_batches``; each micro-batch's slices are summed
+    over each partition group of ``partition_size`` chains (None: all of them, the every-step
+    all-reduce), accumulated in fp32 over the micro-batches, then summed over the groups (the second
+    hop). Each reduction is exact, then rounded to ``reduce_dtype`` once: it overflows where the true
+    sum does, whatever order a collective adds it in (a sequential fp16 sum can overflow in one order
+    and not another).
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
@@ -102,8 +110,9 @@ def train_reference_mixed(
             for lp, mp in zip(low.parameters(), masters):
                 lp.copy_(mp)
         totals: list[torch.Tensor | None] = [None] * len(masters)  # None: no slice reached the parameter
+        sums: dict[tuple[int, int], list] = {}  # (group, micro-batch) -> sums in reduce_dtype (low precision)
         loss_sum, count = 0.0, None
-        for piece in zip(*(x.chunk(chunks) for x in batch)):
+        for index, piece in enumerate(zip(*(x.chunk(chunks) for x in batch))):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
             loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
             if isinstance(loss, tuple):  # (loss_sum, count)
@@ -111,11 +120,32 @@ def train_reference_mixed(
                 count = (count or 0) + int(n)
             seed = None if scaler is None else torch.full_like(loss, scaler.scale)
             grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    g = g.to(reduce_dtype)
-                    totals[i] = g if totals[i] is None else totals[i] + g
+            if reduce_dtype == torch.float32:
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
+            else:
+                chain, micro = divmod(index, micro_batches)
+                acc = sums.setdefault((chain // (partition_size or chunks), micro), [None] * len(masters))
+                for i, g in enumerate(grads):  # (summed exactly, rounded to reduce_dtype once below)
+                    if g is not None:
+                        acc[i] = g.double() if acc[i] is None else acc[i] + g.double()
             loss_sum += float(loss.detach().float())
+        if sums:  # fp32 over each group's micro-batches, then the groups summed in reduce_dtype
+            groups: dict[int, list] = {}
+            for (group, _), acc in sorted(sums.items()):
+                tot = groups.setdefault(group, [None] * len(masters))
+                for i, g in enumerate(acc):
+                    if g is not None:
+                        g = g.to(reduce_dtype).float()
+                        tot[i] = g if tot[i] is None else tot[i] + g
+            hop = [None] * len(masters)
+            for tot in groups.values():
+                for i, g in enumerate(tot):
+                    if g is not None:
+                        g = g.to(reduce_dtype).double()
+                        hop[i] = g if hop[i] is None else hop[i] + g
+            totals = [None if g is None else g.to(reduce_dtype) for g in hop]
         divisor = chunks if count is None else count
         unscale = divisor * (1.0 if scaler is None else scaler.scale)
         for mp, total in zip(masters, totals):
