@@ -93,8 +93,8 @@ def train_reference_mixed(
     overflows, and the fp16 loss scale backs off, where the plan's reduction does): slice i is chain
     i // ``micro_batches``'s micro-batch i % ``micro_batches``; each micro-batch's slices are summed
     over each partition group of ``partition_size`` chains (None: all of them, the every-step
-    all-reduce), accumulated in fp32 over the micro-batches, then summed over the groups (the second
-    hop). Each reduction is exact, then rounded to ``reduce_dtype`` once: it overflows where the true
+    all-reduce), accumulated in fp32 over the micro-batches, then, over several groups, summed over
+    them (the second hop). Each reduction is exact, then rounded to ``reduce_dtype`` once: it overflows where the true
     sum does, whatever order a collective adds it in (a sequential fp16 sum can overflow in one order
     and not another).
     Returns (losses, master state_dict) like ``train_reference``.
@@ -139,13 +139,16 @@ def train_reference_mixed(
                     if g is not None:
                         g = g.to(reduce_dtype).float()
                         tot[i] = g if tot[i] is None else tot[i] + g
-            hop = [None] * len(masters)
-            for tot in groups.values():
-                for i, g in enumerate(tot):
-                    if g is not None:
-                        g = g.to(reduce_dtype).double()
-                        hop[i] = g if hop[i] is None else hop[i] + g
-            totals = [None if g is None else g.to(reduce_dtype) for g in hop]
+            if len(groups) == 1:  # one partition group (or the every-step all-reduce): no second hop
+                totals = next(iter(groups.values()))
+            else:
+                hop = [None] * len(masters)
+                for tot in groups.values():
+                    for i, g in enumerate(tot):
+                        if g is not None:
+                            g = g.to(reduce_dtype).double()
+                            hop[i] = g if hop[i] is None else hop[i] + g
+                totals = [None if g is None else g.to(reduce_dtype) for g in hop]
         divisor = chunks if count is None else count
         unscale = divisor * (1.0 if scaler is None else scaler.scale)
         for mp, total in zip(masters, totals):
