@@ -61,6 +61,14 @@ def train_reference(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _add_into(totals: list, grads, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``totals[i] += convert(grads[i])`` for each gradient that is not None (a None total: the first)."""
+    for i, g in enumerate(grads):
+        if g is not None:
+            g = convert(g)
+            totals[i] = g if totals[i] is None else totals[i] + g
+
+
 def train_reference_mixed(
     model: nn.Module,
     make_loss: Callable[[nn.Module], Callable[..., torch.Tensor]],
@@ -121,33 +129,22 @@ def train_reference_mixed(
             seed = None if scaler is None else torch.full_like(loss, scaler.scale)
             grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
             if reduce_dtype == torch.float32:
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        totals[i] = g.float() if totals[i] is None else totals[i] + g.float()
+                _add_into(totals, grads, torch.Tensor.float)
             else:
                 chain, micro = divmod(index, micro_batches)
                 acc = sums.setdefault((chain // (partition_size or chunks), micro), [None] * len(masters))
-                for i, g in enumerate(grads):  # (summed exactly, rounded to reduce_dtype once below)
-                    if g is not None:
-                        acc[i] = g.double() if acc[i] is None else acc[i] + g.double()
+                _add_into(acc, grads, torch.Tensor.double)  # (summed exactly, rounded to reduce_dtype once below)
             loss_sum += float(loss.detach().float())
         if sums:  # fp32 over each group's micro-batches, then the groups summed in reduce_dtype
             groups: dict[int, list] = {}
             for (group, _), acc in sorted(sums.items()):
-                tot = groups.setdefault(group, [None] * len(masters))
-                for i, g in enumerate(acc):
-                    if g is not None:
-                        g = g.to(reduce_dtype).float()
-                        tot[i] = g if tot[i] is None else tot[i] + g
+                _add_into(groups.setdefault(group, [None] * len(masters)), acc, lambda g: g.to(reduce_dtype).float())
             if len(groups) == 1:  # one partition group (or the every-step all-reduce): no second hop
                 totals = next(iter(groups.values()))
             else:
                 hop = [None] * len(masters)
                 for tot in groups.values():
-                    for i, g in enumerate(tot):
-                        if g is not None:
-                            g = g.to(reduce_dtype).double()
-                            hop[i] = g if hop[i] is None else hop[i] + g
+                    _add_into(hop, tot, lambda g: g.to(reduce_dtype).double())
                 totals = [None if g is None else g.to(reduce_dtype) for g in hop]
         divisor = chunks if count is None else count
         unscale = divisor * (1.0 if scaler is None else scaler.scale)

@@ -273,11 +273,11 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
         raise PlanError(f"bad pipeline cut points {starts} for {chunks} chunks of {len(units)} blocks")
     chunk_of_block = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}
     chunk = assign_chunks(tg, chunk_of_block, chunks - 1)
-    return _build(tg, chunk, chunks, units, tuple(starts), seconds, only)
+    return _build(tg, chunk, chunks, units, tuple(starts), seconds, only, chunk_of_block)
 
 
 def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: tuple[int, ...],
-           seconds: list[float], only: set[int] | None = None) -> PipelineSplit:
+           seconds: list[float], only: set[int] | None, chunk_of_block: dict[str, int]) -> PipelineSplit:
     graph = tg.gm.graph
     params, buffers, inputs = _placeholders(tg)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -341,10 +341,9 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             holders.setdefault(name, set()).add(c)
     # a parameter nothing reads is still state (saved, loaded, exported; eager never steps it): the
     # chunk of its block holds it, or the last chunk (found by benchmarks/fuzz_plans.py)
-    chunk_of_unit = {u: max(c for c, s in enumerate(starts) if s <= i) for i, u in enumerate(units)}
     for name in tg.param_names:
         if name not in holders:
-            holders[name] = {chunk_of_unit.get(block_of(name.rpartition(".")[0], tg.blocks), chunks - 1)}
+            holders[name] = {chunk_of_block.get(block_of(name.rpartition(".")[0], tg.blocks), chunks - 1)}
     tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
     # a tied parameter's module is a block of its own in every chunk: its bucket then holds it
     # alone and is sharded alike wherever it is (its gradient is summed piece by piece)

@@ -86,6 +86,9 @@ class Part:
     ``optimizer_sharding="world"`` its row among the d replicas'."""
     step_grads: list[torch.Tensor]
     """The gradient of ``optimizer_rows`` (what is scaled and clipped)."""
+    optimizer_rank: int
+    """The rank of ``optimizer_rows`` in ``optimizer_layouts(comm)``: shard rank * d + this rank's index
+    among the d replicas (the shard rank itself with d = 1)."""
 
 
 def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Module, shard_rank: int,
@@ -105,7 +108,7 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Modul
     return dict(
         comm=comm, shards=shards, grads=grads, buffers=inputs,
         buffer_state=dict(zip(graph.buffer_names, inputs)) if own_buffers else buffers,
-        params=dict(params), optimizer_rows=rows, step_grads=row_grads,
+        params=dict(params), optimizer_rows=rows, step_grads=row_grads, optimizer_rank=shard_rank * d + q,
         boundary_buckets=[a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE],
         update_buckets=[a.bucket for a in program.boundary if a.kind is Kind.UPDATE_GATHER],
     )
@@ -403,16 +406,15 @@ class Step(Checkpointable):
         a row of it with ``optimizer_sharding="world"``). A parameter held by several parts is saved from
         the lowest one and loaded into every one."""
         r, tied = self._groups["shard"].rank, self._tied_parts()
-        d = self.program.plan.optimizer_shards
-        q = self._groups["replicate"].rank if d > 1 else 0
+        whole = self.program.plan.optimizer_shards == 1  # the optimizer steps the whole shard
         out = []
         for part in self._parts:
             layouts, shards, rank = part.comm.layouts, part.shards, r
             if optimizer:
-                layouts, shards, rank = optimizer_layouts(part.comm), part.optimizer_rows, r * d + q
+                layouts, shards, rank = optimizer_layouts(part.comm), part.optimizer_rows, part.optimizer_rank
             for lay, shard in zip(layouts, shards):
                 for slot in lay.slots:
-                    param = part.params.get(slot.name) if optimizer or d == 1 else None
+                    param = part.params.get(slot.name) if optimizer or whole else None
                     out.append(Home(slot.name, slot.shape, lay.local_range(slot, rank)[0],
                                     local_piece(lay, slot, shard, rank), param,
                                     part.index == min(tied.get(slot.name, [part.index]))))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from micscompile.core.plan import Plan, divisors
 from micscompile.core.program import Prefetch
+from micscompile.cost_model.simulator import OPTIMIZER_STATE_BYTES_PER_PARAM
 
 MAX_MICRO_BATCH = 32
 CHECKPOINT = (False, True, "selective")
@@ -106,7 +107,8 @@ def prefetches(cfg: Config) -> tuple[Prefetch, ...]:
     return tuple(pf for pf in FLAT_PREFETCH if cfg.micro_batches > 1 or not pf.across_micro_steps)
 
 
-def state_floor_bytes(num_params: int, cfg: Config, bytes_per_param: int = 16, optimizer_bytes: int = 8) -> float:
+def state_floor_bytes(num_params: int, cfg: Config, bytes_per_param: int = 16,
+                      optimizer_bytes: int = OPTIMIZER_STATE_BYTES_PER_PARAM) -> float:
     """A lower bound of any rank's model-state bytes: its stage's share of the fp32 weights,
     gradients and Adam state (``optimizer_bytes`` of the ``bytes_per_param``: over d times more ranks
     with the optimizer states over the world), evenly split (the busiest stage holds at least the average)."""
