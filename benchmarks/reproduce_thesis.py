@@ -95,7 +95,7 @@ def tflops(cfg: GPTConfig, preset: str, nodes: int, micro_batch: int, micro_step
     dtype = dtype_of(preset)
     plan = mc.Plan(partition_size=p, micro_batches=micro_steps, hierarchical=hierarchical, grad_sync=grad_sync,
                    checkpoint=True, offload_activations=offload, pipeline_stages=stages, param_dtype=dtype,
-                   reduce_dtype=dtype)
+                   reduce_dtype=dtype, optimizer_sharding="partition")  # (the thesis's future work, §5.2.1)
     flops = mc.transformer_flops(micro_batch * micro_steps, cfg.seq_len, cfg.layers, cfg.hidden,
                                  cfg.vocab_size) / stages  # a pipeline rank computes 1/S of the layers
     pred = mc.simulate(_trace(cfg, micro_batch, dtype), plan, cluster, flops_per_step=flops, scaling=False,

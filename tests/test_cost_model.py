@@ -266,6 +266,44 @@ def test_default_cluster_is_the_devices(monkeypatch, tmp_path):
     assert got.name == "named" and (got.nodes, got.gpus_per_node) == (1, 4)
 
 
+def test_the_optimizer_home_is_the_cost_models_choice(lm_trace):
+    """Plan's default optimizer_sharding="auto" prices both homes on the schedule's cluster: "world"
+    where its reduce-scatter and update gather beat the replicas' all-reduce by 5% (a 2048-wide LM on
+    2 p4d nodes) or where only it fits, "partition" where the world's latency costs (the small LM on
+    16 nodes), where nothing is gained (the CPU estimate), without a cluster and with d = 1."""
+    from micscompile.cost_model.specs import _cpu_estimate
+    from micscompile.lowering.lowered import OPTIMIZER_WORLD_MIN_GAIN, lower
+
+    def chosen(trace, cluster, p=8):
+        rp = mc.Plan(partition_size=p).resolve(cluster.world_size if cluster else 16, 8 if cluster is None else
+                                               cluster.gpus_per_node)
+        lowered = lower(trace, rp, cluster, need_graph=False)
+        return lowered.plan.plan.optimizer_sharding, lowered.program.choice.splitlines()[-1]
+
+    def step_s(trace, cluster, home):
+        return mc.simulate(trace, mc.Plan(partition_size=8, optimizer_sharding=home), cluster, scaling=False)
+
+    wide = meta_lm_trace(vocab=8192, h=2048, layers=4, batch=1, seq=128)
+    two = Cluster.preset("p4d.24xlarge", nodes=2)
+    home, line = chosen(wide, two)
+    gain = step_s(wide, two, "partition").step_time_s / step_s(wide, two, "world").step_time_s
+    assert home == "world" and gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN and f"{gain:.2f}x partition's" in line
+    sixteen = Cluster.preset("p4d.24xlarge", nodes=16)
+    assert step_s(lm_trace, sixteen, "world").step_time_s > step_s(lm_trace, sixteen, "partition").step_time_s
+    home, line = chosen(lm_trace, sixteen)
+    assert home == "partition" and "under 1.05x" in line
+    assert chosen(lm_trace, _cpu_estimate(4, 2), p=2)[0] == "partition"
+    assert chosen(lm_trace, None)[0] == "partition"
+    d1 = lower(lm_trace, mc.Plan(partition_size=8).resolve(8, 8), Cluster.preset("p4d.24xlarge", nodes=1),
+               need_graph=False)
+    assert d1.plan.plan.optimizer_sharding == "partition" and "optimizer states" not in d1.program.choice
+    # memory decides where only the world's 1/d of Adam's state fits, though it is slower here
+    peaks = [step_s(lm_trace, sixteen, h).peak_memory_bytes for h in ("world", "partition")]
+    tight = dataclasses.replace(sixteen, gpu=dataclasses.replace(sixteen.gpu, memory_bytes=sum(peaks) // 2))
+    home, line = chosen(lm_trace, tight)
+    assert peaks[0] < peaks[1] and home == "world" and line.endswith("only it fits")
+
+
 def test_program_names_the_schedules_choice_and_gain(lm_trace):
     rp = mc.Plan(partition_size=4, micro_batches=2).resolve(8)
     program = lower_flat(lm_trace, rp, Cluster.preset("p4d.24xlarge"), planned_groups(rp)).program

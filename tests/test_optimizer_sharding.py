@@ -113,7 +113,7 @@ def results():
 
 def test_bad_input_is_refused_and_d1_is_a_no_op_that_says_so(results):
     bad = results[0]["bad_inputs"]
-    assert "must be 'partition' or 'world'" in bad["value"]
+    assert "must be 'auto', 'partition' or 'world'" in bad["value"]
     assert "use grad_sync='2hop'" in bad["every_step"]
     assert "changes nothing" in bad["d1_warning"] and bad["d1_shards"] == "1"
 

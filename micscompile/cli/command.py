@@ -135,6 +135,8 @@ def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     lowered = lower(concrete(tg), rp, cluster, need_graph=False)
     comm, text = lowered.comm_stats(), str(lowered)
+    rp = lowered.plan
+    plan = rp.plan  # with what the lowering chose ("auto" optimizer sharding)
     pred = mc.simulate(tg, plan, cluster)
     buffers = step_buffers_of(tg, plan, cluster.world_size, gpus_per_node=cluster.gpus_per_node, cluster=cluster)
     memory = mc.MemoryStats.of(buffers, None)
@@ -247,8 +249,9 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
     sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")
-    sp.add_argument("--optimizer-sharding", choices=("partition", "world"), default="partition",
-                    help="optimizer states over the partition group, or over all p*d ranks (asymmetric)")
+    sp.add_argument("--optimizer-sharding", choices=("auto", "partition", "world"), default="auto",
+                    help="optimizer states over the partition group, or over all p*d ranks (asymmetric); "
+                         "auto: priced, world where it is 5%% faster or alone fits")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -66,8 +67,45 @@ def lower(
     (``lower_pipeline``); otherwise the prefetch search picks the flat Program (``lower_flat``).
     ``need_graph=False``: a flat plan's Program alone (a pipeline always rewrites its rank's chunks)."""
     groups = planned_groups(rp, rank) if groups is None else groups
+    if rp.plan.optimizer_sharding == "auto":
+        return _choose_optimizer_home(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
+                                      need_graph=need_graph, disable=disable, log=log)
     if rp.stages > 1:
         return lower_pipeline(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
                               disable=disable, log=log)
     return lower_flat(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
                       need_graph=need_graph, disable=disable, log=log)
+
+
+OPTIMIZER_WORLD_MIN_GAIN = 0.05
+"""``Plan.optimizer_sharding="auto"`` takes "world" where it is predicted at least this much faster than
+"partition" (the threshold of ``runtime.codegen``'s Inductor rule: this machine's cost model is within
+6% median, docs/cost-model.md), or where only "world" fits the device."""
+
+
+def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster | None, groups: dict, rank: int,
+                           **kw) -> LoweredFlat | LoweredPipeline:
+    """``Plan.optimizer_sharding="auto"``: "partition" unless the plan has a boundary reduction over
+    d > 1 replicas and a cluster to price on; then both lowered and priced, "world" taken by
+    ``OPTIMIZER_WORLD_MIN_GAIN``. The choice and its prediction join every Program's ``choice`` line."""
+    def lowered(home: str) -> LoweredFlat | LoweredPipeline:
+        return lower(trace, dataclasses.replace(rp, plan=rp.plan.replace(optimizer_sharding=home)), cluster, groups,
+                     rank, **kw)
+
+    part = lowered("partition")
+    if rp.replicas == 1 or rp.plan.grad_sync != "2hop" or cluster is None:
+        return part
+    world = lowered("world")
+    t_part, t_world = part.predict(cluster), world.predict(cluster)
+    capacity = cluster.gpu.memory_bytes
+    only_world_fits = t_world.peak_memory_bytes <= capacity < t_part.peak_memory_bytes
+    gain = t_part.step_time_s / t_world.step_time_s
+    chosen = world if only_world_fits or gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN else part
+    why = ("only it fits" if only_world_fits else
+           f"{gain:.2f}x partition's {t_part.step_time_s * 1e3:.3f} ms" if chosen is world else
+           f"world's {t_world.step_time_s * 1e3:.3f} ms is {gain:.2f}x, under {1 + OPTIMIZER_WORLD_MIN_GAIN:.2f}x")
+    line = (f"optimizer states over the {'world' if chosen is world else 'partition group'} (auto, priced on "
+            f"{cluster.name}): {why}")
+    for program in chosen.programs().values():
+        program.choice = f"{program.choice}\n{line}" if program.choice else line
+    return chosen

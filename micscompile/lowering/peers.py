@@ -169,7 +169,8 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
         DS_PREFETCH_BUCKET_ELEMENTS, DS_PERSISTENCE_THRESHOLD, DS_REDUCE_BUCKET_ELEMENTS, DS_MAX_REUSE_DISTANCE))}
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
         plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
-        bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager")
+        bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager",
+        optimizer_sharding="partition")
     deepspeed = dict(prefetch=(Prefetch(distance=1),), fetch_elements=ds["stage3_prefetch_bucket_size"],
                      persistence_threshold=ds["stage3_param_persistence_threshold"],
                      reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
@@ -177,8 +178,8 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
                     synchronous_reductions=system.endswith("v0.5"))
     if system == "deepspeed-mics":
-        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager"), **deepspeed,
-                    hierarchical_on_stream=True)
+        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition"),
+                    **deepspeed, hierarchical_on_stream=True)
     if system == "fsdp2":  # HSDP (partition_size < world size): the replicate all-reduce every micro-batch
         return Peer(system, base, (Prefetch(distance=1),),
                     replicate_every_micro_step=(plan.partition_size or world_size) < world_size)
