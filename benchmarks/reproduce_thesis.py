@@ -45,6 +45,7 @@ import torch
 import micscompile as mc
 from micscompile.cost_model.collective_time import (
     ALL_GATHER,
+    ALL_REDUCE,
     collective_time_s,
     effective_bandwidth_bps,
     hierarchical_time_s,
@@ -53,6 +54,20 @@ from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 MB = 2**20
 GIB = 2**30
+NCCL_TESTS_P3DN = ((1 * MB, (1035.3 + 643.4) / 2), (2 * MB, (671.4 + 671.8) / 2), (4 * MB, (1140.5 + 1144.3) / 2))
+"""nccl-tests ``all_reduce_perf`` on 2 p3dn.24xlarge (16 V100, EFA 1.7.0, 2020; aws/aws-ofi-nccl#33, the
+maintainers' own run): (bytes, microseconds, the mean of out-of-place and in-place). Collective-level
+evidence the fit may use: how much a network step costs a small message."""
+NCCL_TESTS_P4D = ((3, 31.8), (4, 29.6))
+"""nccl-tests ``all_reduce_perf`` at 1 GiB on 3 and 4 p4d.24xlarge (NCCL 2.9.9; NVIDIA/nccl#527): (nodes,
+bus bandwidth GB/s). The p4d preset's NIC efficiency: 31.8 and 29.6 of the 4 x 100 Gbps line rate."""
+
+
+def p4d_busbw(nodes: int) -> float:
+    """A 1 GiB all-reduce's bus bandwidth (GB/s, 2 (g-1)/g N / T) over ``nodes`` p4d nodes."""
+    c = mc.Cluster.preset("p4d.24xlarge", nodes=nodes)
+    g = c.world_size
+    return 2 * (g - 1) / g * GIB / collective_time_s(ALL_REDUCE, GIB, tuple(range(g)), c) / 1e9
 V100_FP16_PEAK = 125e12
 A100_FP16_PEAK = 312e12
 
@@ -248,6 +263,12 @@ def rows() -> list[Row]:
             "hierarchical communication only uses about 72.1% of the time cost of vanilla all-gather", fast=True),
         Row("§3.3.2 cost ratio B_part / B_all, 4-node groups of 32 p3dn", "x", (2.7, 4.9), cost_ratio_range, "fit",
             quote="the cost ratio is ranging from 2.7 to 4.9", fast=True),
+        *(Row(f"nccl-tests all-reduce {size // MB} MiB over 2 p3dn nodes (aws-ofi-nccl#33)", "us", us,
+              functools.partial(lambda size: p3dn_figures()[f"all-reduce {size // MB} MiB us"], size), "fit",
+              "all_reduce_perf between 2 hosts with 8 GPUs each", fast=True) for size, us in NCCL_TESTS_P3DN),
+        *(Row(f"nccl-tests all-reduce 1 GiB bus bandwidth over {n} p4d nodes (nccl#527)", "GB/s", bw,
+              functools.partial(p4d_busbw, n), "fit", "all_reduce_perf, NCCL 2.9.9", fast=True)
+          for n, bw in NCCL_TESTS_P4D),
         Row("§3.5.1.1 BERT 10B MiCS TFLOP/s, 128 V100, b=8", "TFLOP/s", 0.42 * V100_FP16_PEAK / 1e12,
             lambda: tflops(BERT_10B, p3, 16, 8, steps_of(gb, 8, 128), 8), "fit",
             "we achieve about 42% of the theoretical peak performance of V100", fast=True),
@@ -337,7 +358,8 @@ def collective_figures(base: mc.Cluster, small: int = 128 * MB) -> list[tuple[st
     """The thesis's p3dn collective measurements, (name, simulated on ``base``'s constants, published):
     B_part and B_all read at 1 GiB (Fig. 3-2's saturated end), the hierarchical ratio at 128 MB as
     stated, the 32-node cost ratio's range read as 2.7 at 1 GiB and 4.9 at ``small`` (128 MB, the
-    size §3.2.3 names: smaller messages fare worse at scale)."""
+    size §3.2.3 names: smaller messages fare worse at scale). Then a public nccl-tests measurement on
+    the same instances (``NCCL_TESTS_P3DN``): small all-reduces over 2 p3dn nodes, in microseconds."""
     c = {n: base.with_nodes(n) for n in (1, 2, 4, 8, 32)}
 
     def bw(nodes, gpus, nbytes):
@@ -348,12 +370,14 @@ def collective_figures(base: mc.Cluster, small: int = 128 * MB) -> list[tuple[st
             ("hierarchical %", hierarchical_time_s(ALL_GATHER, 128 * MB, flat, c[2])
              / collective_time_s(ALL_GATHER, 128 * MB, flat, c[2]) * 100, 72.1),
             ("cost ratio 1 GiB", bw(4, 32, GIB) / bw(32, 256, GIB), 2.7),
-            (f"cost ratio {small // MB} MB", bw(4, 32, small) / bw(32, 256, small), 4.9)]
+            (f"cost ratio {small // MB} MB", bw(4, 32, small) / bw(32, 256, small), 4.9)] + [
+            (f"all-reduce {size // MB} MiB us", collective_time_s(ALL_REDUCE, size, flat, c[2]) * 1e6, us)
+            for size, us in NCCL_TESTS_P3DN]
 
 
 def fit() -> None:
     """Fit the collective model's p3dn constants on the collective measurements only: a grid over the
-    NVLink ring efficiency, the NIC efficiency, the per-step latency over EFA, the switch domain and
+    NVLink ring efficiency, the NIC efficiency, the per-network-step latency over EFA, the switch domain and
     its oversubscription, minimizing the squared log errors of ``collective_figures``. Switch domains
     of 16 nodes or more are left out: they would leave 16 nodes at full bandwidth, where §3.2.3 says
     "128MB obtains poor bandwidth utilization on 16 and 32 nodes"."""
@@ -374,10 +398,11 @@ def fit() -> None:
         return sum(math.log(sim / pub) ** 2 for _, sim, pub in collective_figures(cluster(*k), small))
 
     grid = [(nv / 100, a * 1e-6, net / 100, d, o) for nv in range(60, 101, 5)
-            for a in (10, 20, 40, 60, 80, 120, 160, 220, 300) for net in range(60, 101, 4)
+            for a in (10, 20, 40, 60, 80, 120, 160, 220, 300, 400, 600, 800, 1000, 1300, 1600, 2000)
+            for net in range(60, 101, 4)
             for d in (0, 2, 4, 8) for o in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6)]
     best = sorted(grid, key=loss)
-    print("best fits (NVLink efficiency, per-step latency over EFA, NIC efficiency, switch domain nodes, "
+    print("best fits (NVLink efficiency, per-network-step latency over EFA, NIC efficiency, switch domain nodes, "
           "oversubscription): sum of squared log errors")
     for k in best[:5]:
         print(f"  {k[0]:.2f}, {k[1] * 1e6:.0f} us, {k[2]:.2f}, {k[3]}, {k[4]}: {loss(k):.3f}")

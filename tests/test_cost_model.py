@@ -28,7 +28,8 @@ GB = 1 << 30
 def test_presets_cover_the_thesis_clusters():
     assert {"p3dn.24xlarge", "p4d.24xlarge", "p4de.24xlarge", "dgx-a100", "dgx-h100"} <= PRESETS.keys()
     p4d = Cluster.preset("p4d.24xlarge", nodes=16)
-    assert p4d.world_size == 128 and p4d.node_bandwidth_bps == pytest.approx(0.85 * 4 * 100e9 / 8)  # 340 of 400 Gbps
+    # nccl-tests on 3 and 4 p4d nodes: 31.8 and 29.6 GB/s of the 50 GB/s line rate (NVIDIA/nccl#527)
+    assert p4d.world_size == 128 and p4d.node_bandwidth_bps == pytest.approx(0.6 * 4 * 100e9 / 8)
     with pytest.raises(KeyError, match="known: dgx-a100"):
         Cluster.preset("tpu-v9")
 
@@ -96,21 +97,24 @@ def test_sibling_groups_share_a_nodes_nics():
     alpha = 3 * c.inter.latency_s
     repl_bw_term = collective_time_s("all_gather", m, repl, c) - alpha
     assert repl_bw_term == pytest.approx(8 * 3 / 4 * m / c.node_bandwidth_bps)
-    part_bw_term = collective_time_s("all_gather", m, part, c) - 31 * c.inter.latency_s
+    # NCCL's ring latency: the 32-rank ring crosses the network on 3 of its 31 steps, as the 4-rank one
+    part_bw_term = collective_time_s("all_gather", m, part, c) - alpha - 28 * c.intra.latency_s
     assert part_bw_term == pytest.approx(31 / 32 * m / c.node_bandwidth_bps)
-    # two ranks per node: 4 siblings
+    # two ranks per node: 4 siblings; one network step and two NVLink ones
     pairs = (0, 1, 8, 9)
-    assert collective_time_s("all_gather", m, pairs, c) - alpha == pytest.approx(4 * 3 / 4 * m / c.node_bandwidth_bps)
+    pairs_latency = c.inter.latency_s + 2 * c.intra.latency_s
+    assert collective_time_s("all_gather", m, pairs, c) - pairs_latency == pytest.approx(
+        4 * 3 / 4 * m / c.node_bandwidth_bps)
 
 
 def test_rings_beyond_a_switch_domain_run_slower():
     """p3dn's fitted fabric: full bandwidth up to 8 nodes, then the share 1 - 8/m of hops leaving a
-    domain through a 3.5x oversubscribed layer (reproduce_thesis.py --fit)."""
+    domain through a 4x oversubscribed layer (reproduce_thesis.py --fit)."""
     c = Cluster.preset("p3dn.24xlarge")
     assert [fabric_factor(c, m) for m in (1, 2, 8)] == [1.0, 1.0, 1.0]
-    assert fabric_factor(c, 16) == pytest.approx(3.5 * 0.5) and fabric_factor(c, 32) == pytest.approx(3.5 * 0.75)
+    assert fabric_factor(c, 16) == pytest.approx(4.0 * 0.5) and fabric_factor(c, 32) == pytest.approx(4.0 * 0.75)
     bw = {n: effective_bandwidth_bps("all_gather", 16 * GB, range(8 * n), c.with_nodes(n)) for n in (8, 16, 32)}
-    assert bw[8] / bw[16] == pytest.approx(1.75, rel=0.02) and bw[8] / bw[32] == pytest.approx(2.625, rel=0.02)
+    assert bw[8] / bw[16] == pytest.approx(2.0, rel=0.02) and bw[8] / bw[32] == pytest.approx(3.0, rel=0.02)
     assert fabric_factor(Cluster.preset("p4d.24xlarge"), 64) == 1.0  # UltraClusters: non-blocking
 
 
@@ -124,12 +128,20 @@ def _reproduce_thesis():
 
 
 def test_the_p3dn_preset_reproduces_the_thesis_collective_measurements():
-    """The fast subset of benchmarks/reproduce_thesis.py: the collective rows the preset was fitted on
-    (B_part, B_all, the hierarchical ratio, the cost ratio's two ends) stay within 20%."""
-    figures = _reproduce_thesis().collective_figures(Cluster.preset("p3dn.24xlarge"))
-    assert len(figures) == 5
+    """The fast subset of benchmarks/reproduce_thesis.py: the collective figures the preset was fitted
+    on (B_part, B_all, the hierarchical ratio, the cost ratio's two ends; nccl-tests' 1-4 MiB
+    all-reduces on 2 nodes) stay within 30% and at the fit's loss (sum of squared log errors); p4d's
+    NICs give nccl-tests' 3- and 4-node bus bandwidth within 10%."""
+    import math
+
+    rt = _reproduce_thesis()
+    figures = rt.collective_figures(Cluster.preset("p3dn.24xlarge"))
+    assert len(figures) == 8
     for name, simulated, published in figures:
-        assert abs(simulated - published) <= 0.2 * published, (name, simulated, published)
+        assert abs(simulated - published) <= 0.3 * published, (name, simulated, published)
+    assert sum(math.log(sim / pub) ** 2 for _, sim, pub in figures) <= 0.25
+    for nodes, busbw in rt.NCCL_TESTS_P4D:
+        assert rt.p4d_busbw(nodes) == pytest.approx(busbw, rel=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,8 @@ def test_bf16_halves_gather_bytes_and_the_simulator_prices_it():
     big = GPTConfig(vocab_size=8192, seq_len=512, layers=4, hidden=1024, heads=16)  # matmul-bound on an A100
     fp32, bf16 = (_trace(dt, batch=8, cfg=big) for dt in (None, BF16))
     cluster = mc.Cluster.preset("p4d.24xlarge", nodes=2)
-    plans = {dt: mc.Plan(partition_size=8, param_dtype=dt, reduce_dtype=dt) for dt in (torch.float32, BF16)}
+    plans = {dt: mc.Plan(partition_size=8, param_dtype=dt, reduce_dtype=dt, optimizer_sharding="partition")
+             for dt in (torch.float32, BF16)}
     rp = {dt: p.resolve(cluster.world_size, cluster.gpus_per_node) for dt, p in plans.items()}
     wire = {dt: lower(tg, rp[dt], cluster, need_graph=False).wire_bytes() for dt, tg in ((torch.float32, fp32), (BF16, bf16))}
     assert wire[torch.float32].keys() == wire[BF16].keys()

@@ -233,7 +233,7 @@ def test_second_hop_runs_under_the_last_backward(tmp_path):
     hop, old = program.predict(), late.predict()
     busy = hop.stream_busy_s["comm:replicate"]
     assert busy == pytest.approx(old.stream_busy_s["comm:replicate"])  # the same bytes, moved earlier
-    assert old.exposed_boundary_s >= busy and hop.exposed_boundary_s < 0.3 * busy
+    assert old.exposed_boundary_s >= busy * (1 - 1e-9) and hop.exposed_boundary_s < 0.3 * busy
     assert hop.step_time_s < old.step_time_s
     program.to_chrome_trace(tmp_path / "hop.json")
     events = json.loads((tmp_path / "hop.json").read_text())["traceEvents"]

@@ -2,14 +2,17 @@
 
 Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on [110]):
 
-* Ring all-gather / reduce-scatter of a full buffer of N bytes over g ranks:
-  ``(g-1) * alpha + (g-1)/g * N / B``; ring all-reduce twice that. Tree all-reduce:
-  ``2 * ceil(log2 g) * alpha + 2 * N / B``; "auto" takes the faster.
-  Broadcast (pipelined ring): ``(g-1) * alpha + N / B``; P2P: ``alpha + N / B``.
-* Which links a group crosses decides alpha and B: a group inside one node uses the
-  per-device intra-node link; a group spanning nodes is bottlenecked by each node's
-  NICs, which collectives use in parallel (NCCL channels): B = nics * NIC bandwidth,
-  alpha = the inter-node latency, paid on every ring step (the slowest hop sets a step).
+* Ring all-gather / reduce-scatter of a full buffer of N bytes over g ranks on m nodes:
+  ``L + (g-1)/g * N / B``; ring all-reduce twice that. The latency L is NCCL's own
+  (``src/graph/tuning.cc``: nInterSteps of nsteps): a ring crosses the network on m - 1 of
+  its g - 1 steps, ``L = (m-1) * alpha_net + (g-m) * alpha_intra`` (inside one node
+  ``(g-1) * alpha_intra``). Tree all-reduce: ``2 ceil(log2 m) alpha_net + 2 (g/m - 1)
+  alpha_intra + 2 N / B``; "auto" takes the faster. Broadcast (pipelined ring): ``L + N / B``;
+  P2P: ``alpha + N / B``.
+* Which links a group crosses decides B: a group inside one node uses the per-device
+  intra-node link; a group spanning nodes is bottlenecked by each node's NICs, which
+  collectives use in parallel (NCCL channels): B = nics * NIC bandwidth. alpha_net is a
+  network step's whole cost as NCCL over the NIC pays it (EFA: fitted, specs.EFA_STEP_LATENCY_S).
 * Scale costs bandwidth twice (docs/cost-model.md "The collective model"):
   - sibling groups share a node's NICs: MiCS's groups partition the world and run the same
     collective at once, so a group with r of a node's k ranks shares the node with k / r
@@ -101,14 +104,20 @@ def collective_time_s(
     if fit is not None:
         return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
     alpha, bw = _link(cluster, ranks, kind)
+    m = nodes_spanned(ranks, cluster.gpus_per_node)
+    # NCCL's ring latency (src/graph/tuning.cc): a ring over m nodes crosses the network on m - 1 of
+    # its g - 1 steps; the others are intra-node hops
+    ring_lat = (m - 1) * alpha + (g - m) * cluster.intra.latency_s if m > 1 else (g - 1) * alpha
     if kind in (ALL_GATHER, REDUCE_SCATTER):
-        return (g - 1) * alpha + (g - 1) / g * nbytes / bw
+        return ring_lat + (g - 1) / g * nbytes / bw
     if kind == ALL_REDUCE:
-        ring = 2 * (g - 1) * alpha + 2 * (g - 1) / g * nbytes / bw
-        tree = 2 * math.ceil(math.log2(g)) * alpha + 2 * nbytes / bw
+        ring = 2 * ring_lat + 2 * (g - 1) / g * nbytes / bw
+        tree_lat = (2 * math.ceil(math.log2(m)) * alpha + 2 * (g // m - 1) * cluster.intra.latency_s if m > 1
+                    else 2 * math.ceil(math.log2(g)) * alpha)
+        tree = tree_lat + 2 * nbytes / bw
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
     if kind == BROADCAST:
-        return (g - 1) * alpha + nbytes / bw
+        return ring_lat + nbytes / bw
     if kind == P2P:
         return alpha + nbytes / bw
     raise ValueError(f"unknown collective kind {kind!r}")
