@@ -24,6 +24,8 @@ from timing import median_step_s
 import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
 from micscompile.cost_model.node_cost import META_TIME_S
+from micscompile.lowering.lowered import lower
+from micscompile.lowering.predict import concrete
 from micscompile.tune.profile import profile_trace
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
@@ -67,10 +69,16 @@ def main() -> None:
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 if args.profile:  # every rank at once (each measures its share), just before the run:
                     profile_trace(trace, micro_batches=s)  # a shared machine's speed drifts by minutes
-                measured, _ = median_step_s(mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0],
-                                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
-                                            batches, args.warmup)
+                # the step scheduled on the cluster the prediction prices (its default would be this
+                # machine's cached calibration or the built-in estimate: perhaps another schedule)
+                step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0], cluster=cluster,
+                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                measured, _ = median_step_s(step, batches, args.warmup)
                 pred = mc.simulate(trace, plan, cluster)
+                priced = lower(concrete(trace), plan.resolve(world, step.program.plan.gpus_per_node), cluster,
+                               need_graph=False).program.prefetch
+                if step.program.prefetch != priced:
+                    say(f"  the step runs {step.program.prefetch}, the prediction prices {priced}")
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})

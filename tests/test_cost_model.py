@@ -16,6 +16,7 @@ from micscompile.cost_model.collective_time import (
     effective_bandwidth_bps,
     fabric_factor,
     hierarchical_time_s,
+    inter_node_bandwidth_bps,
     inter_node_bytes,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
@@ -100,6 +101,13 @@ def test_sibling_groups_share_a_nodes_nics():
     # NCCL's ring latency: the 32-rank ring crosses the network on 3 of its 31 steps, as the 4-rank one
     part_bw_term = collective_time_s("all_gather", m, part, c) - alpha - 28 * c.intra.latency_s
     assert part_bw_term == pytest.approx(31 / 32 * m / c.node_bandwidth_bps)
+    # a group with uneven ranks per node (6, 7 | 8): one network step and one NVLink one
+    assert collective_time_s("all_gather", 1.0, (6, 7, 8), c) == pytest.approx(
+        c.inter.latency_s + c.intra.latency_s + 2 / 3 / inter_node_bandwidth_bps(c, (6, 7, 8)))
+    # NCCL's tree: a chain of a node's 8 ranks up and down, one network level between 2 nodes
+    two = c.with_nodes(2)
+    assert collective_time_s("all_reduce", 1.0, tuple(range(16)), two, "tree") == pytest.approx(
+        2 * (two.inter.latency_s + 7 * two.intra.latency_s) + 2 / two.node_bandwidth_bps)
     # two ranks per node: 4 siblings; one network step and two NVLink ones
     pairs = (0, 1, 8, 9)
     pairs_latency = c.inter.latency_s + 2 * c.intra.latency_s
@@ -305,6 +313,13 @@ def test_the_optimizer_home_is_the_cost_models_choice(lm_trace):
     home, line = chosen(lm_trace, sixteen)
     assert home == "partition" and "under 1.05x" in line
     assert chosen(lm_trace, _cpu_estimate(4, 2), p=2)[0] == "partition"
+    # every rank chooses alike (priced on rank 0's Program, as mc.simulate): p=3 groups on 3 nodes
+    # sit inside a node on rank 0 and across two on rank 6
+    three = Cluster.preset("p4d.24xlarge", nodes=3)
+    rp3 = mc.Plan(partition_size=3).resolve(24, 8)
+    homes = {lower(wide, rp3, three, planned_groups(rp3, r), r, need_graph=False).plan.plan.optimizer_sharding
+             for r in (0, 6)}
+    assert len(homes) == 1
     assert chosen(lm_trace, None)[0] == "partition"
     d1 = lower(lm_trace, mc.Plan(partition_size=8).resolve(8, 8), Cluster.preset("p4d.24xlarge", nodes=1),
                need_graph=False)

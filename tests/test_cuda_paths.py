@@ -194,7 +194,13 @@ def test_calibrated_links_split_inside_and_across_nodes():
             "all_gather:8": {"alpha_s": 7e-4, "beta_s_per_byte": 0.875 / 10e9}}
     intra, inter = calibrate._links(fits, world=8, per_node=4)
     assert intra == Link(bandwidth_bps=pytest.approx(100e9), latency_s=pytest.approx(1e-5))
-    assert inter == Link(bandwidth_bps=pytest.approx(10e9), latency_s=pytest.approx(1e-4))
+    # the world's ring over 2 nodes: 1 network step and 6 intra-node ones (NCCL's latency) make its alpha
+    assert inter == Link(bandwidth_bps=pytest.approx(10e9), latency_s=pytest.approx(7e-4 - 6 * 1e-5))
+    from micscompile.cost_model.collective_time import ring_latency_s
+    from micscompile.cost_model.specs import CPU_ESTIMATE, Cluster
+
+    cluster = Cluster(name="two nodes", nodes=2, gpus_per_node=4, gpu=CPU_ESTIMATE, intra=intra, inter=inter)
+    assert ring_latency_s(8, 2, cluster) == pytest.approx(7e-4) and ring_latency_s(4, 1, cluster) == pytest.approx(3e-5)
     assert calibrate._links(fits, world=4, per_node=4) == (intra, intra)
 
 

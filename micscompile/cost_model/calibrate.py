@@ -134,15 +134,22 @@ def _memory_bytes(device: torch.device, per_node: int) -> int:
 
 def _links(fits: dict[str, dict[str, float]], world: int, per_node: int) -> tuple[Link, Link]:
     """(intra, inter): from the all-gather fits over one node's consecutive ranks and over the
-    world; the one without a fit of its own (one rank per node, or one node) takes the other's."""
+    world, inverting ``collective_time.ring_latency_s`` (the world's ring: m - 1 network steps, the
+    rest intra-node ones); the one without a fit of its own (one rank per node, or one node) takes
+    the other's."""
 
-    def link(g: int) -> Link | None:
+    def link(g: int, nodes: int, intra_latency_s: float = 0.0) -> Link | None:
         fit = fits.get(fit_key("all_gather", g))
         if g < 2 or fit is None:
             return None
-        return Link(bandwidth_bps=(g - 1) / g / fit["beta_s_per_byte"], latency_s=fit["alpha_s"] / (g - 1))
+        if nodes > 1:  # what the g - nodes intra-node steps leave to the nodes - 1 network ones
+            latency = max(0.0, fit["alpha_s"] - (g - nodes) * intra_latency_s) / (nodes - 1)
+        else:
+            latency = fit["alpha_s"] / (g - 1)
+        return Link(bandwidth_bps=(g - 1) / g / fit["beta_s_per_byte"], latency_s=latency)
 
-    intra, inter = link(per_node), link(world) if world > per_node else None
+    intra = link(per_node, 1)
+    inter = link(world, world // per_node, intra.latency_s if intra else 0.0) if world > per_node else None
     fallback = Link(bandwidth_bps=1e9, latency_s=0.0)  # one rank: no collective uses it
     return intra or inter or fallback, inter or intra or fallback
 

@@ -6,7 +6,7 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
   ``L + (g-1)/g * N / B``; ring all-reduce twice that. The latency L is NCCL's own
   (``src/graph/tuning.cc``: nInterSteps of nsteps): a ring crosses the network on m - 1 of
   its g - 1 steps, ``L = (m-1) * alpha_net + (g-m) * alpha_intra`` (inside one node
-  ``(g-1) * alpha_intra``). Tree all-reduce: ``2 ceil(log2 m) alpha_net + 2 (g/m - 1)
+  ``(g-1) * alpha_intra``). Tree all-reduce: ``2 floor(log2 m) alpha_net + 2 (g/m - 1)
   alpha_intra + 2 N / B``; "auto" takes the faster. Broadcast (pipelined ring): ``L + N / B``;
   P2P: ``alpha + N / B``.
 * Which links a group crosses decides B: a group inside one node uses the per-device
@@ -21,7 +21,7 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
     sends a share 1 - fabric_nodes / m of its hops through the oversubscribed layer above,
     and runs at the bandwidth that layer leaves each of them.
 * Effective bandwidth N / T therefore falls as the group grows for a fixed message
-  (the latency term grows with g, the group leaves the node, then the switch domain),
+  (the latency term grows with the nodes it spans, the group leaves the node, then the switch domain),
   as measured in the thesis (Fig 3-2, §3.3.2).
 * Hierarchical all-gather / reduce-scatter over m nodes of q ranks (thesis 3.3.3):
   k = q parallel inter-node rings of m ranks each move (m-1)/p * N per rank, sharing
@@ -92,6 +92,19 @@ def _link(cluster: Cluster, ranks: Sequence[int], kind: str) -> tuple[float, flo
     return cluster.intra.latency_s, cluster.intra.bandwidth_bps
 
 
+def ring_latency_s(g: int, m: int, cluster: Cluster) -> float:
+    """NCCL's ring latency (``src/graph/tuning.cc``, 2.9-2.12: nInterSteps of nsteps) for one pass of a
+    ring over ``g`` ranks on ``m`` nodes: it crosses the network on m - 1 of its g - 1 steps, the others
+    are intra-node hops (one node: all g - 1)."""
+    return (m - 1) * cluster.inter.latency_s + (g - m) * cluster.intra.latency_s
+
+
+def tree_latency_s(g: int, m: int, cluster: Cluster) -> float:
+    """NCCL's tree all-reduce latency (``tuning.cc``): up and down a chain of the g / m ranks of a node
+    and a tree of floor(log2 m) network levels."""
+    return 2 * (int(math.log2(m)) * cluster.inter.latency_s + (g // m - 1) * cluster.intra.latency_s)
+
+
 def collective_time_s(
     kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster, algorithm: str = "auto",
 ) -> float:
@@ -105,19 +118,14 @@ def collective_time_s(
         return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
     alpha, bw = _link(cluster, ranks, kind)
     m = nodes_spanned(ranks, cluster.gpus_per_node)
-    # NCCL's ring latency (src/graph/tuning.cc): a ring over m nodes crosses the network on m - 1 of
-    # its g - 1 steps; the others are intra-node hops
-    ring_lat = (m - 1) * alpha + (g - m) * cluster.intra.latency_s if m > 1 else (g - 1) * alpha
     if kind in (ALL_GATHER, REDUCE_SCATTER):
-        return ring_lat + (g - 1) / g * nbytes / bw
+        return ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / bw
     if kind == ALL_REDUCE:
-        ring = 2 * ring_lat + 2 * (g - 1) / g * nbytes / bw
-        tree_lat = (2 * math.ceil(math.log2(m)) * alpha + 2 * (g // m - 1) * cluster.intra.latency_s if m > 1
-                    else 2 * math.ceil(math.log2(g)) * alpha)
-        tree = tree_lat + 2 * nbytes / bw
+        ring = 2 * ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / bw
+        tree = tree_latency_s(g, m, cluster) + 2 * nbytes / bw
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
-    if kind == BROADCAST:
-        return ring_lat + nbytes / bw
+    if kind == BROADCAST:  # (a pipelined ring: its latency as the ring's)
+        return ring_latency_s(g, m, cluster) + nbytes / bw
     if kind == P2P:
         return alpha + nbytes / bw
     raise ValueError(f"unknown collective kind {kind!r}")
@@ -141,11 +149,11 @@ def hierarchical_stages_s(kind: str, nbytes: float, ranks: Sequence[int], cluste
     # stage 1: q parallel rings of m ranks across nodes, each over 1/q of the buffer, sharing NICs
     # with each other and the sibling groups' rings
     ring_bw = inter_node_bandwidth_bps(cluster, ranks, q * rings_per_node(ranks, k))
-    inter = (m - 1) * cluster.inter.latency_s + (m - 1) / m * (nbytes / q) / ring_bw
+    inter = ring_latency_s(m, m, cluster) + (m - 1) / m * (nbytes / q) / ring_bw
     # stage 2: reorder chunks in device memory (read + write the buffer)
     reorder = 2 * nbytes / (cluster.gpu.memory_bandwidth_bps * cluster.gpu.memory_efficiency)
     # stage 3: intra-node collective of q ranks over the whole buffer
-    intra = (q - 1) * cluster.intra.latency_s + (q - 1) / q * nbytes / cluster.intra.bandwidth_bps
+    intra = ring_latency_s(q, 1, cluster) + (q - 1) / q * nbytes / cluster.intra.bandwidth_bps
     return inter, reorder, intra
 
 

@@ -86,25 +86,29 @@ OPTIMIZER_WORLD_MIN_GAIN = 0.05
 def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster | None, groups: dict, rank: int,
                            **kw) -> LoweredFlat | LoweredPipeline:
     """``Plan.optimizer_sharding="auto"``: "partition" unless the plan has a boundary reduction over
-    d > 1 replicas and a cluster to price on; then both lowered and priced, "world" taken by
-    ``OPTIMIZER_WORLD_MIN_GAIN``. The choice and its prediction join every Program's ``choice`` line."""
-    def lowered(home: str) -> LoweredFlat | LoweredPipeline:
-        return lower(trace, dataclasses.replace(rp, plan=rp.plan.replace(optimizer_sharding=home)), cluster, groups,
-                     rank, **kw)
+    d > 1 replicas and a cluster to price on; then both priced as ``mc.simulate`` prices a plan (rank
+    0's Programs, so that every rank chooses alike), "world" taken by ``OPTIMIZER_WORLD_MIN_GAIN``
+    where it fits or where only it fits, and only the choice lowered for ``rank``. The choice and
+    its prediction join the ``choice`` line of this rank's Programs."""
+    def plan_of(home: str) -> ResolvedPlan:
+        return dataclasses.replace(rp, plan=rp.plan.replace(optimizer_sharding=home))
 
-    part = lowered("partition")
     if rp.replicas == 1 or rp.plan.grad_sync != "2hop" or cluster is None:
-        return part
-    world = lowered("world")
-    t_part, t_world = part.predict(cluster), world.predict(cluster)
+        return lower(trace, plan_of("partition"), cluster, groups, rank, **kw)
+    costs = kw.get("costs") or {}
+    t_part, t_world = (lower(trace, plan_of(home), cluster, prefetch=kw.get("prefetch"), costs=costs,
+                             need_graph=False).predict(cluster, **costs) for home in ("partition", "world"))
     capacity = cluster.gpu.memory_bytes
-    only_world_fits = t_world.peak_memory_bytes <= capacity < t_part.peak_memory_bytes
+    world_fits, part_fits = t_world.peak_memory_bytes <= capacity, t_part.peak_memory_bytes <= capacity
     gain = t_part.step_time_s / t_world.step_time_s
-    chosen = world if only_world_fits or gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN else part
+    only_world_fits = world_fits and not part_fits
+    home = "world" if only_world_fits or (gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN and (world_fits or not part_fits)) \
+        else "partition"
     why = ("only it fits" if only_world_fits else
-           f"{gain:.2f}x partition's {t_part.step_time_s * 1e3:.3f} ms" if chosen is world else
+           f"{gain:.2f}x partition's {t_part.step_time_s * 1e3:.3f} ms" if home == "world" else
            f"world's {t_world.step_time_s * 1e3:.3f} ms is {gain:.2f}x, under {1 + OPTIMIZER_WORLD_MIN_GAIN:.2f}x")
-    line = (f"optimizer states over the {'world' if chosen is world else 'partition group'} (auto, priced on "
+    chosen = lower(trace, plan_of(home), cluster, groups, rank, **kw)
+    line = (f"optimizer states over the {'world' if home == 'world' else 'partition group'} (auto, priced on "
             f"{cluster.name}): {why}")
     for program in chosen.programs().values():
         program.choice = f"{program.choice}\n{line}" if program.choice else line
