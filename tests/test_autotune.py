@@ -162,6 +162,10 @@ def test_autotune_rejects_an_impossible_batch(symbolic):
     with pytest.raises(mc.PlanError, match="global batch"):
         mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2), global_batch_size=3,
                     micro_batch_sizes=(2,), verbose=False, progress=False)
+    # "auto" chooses inside one candidate; autotune prices each home as a candidate of its own
+    with pytest.raises(ValueError, match="'partition' and/or 'world'"):
+        mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2), global_batch_size=8,
+                    optimizer_sharding=("auto",), verbose=False, progress=False)
 
 
 def _measure_worker(rank: int, world: int) -> list[tuple]:

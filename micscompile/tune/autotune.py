@@ -191,6 +191,10 @@ def autotune(
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    unknown = [o for o in optimizer_sharding if o not in ("partition", "world")]
+    if unknown:
+        raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
+                         f"prices each as a candidate, where 'auto' would choose inside one), got {unknown}")
     n, k = cluster.world_size, cluster.gpus_per_node
     base = base_plan or Plan(param_dtype=trace.compute_dtype or torch.float32)
     base = dataclasses.replace(base, gpus_per_node=k)
