@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--batch-per-rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="run and price this prefetch distance instead of the schedule's choice (0: every gather "
+                         "at its use, nothing overlapped: the collectives' own cost)")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="price ops with the calibrated roofline instead of timing them (profile mode)")
@@ -71,12 +74,13 @@ def main() -> None:
                     profile_trace(trace, micro_batches=s)  # a shared machine's speed drifts by minutes
                 # the step scheduled on the cluster the prediction prices (its default would be this
                 # machine's cached calibration or the built-in estimate: perhaps another schedule)
+                forced = None if args.prefetch is None or p == 1 else [args.prefetch]
                 step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0], cluster=cluster,
-                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), prefetch=forced)
                 measured, _ = median_step_s(step, batches, args.warmup)
-                pred = mc.simulate(trace, plan, cluster)
+                pred = mc.simulate(trace, plan, cluster, prefetch=forced)
                 priced = lower(concrete(trace), plan.resolve(world, step.program.plan.gpus_per_node), cluster,
-                               need_graph=False).program.prefetch
+                               prefetch=forced, need_graph=False).program.prefetch
                 if step.program.prefetch != priced:
                     say(f"  the step runs {step.program.prefetch}, the prediction prices {priced}")
                 err = (pred.step_time_s - measured) / measured
