@@ -62,12 +62,6 @@ NCCL_TESTS_P4D = ((3, 31.8), (4, 29.6))
 """nccl-tests ``all_reduce_perf`` at 1 GiB on 3 and 4 p4d.24xlarge (NCCL 2.9.9; NVIDIA/nccl#527): (nodes,
 bus bandwidth GB/s). The p4d preset's NIC efficiency: 31.8 and 29.6 of the 4 x 100 Gbps line rate."""
 
-
-def p4d_busbw(nodes: int) -> float:
-    """A 1 GiB all-reduce's bus bandwidth (GB/s, 2 (g-1)/g N / T) over ``nodes`` p4d nodes."""
-    c = mc.Cluster.preset("p4d.24xlarge", nodes=nodes)
-    g = c.world_size
-    return 2 * (g - 1) / g * GIB / collective_time_s(ALL_REDUCE, GIB, tuple(range(g)), c) / 1e9
 V100_FP16_PEAK = 125e12
 A100_FP16_PEAK = 312e12
 
@@ -164,6 +158,13 @@ def mics_zero3(cfg, preset, nodes, b, s) -> float:
 def algbw(cluster: mc.Cluster, gpus: int, nbytes: float) -> float:
     """Effective all-gather bandwidth (N / T, GB/s) over the first ``gpus`` ranks of ``cluster``."""
     return effective_bandwidth_bps(ALL_GATHER, nbytes, tuple(range(gpus)), cluster) / 1e9
+
+
+def p4d_busbw(nodes: int) -> float:
+    """A 1 GiB all-reduce's bus bandwidth (GB/s, 2 (g-1)/g N / T) over ``nodes`` p4d nodes."""
+    c = mc.Cluster.preset("p4d.24xlarge", nodes=nodes)
+    g = c.world_size
+    return 2 * (g - 1) / g * GIB / collective_time_s(ALL_REDUCE, GIB, tuple(range(g)), c) / 1e9
 
 
 @functools.cache

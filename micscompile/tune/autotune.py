@@ -37,7 +37,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.runtime.compile import compile as compile_step
 from micscompile.trace import TrainGraph
 from micscompile.tune.repricing import Pricer
-from micscompile.tune.search_space import configs, prefetches, state_floor_bytes
+from micscompile.tune.search_space import OPTIMIZER_SHARDING, configs, prefetches, state_floor_bytes
 
 
 @dataclass
@@ -168,7 +168,7 @@ def autotune(
     offload: Sequence[bool] = (False, True),
     hierarchical: Sequence = ("auto", False),
     pipeline_chunks: Sequence[int] = (1, 2),
-    optimizer_sharding: Sequence[str] = ("partition", "world"),
+    optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
     flops_per_sample: float | None = None,
     progress: bool = True,
     top: int = 10,
@@ -191,7 +191,7 @@ def autotune(
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    unknown = [o for o in optimizer_sharding if o not in ("partition", "world")]
+    unknown = [o for o in optimizer_sharding if o not in OPTIMIZER_SHARDING]
     if unknown:
         raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
                          f"prices each as a candidate, where 'auto' would choose inside one), got {unknown}")
