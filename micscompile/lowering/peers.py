@@ -19,7 +19,9 @@ micro-step; gradients copied into ``reduce_bucket_size`` (5e8-element) buckets, 
 reduce-scattered over all ranks on its own stream when full, every micro-step ("ZeRO stage >= 2
 communicates during non gradient accumulation boundaries as well"). ``"deepspeed-zero3-v0.5"``
 is the version the thesis measured (v0.5.x, §3.4's "coarse granularity"): the same, but the host
-waits for each reduction (``reduction_stream.synchronize()``), so none hides.
+waits for each reduction (``reduction_stream.synchronize()``), so none hides, and every parameter is
+its own collective: its fetch all-gathers one parameter per call, and a full gradient bucket is
+reduce-scattered one parameter per call (``per_parameter``).
 
 DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the thesis's MiCS upstream): the user's partition
 group, hierarchical gathers and 2-hop gradient sync as micscompile's, DeepSpeed's fetch
@@ -83,6 +85,10 @@ class Peer:
     """Forward gathers whose backward use comes within this many fetched elements stay live."""
     replicate_every_micro_step: bool = False
     """Each reduce-scatter is followed by the replicate group's all-reduce, every micro-step (HSDP)."""
+    per_parameter: bool = False
+    """Each parameter is its own collective, in a fetch batch and in a gradient bucket (DeepSpeed
+    v0.5.x: ``_allgather_params_coalesced`` and ``_allgather_param`` all-gather one parameter per
+    call, ``_reduce_scatter_gradients`` reduce-scatters one per call; docs/peer-models.md)."""
 
     def kept_live(self, layouts: Sequence[BucketLayout]) -> int:
         """Buckets whose forward gather stays live into backward: between a bucket's forward and its
@@ -102,10 +108,10 @@ class Peer:
         """What ``simulate_program`` prices differently for this peer's Program."""
         out: dict[str, object] = {}
         if self.fetch_elements is not None:
-            out["gather_pieces"] = {lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold)
-                                    for lay in layouts}
+            out["gather_pieces"] = {lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold,
+                                                             self.per_parameter) for lay in layouts}
         if self.reduce_elements is not None:
-            out["reduce_pieces"] = reduce_buckets(layouts, self.reduce_elements)
+            out["reduce_pieces"] = reduce_buckets(layouts, self.reduce_elements, self.per_parameter)
         if self.synchronous_reductions:
             out["synchronous"] = frozenset({Kind.REDUCE_SCATTER, Kind.ALL_REDUCE})
         if self.hierarchical_on_stream:
@@ -115,30 +121,41 @@ class Peer:
         return out
 
 
-def reduce_buckets(layouts: Sequence[BucketLayout], limit: int) -> dict[int, tuple[int, ...]]:
+def reduce_buckets(layouts: Sequence[BucketLayout], limit: int, per_parameter: bool = False,
+                   ) -> dict[int, tuple[int, ...]]:
     """DeepSpeed's gradient buckets as reduce-scatters per block, in bytes: gradients arrive in
     backward order (last block first) and fill a bucket of ``limit`` elements, reduced when it would
     overflow; a block whose gradients wait for later ones reduces nothing; the first block reduces
-    what is left."""
+    what is left. ``per_parameter``: a full bucket is reduced one parameter per collective."""
     out: dict[int, tuple[int, ...]] = {}
-    filled = 0
+    filled: list[int] = []  # the element counts of the gradients in the open bucket
     order = sorted(layouts, key=lambda lay: lay.index, reverse=True)
+
+    def flush(itemsize: int) -> list[int]:
+        sizes = [n * itemsize for n in filled] if per_parameter else [sum(filled) * itemsize]
+        filled.clear()
+        return sizes
+
     for i, lay in enumerate(order):
         sizes: list[int] = []
-        if filled and filled + lay.numel > limit:
-            sizes.append(filled * lay.grad_dtype.itemsize)
-            filled = 0
-        filled += lay.numel
+        if filled and sum(filled) + lay.numel > limit:
+            sizes += flush(lay.grad_dtype.itemsize)
+        filled += [slot.numel for slot in lay.slots]
         if i == len(order) - 1:
-            sizes.append(filled * lay.grad_dtype.itemsize)
+            sizes += flush(lay.grad_dtype.itemsize)
         out[lay.index] = tuple(sizes)
     return out
 
 
-def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0) -> tuple[int, ...]:
+def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0,
+                  per_parameter: bool = False) -> tuple[int, ...]:
     """DeepSpeed's fetches of one bucket, in bytes: its modules (parameters grouped by owning module,
     in layout order) packed in order into batches of at most ``limit`` elements, a larger module
-    alone; parameters of at most ``persistent`` elements are left out."""
+    alone; parameters of at most ``persistent`` elements are left out. ``per_parameter``: every
+    parameter fetched is a collective of its own (batches only decide when they are issued)."""
+    itemsize = layout.gather_dtype.itemsize
+    if per_parameter:
+        return tuple(slot.numel * itemsize for slot in layout.slots if slot.numel > persistent)
     modules: dict[str, int] = {}
     for slot in layout.slots:
         if slot.numel > persistent:
@@ -150,7 +167,6 @@ def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0) -> tupl
             batches[-1] += numel
         else:
             batches.append(numel)
-    itemsize = layout.gather_dtype.itemsize
     return tuple(n * itemsize for n in batches)
 
 
@@ -176,7 +192,7 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
                      reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
     if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
-                    synchronous_reductions=system.endswith("v0.5"))
+                    synchronous_reductions=system.endswith("v0.5"), per_parameter=system.endswith("v0.5"))
     if system == "deepspeed-mics":
         return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition"),
                     **deepspeed, hierarchical_on_stream=True)
