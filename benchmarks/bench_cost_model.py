@@ -6,16 +6,20 @@ Calibrates the machine first (same launch), then for each configuration profiles
 the meta-device trace's graph on every rank (profile mode), compiles and times real
 steps (median over steps of the slowest rank), and predicts the same step with
 ``mc.simulate`` on the calibrated cluster. ``--no-profile`` prices ops with the
-calibrated roofline instead.
+calibrated roofline instead. ``--collective-waits``: then, per configuration, what each collective
+costs its rank inside the step (issue to the end of its wait, by kind and group size) against
+what the calibrated model prices it alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,7 @@ from timing import median_step_s
 
 import micscompile as mc
 from micscompile.cost_model.calibrate import calibrate
+from micscompile.cost_model.collective_time import collective_time_s
 from micscompile.cost_model.node_cost import META_TIME_S
 from micscompile.lowering.lowered import lower
 from micscompile.lowering.predict import concrete
@@ -35,6 +40,52 @@ MODELS = {
 }
 
 
+@contextlib.contextmanager
+def collective_waits(cluster: mc.Cluster):
+    """Wrap the collectives the runtime issues (``dist.all_gather_single``, ``reduce_scatter_single``,
+    ``all_reduce``): per (kind, group size), [calls, seconds from issue to the end of the wait (a
+    gather waited at once: its in-step duration), seconds the calibrated model prices them alone]."""
+    seen: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+
+    class Timed:
+        def __init__(self, work, row, t0):
+            self.work, self.row, self.t0 = work, row, t0
+
+        def wait(self, *args, **kwargs):
+            try:
+                return self.work.wait(*args, **kwargs)
+            finally:
+                self.row[1] += time.perf_counter() - self.t0
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    def wrap(name, fn):
+        kind = name.removesuffix("_single")
+        def issue(out, *args, group=None, async_op=False, **kwargs):
+            g = dist.get_world_size(group)
+            full = out if kind != "reduce_scatter" else args[0]  # the full buffer the model prices
+            row = seen[(kind, g)]
+            row[0] += 1
+            row[2] += collective_time_s(kind, full.numel() * full.element_size(), tuple(range(g)), cluster)
+            t0 = time.perf_counter()
+            work = fn(out, *args, group=group, async_op=async_op, **kwargs)
+            if work is None:
+                row[1] += time.perf_counter() - t0
+                return None
+            return Timed(work, row, t0)
+        return issue
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-per-rank", type=int, default=8)
@@ -44,6 +95,8 @@ def main() -> None:
                     help="run and price this prefetch distance instead of the schedule's choice (0: every gather "
                          "at its use, nothing overlapped: the collectives' own cost)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--collective-waits", action="store_true",
+                    help="also time each collective inside the step against its calibrated price alone")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="price ops with the calibrated roofline instead of timing them (profile mode)")
     args = ap.parse_args()
@@ -83,6 +136,13 @@ def main() -> None:
                                prefetch=forced, need_graph=False).program.prefetch
                 if step.program.prefetch != priced:
                     say(f"  the step runs {step.program.prefetch}, the prediction prices {priced}")
+                if args.collective_waits:
+                    with collective_waits(cluster) as seen:
+                        for batch in batches[args.warmup:]:
+                            step(*batch)
+                    say("  inside the step, per collective: " + ", ".join(
+                        f"{kind} g={g} x{calls // args.steps}: {spent / calls * 1e3:.2f} ms (alone {alone / calls * 1e3:.2f})"
+                        for (kind, g), (calls, spent, alone) in sorted(seen.items())))
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})
