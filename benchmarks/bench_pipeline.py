@@ -16,10 +16,11 @@ the thesis has MiCS-Pipe ahead from G = 1024 (up to 42% over MiCS for 104B).
 Scenario B (Fig. 4-15): seq 1024, micro-batch 8 (MiCS) / 2 (MiCS-Pipe), G in 1024, 2048,
 4096; the thesis has MiCS ahead (up to 32.5%).
 
-fp16 compute priced at the A100's tensor-core peak (``compute_dtype="float16"``) on an fp32
-trace: gathers and reductions move fp32 (kept so the numbers compare with earlier runs;
-``bench_long_seq.py`` runs Plan.param_dtype = float16), and activation checkpointing only
-with ``--checkpoint``: peak memory is printed against the 40 GiB device, not enforced. TFLOP/s per
+16-bit mixed precision as the thesis trains (``Plan.param_dtype = reduce_dtype = bfloat16``, as
+``reproduce_thesis.py`` prices p4d): compute at the A100's tensor-core peak, gathers and
+reductions in 16 bits (until issue 26's last stop they moved fp32, which doubled every gather and
+made MiCS look gather-bound at seq 4096), and activation checkpointing only with
+``--checkpoint``: peak memory is printed against the 40 GiB device, not enforced. TFLOP/s per
 GPU by the thesis's formula (eq. 4.5, 96 B s l h^2 (1 + s/6h + V/16lh), which counts the recompute pass the simulation does not
 run) over all G samples, divided by 128 GPUs and the step time. Each (model, seq,
 micro-batch) is traced once, on the meta device, and reused for every G. No GPU needed.
@@ -40,7 +41,7 @@ import micscompile as mc
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 GIB = 1 << 30
-DTYPE = "float16"
+DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def main() -> None:
     interleaved = not (args.quick or args.no_interleaved)
     cluster = mc.Cluster.preset("p4d.24xlarge", nodes=args.nodes)
     n, cap = cluster.world_size, cluster.gpu.memory_bytes
-    print(f"{n} x {cluster.gpu.name} ({args.nodes} x p4d.24xlarge), compute priced in {DTYPE}, "
+    print(f"{n} x {cluster.gpu.name} ({args.nodes} x p4d.24xlarge), 16-bit mixed precision ({DTYPE}), "
           f"capacity {cap / GIB:.0f} GiB per GPU")
     head = (f"{'model':<10}{'seq':>5}{'G':>6}  {'system':<30}{'b':>3}{'m':>5}{'step s':>9}{'TFLOP/s':>9}"
             f"{'bubble':>8}{'peak GiB':>10}{'fits':>5}{'Pipe/MiCS':>10}{'sim s':>7}")
@@ -101,7 +102,7 @@ def main() -> None:
             traces = {}
             for b in dict.fromkeys((sc.mics_b, sc.pipe_b)):
                 x = torch.zeros(b, sc.seq, dtype=torch.long)
-                traces[b] = mc.trace(model, (x, x), lm_loss)
+                traces[b] = mc.trace(model, (x, x), lm_loss, param_dtype=DTYPE)
             print(f"{md.name}: {traces[sc.mics_b].summary()}; traced {len(traces)} micro-batch size(s) in "
                   f"{time.perf_counter() - t0:.1f} s")
             print(head)
@@ -121,13 +122,15 @@ def main() -> None:
                     if pipe is None:
                         m = G // (b * n)
                         assert m * b * n == G, (G, b, n)
-                        plan = mc.Plan(partition_size=md.mics_p, micro_batches=m, checkpoint=args.checkpoint)
+                        plan = mc.Plan(partition_size=md.mics_p, micro_batches=m, checkpoint=args.checkpoint,
+                                       param_dtype=DTYPE, reduce_dtype=DTYPE, optimizer_sharding="partition")
                     else:
                         m = G // (b * d_pipe * T)
                         assert m * b * d_pipe * T == G, (G, b, d_pipe)
                         plan = mc.Plan(partition_size=T, pipeline_stages=md.stages, micro_batches=m,
-                                       checkpoint=args.checkpoint, **pipe)
-                    pred = mc.simulate(traces[b], plan, cluster, flops_per_step=flops, compute_dtype=DTYPE)
+                                       checkpoint=args.checkpoint, param_dtype=DTYPE, reduce_dtype=DTYPE,
+                                       optimizer_sharding="partition", **pipe)
+                    pred = mc.simulate(traces[b], plan, cluster, flops_per_step=flops)
                     sim_s = time.perf_counter() - t1
                     tf = pred.tflops_per_gpu
                     ratio = ""
