@@ -286,6 +286,19 @@ def test_default_cluster_is_the_devices(monkeypatch, tmp_path):
     assert got.name == "named" and (got.nodes, got.gpus_per_node) == (1, 4)
 
 
+def test_a_step_bound_by_its_links_says_so(lm_trace):
+    """A communication stream busier than the compute says the step is bound by it, and by how much
+    no schedule can hide; a step whose compute covers its collectives says nothing."""
+    wide = meta_lm_trace(vocab=8192, h=2048, layers=4, batch=1, seq=128)
+    bound = mc.simulate(wide, mc.Plan(partition_size=8), Cluster.preset("p4d.24xlarge", nodes=16))
+    busiest = max(v for k, v in bound.stream_busy_s.items() if k.startswith("comm:"))
+    assert busiest > bound.compute_s and bound.step_time_s >= busiest
+    assert f"no schedule hides the other {(busiest - bound.compute_s) * 1e3:.1f} ms" in str(bound)
+    covered = mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), Cluster.preset("dgx-h100", nodes=1))
+    assert max(v for k, v in covered.stream_busy_s.items() if k.startswith("comm:")) < covered.compute_s
+    assert "bound by" not in str(covered)
+
+
 def test_the_optimizer_home_is_the_cost_models_choice(lm_trace):
     """Plan's default optimizer_sharding="auto" prices both homes on the schedule's cluster: "world"
     where its reduce-scatter and update gather beat the replicas' all-reduce by 5% (a 2048-wide LM on

@@ -117,8 +117,19 @@ class Prediction:
             f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms ({self.exposed_boundary_s * 1e3:.2f} ms of it at the "
             f"boundary), {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
             f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
-            f"stream busy: {busy}"
+            f"stream busy: {busy}{self._bound()}"
         )
+
+    def _bound(self) -> str:
+        """Where a communication stream is busier than the compute it could hide under: no schedule
+        hides it, and the step is at least that stream's time (the NICs, not the schedule, decide)."""
+        stream, busy = max(((k, v) for k, v in self.stream_busy_s.items() if k.startswith("comm:")),
+                           key=lambda kv: kv[1], default=(None, 0.0))
+        if stream is None or busy <= self.compute_s:
+            return ""
+        return (f"\nbound by {stream}: its links are busy {busy * 1e3:.1f} ms, longer than the {self.compute_s * 1e3:.1f} "
+                f"ms of compute they could hide under; no schedule hides the other "
+                f"{(busy - self.compute_s) * 1e3:.1f} ms (a larger micro-batch brings more compute to hide it under)")
 
     def to_chrome_trace(self, path: str | Path) -> None:
         """A Perfetto / chrome://tracing timeline: compute and comm tracks, memory counter."""
