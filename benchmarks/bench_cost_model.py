@@ -8,7 +8,9 @@ steps (median over steps of the slowest rank), and predicts the same step with
 ``mc.simulate`` on the calibrated cluster. ``--no-profile`` prices ops with the
 calibrated roofline instead. ``--collective-waits``: then, per configuration, what each collective
 costs its rank inside the step (issue to the end of its wait, by kind and group size) against
-what the calibrated model prices it alone.
+what the calibrated model prices it alone; with ``--prefetch 0`` a gather is waited at once, so
+that is its in-step cost (a reduce-scatter's or a second hop's span includes the compute before
+its wait).
 """
 
 from __future__ import annotations

@@ -172,11 +172,11 @@ the collective measurements only (``benchmarks/reproduce_thesis.py --fit``): the
 nccl-tests' small all-reduces on 2 p3dn nodes (aws/aws-ofi-nccl#33). p4d's EFA is the same transport."""
 
 P3DN_HELD_OUT_ERROR = 0.14
-"""Median |error| of reproduce_thesis.py's held-out p3dn rows (47, 13, 13, 66, 15, 0%: the ratios
+"""Median |error| of reproduce_thesis.py's held-out p3dn rows (47, 12, 13, 66, 15, 0%: the ratios
 and gains, docs/cost-model.md's table; the script prints it)."""
-P4D_HELD_OUT_ERROR = 0.13
-"""Median |error| of its held-out p4d rows (chapter 3: 17, 3, 38, 10, 6, 5, 42%; chapter 4: 0, 300,
-29, 30, 13, 3%)."""
+P4D_HELD_OUT_ERROR = 0.10
+"""Median |error| of its held-out p4d rows (chapter 3: 16, 3, 40, 10, 5, 5, 77%; chapter 4: 0, 300,
+29, 30, 8, 3%)."""
 
 PRESETS: dict[str, Cluster] = {
     # fitted on collective measurements only (thesis §3.3.2, Fig. 3-2, §3.5.2.2; nccl-tests on 2 nodes,

@@ -18,10 +18,12 @@ at most ``stage3_param_persistence_threshold`` (1e5) elements persist and are no
 micro-step; gradients copied into ``reduce_bucket_size`` (5e8-element) buckets, each
 reduce-scattered over all ranks on its own stream when full, every micro-step ("ZeRO stage >= 2
 communicates during non gradient accumulation boundaries as well"). ``"deepspeed-zero3-v0.5"``
-is the version the thesis measured (v0.5.x, §3.4's "coarse granularity"): the same, but the host
-waits for each reduction (``reduction_stream.synchronize()``), so none hides, and every parameter is
-its own collective: its fetch all-gathers one parameter per call, and a full gradient bucket is
-reduce-scattered one parameter per call (``per_parameter``).
+is the version the thesis measured (v0.5.x, §3.4's "coarse granularity"): every parameter is its own
+collective (``per_parameter``): its fetch all-gathers one parameter per call, and each gradient bucket
+is reduce-scattered one parameter per call. Its host synchronizes the reduction stream before
+reducing the next bucket (``reduction_stream.synchronize()`` in ``reduce_ipg_grads``) and the
+compute stream after each fetch (``torch.cuda.synchronize()``): one bucket's reductions and one
+fetch in flight, as the Program already keeps them.
 
 DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the thesis's MiCS upstream): the user's partition
 group, hierarchical gathers and 2-hop gradient sync as micscompile's, DeepSpeed's fetch
@@ -43,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from micscompile.core.plan import Plan
-from micscompile.core.program import Kind, Prefetch
+from micscompile.core.program import Prefetch
 from micscompile.core.sharding import BucketLayout
 
 SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-mics", "fsdp2")
@@ -77,8 +79,6 @@ class Peer:
     """Parameters of at most this many elements are not gathered per micro-step."""
     reduce_elements: int | None = None
     """Gradients are reduce-scattered in buckets of this many elements (None: one per bucket)."""
-    synchronous_reductions: bool = False
-    """The host waits for each reduction as soon as it is issued."""
     hierarchical_on_stream: bool = False
     """A hierarchical gather's reorder and intra-node stage run on the communication stream."""
     max_reuse_distance: int | None = None
@@ -112,8 +112,6 @@ class Peer:
                                                              self.per_parameter) for lay in layouts}
         if self.reduce_elements is not None:
             out["reduce_pieces"] = reduce_buckets(layouts, self.reduce_elements, self.per_parameter)
-        if self.synchronous_reductions:
-            out["synchronous"] = frozenset({Kind.REDUCE_SCATTER, Kind.ALL_REDUCE})
         if self.hierarchical_on_stream:
             out["hierarchical_on_stream"] = True
         if self.replicate_every_micro_step:
@@ -124,9 +122,11 @@ class Peer:
 def reduce_buckets(layouts: Sequence[BucketLayout], limit: int, per_parameter: bool = False,
                    ) -> dict[int, tuple[int, ...]]:
     """DeepSpeed's gradient buckets as reduce-scatters per block, in bytes: gradients arrive in
-    backward order (last block first) and fill a bucket of ``limit`` elements, reduced when it would
-    overflow; a block whose gradients wait for later ones reduces nothing; the first block reduces
-    what is left. ``per_parameter``: a full bucket is reduced one parameter per collective."""
+    backward order (last block first, a block's parameters last first) and fill a bucket of
+    ``limit`` elements, reduced when the next gradient would overflow it (a block larger than the
+    bucket reduces inside itself); a block whose gradients all wait for later ones reduces nothing;
+    the first block reduces what is left. ``per_parameter``: each bucket is reduced one parameter per
+    collective."""
     out: dict[int, tuple[int, ...]] = {}
     filled: list[int] = []  # the element counts of the gradients in the open bucket
     order = sorted(layouts, key=lambda lay: lay.index, reverse=True)
@@ -138,10 +138,11 @@ def reduce_buckets(layouts: Sequence[BucketLayout], limit: int, per_parameter: b
 
     for i, lay in enumerate(order):
         sizes: list[int] = []
-        if filled and sum(filled) + lay.numel > limit:
-            sizes += flush(lay.grad_dtype.itemsize)
-        filled += [slot.numel for slot in lay.slots]
-        if i == len(order) - 1:
+        for slot in reversed(lay.slots):
+            if filled and sum(filled) + slot.numel > limit:
+                sizes += flush(lay.grad_dtype.itemsize)
+            filled.append(slot.numel)
+        if i == len(order) - 1 and filled:
             sizes += flush(lay.grad_dtype.itemsize)
         out[lay.index] = tuple(sizes)
     return out
@@ -152,7 +153,7 @@ def fetch_batches(layout: BucketLayout, limit: int, persistent: int = 0,
     """DeepSpeed's fetches of one bucket, in bytes: its modules (parameters grouped by owning module,
     in layout order) packed in order into batches of at most ``limit`` elements, a larger module
     alone; parameters of at most ``persistent`` elements are left out. ``per_parameter``: every
-    parameter fetched is a collective of its own (batches only decide when they are issued)."""
+    parameter fetched is a collective of its own, issued one after another at the bucket's gather."""
     itemsize = layout.gather_dtype.itemsize
     if per_parameter:
         return tuple(slot.numel * itemsize for slot in layout.slots if slot.numel > persistent)
@@ -192,7 +193,7 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
                      reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
     if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
-                    synchronous_reductions=system.endswith("v0.5"), per_parameter=system.endswith("v0.5"))
+                    per_parameter=system.endswith("v0.5"))
     if system == "deepspeed-mics":
         return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition"),
                     **deepspeed, hierarchical_on_stream=True)
