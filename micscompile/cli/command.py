@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
     from micscompile.cli import pictures
     from micscompile.core.collectives import fmt_bytes
     from micscompile.lowering.lowered import lower
-    from micscompile.lowering.predict import concrete, step_buffers_of
+    from micscompile.lowering.predict import concrete, model_buffer_bytes
 
     cluster = _cluster(args)
     plan = _plans(args, cluster)[0]
@@ -133,12 +133,12 @@ def _plan(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    lowered = lower(concrete(tg), rp, cluster, need_graph=False)
+    trace = concrete(tg)
+    lowered = lower(trace, rp, cluster)  # once, as mc.compile lowers rank 0: its Program, prediction and buffers
     comm, text = lowered.comm_stats(), str(lowered)
-    rp = lowered.plan
-    plan = rp.plan  # with what the lowering chose ("auto" optimizer sharding)
-    pred = mc.simulate(tg, plan, cluster)
-    buffers = step_buffers_of(tg, plan, cluster.world_size, gpus_per_node=cluster.gpus_per_node, cluster=cluster)
+    rp = lowered.plan  # with what the lowering chose ("auto" optimizer sharding)
+    pred = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)  # as mc.simulate
+    buffers = lowered.rewrite_for_arena(True)
     memory = mc.MemoryStats.of(buffers, None)
     _say(f"lowered and simulated in {time.perf_counter() - t0:.1f} s\n")
     _say(f"plan: {rp}\ncluster: {cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name})\n")
