@@ -7,7 +7,7 @@ the meta-device trace's graph on every rank (profile mode), compiles and times r
 steps (median over steps of the slowest rank), and predicts the same step with
 ``mc.simulate`` on the calibrated cluster. ``--no-profile`` prices ops with the
 calibrated roofline instead. ``--collective-waits``: then, per configuration, what each collective
-costs its rank inside the step (issue to the end of its wait, by kind and group size) against
+costs its rank inside the step (issue to the end of its wait, by kind and group) against
 what the calibrated model prices it alone; with ``--prefetch 0`` a gather is waited at once, so
 that is its in-step cost (a reduce-scatter's or a second hop's span includes the compute before
 its wait).
@@ -45,7 +45,7 @@ MODELS = {
 @contextlib.contextmanager
 def collective_waits(cluster: mc.Cluster):
     """Wrap the collectives the runtime issues (``dist.all_gather_single``, ``reduce_scatter_single``,
-    ``all_reduce``): per (kind, group size), [calls, seconds from issue to the end of the wait (a
+    ``all_reduce``): per (kind, this rank's group), [calls, seconds from issue to the end of the wait (a
     gather waited at once: its in-step duration), seconds the calibrated model prices them alone]."""
     seen: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
@@ -66,11 +66,12 @@ def collective_waits(cluster: mc.Cluster):
     def wrap(name, fn):
         kind = name.removesuffix("_single")
         def issue(out, *args, group=None, async_op=False, **kwargs):
-            g = dist.get_world_size(group)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+                tuple(range(dist.get_world_size()))
             full = out if kind != "reduce_scatter" else args[0]  # the full buffer the model prices
-            row = seen[(kind, g)]
+            row = seen[(kind, ranks)]  # (a partition group apart from a replication group of its size)
             row[0] += 1
-            row[2] += collective_time_s(kind, full.numel() * full.element_size(), tuple(range(g)), cluster)
+            row[2] += collective_time_s(kind, full.numel() * full.element_size(), ranks, cluster)
             t0 = time.perf_counter()
             work = fn(out, *args, group=group, async_op=async_op, **kwargs)
             if work is None:
@@ -143,8 +144,8 @@ def main() -> None:
                         for batch in batches[args.warmup:]:
                             step(*batch)
                     say("  inside the step, per collective: " + ", ".join(
-                        f"{kind} g={g} x{calls // args.steps}: {spent / calls * 1e3:.2f} ms (alone {alone / calls * 1e3:.2f})"
-                        for (kind, g), (calls, spent, alone) in sorted(seen.items())))
+                        f"{kind} {list(ranks)} x{calls // args.steps}: {spent / calls * 1e3:.2f} ms "
+                        f"(alone {alone / calls * 1e3:.2f})" for (kind, ranks), (calls, spent, alone) in sorted(seen.items())))
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})
