@@ -47,7 +47,7 @@ def collective_waits(cluster: mc.Cluster):
     """Wrap the collectives the runtime issues (``dist.all_gather_single``, ``reduce_scatter_single``,
     ``all_reduce``): per (kind, this rank's group), [calls, seconds from issue to the end of the wait (a
     gather waited at once: its in-step duration), seconds the calibrated model prices them alone]."""
-    seen: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    seen: dict[tuple[str, tuple[int, ...]], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
 
     class Timed:

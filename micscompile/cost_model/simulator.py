@@ -297,7 +297,7 @@ def simulate_program(
         charge = ((1 - cluster.overlap) * duration + cluster.collective_overhead_s if cost is None else
                   cost["exposed_fraction"] * duration)
         run_compute(charge, name)
-        busy["charged"] += charge  # (popped into Prediction.comm_charged_s)
+        busy["charged"] += charge  # (in busy so that skipping middle micro-steps scales it too; popped below)
         return cost
 
     def all_reduce_after(ready_s: float, nbytes: int) -> float:
