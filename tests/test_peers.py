@@ -95,6 +95,19 @@ def test_deepspeed_zero3_v05_issues_a_collective_per_parameter(lm_trace):
     assert peer("deepspeed-zero3", plan, 16).prefetch == peer("deepspeed-zero3-v0.5", plan, 16).prefetch == \
         (Prefetch(distance=1),)
     assert peer("deepspeed-zero3-v0.5", plan, 16).per_parameter and not peer("deepspeed-zero3", plan, 16).per_parameter
+    # v0.5.x's fetch ends in torch.cuda.synchronize(), which waits for the reductions in flight: without
+    # it they would run beside the next block's compute
+    # (released after use, so that backward fetches again)
+    released = {**small, "stage3_max_reuse_distance": 0}
+    synced = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.5", peer_config=released)
+    unsynced = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.5", peer_config=released,
+                           sync_at_fetch=False)
+    assert synced.step_time_s > unsynced.step_time_s and synced.compute_s == unsynced.compute_s
+    # today's copies each fetched parameter out of the gathered buffer (torch.cat per parameter); v0.5.x
+    # all-gathered each parameter into its own storage
+    assert peer("deepspeed-zero3", plan, 16).copy_out == "parameter" and peer("deepspeed-zero3-v0.5", plan, 16).copy_out is None
+    assert new.compute_s > mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3", peer_config=small,
+                                       copy_out_ops=None).compute_s
 
 
 def test_deepspeed_keeps_gathers_live_within_its_reuse_distance(lm_trace):
@@ -126,15 +139,23 @@ def test_deepspeed_zero3_shards_over_every_rank_whatever_the_plan(lm_trace):
 
 
 def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
-    """FSDP2 full shard: micscompile's traffic at p = n, flat, one unit ahead; HSDP all-reduces over the
-    replicate group after every micro-batch's reduce-scatter."""
+    """FSDP2 full shard: micscompile's traffic at p = n, flat, one unit ahead, and a copy-out of every
+    gathered unit on the compute stream (wait_for_unshard); HSDP all-reduces over the replicate group
+    after every micro-batch's reduce-scatter."""
     cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
     fsdp = peer("fsdp2", mc.Plan(partition_size=16, micro_batches=4), 16)
     assert fsdp.prefetch == (Prefetch(distance=1),) and fsdp.plan.hierarchical is False
     pred = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4), cluster, system="fsdp2")
     same = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4, hierarchical=False), cluster,
                        prefetch=(1,))
-    assert pred.step_time_s == same.step_time_s
+    no_copy = mc.simulate(lm_trace, mc.Plan(partition_size=16, micro_batches=4), cluster, system="fsdp2",
+                          copy_out_ops=None)
+    assert no_copy.step_time_s == same.step_time_s
+    copies = [e for e in pred.events if e.track == "compute" and e.name.startswith("after ")]
+    gathers = [e for e in pred.events if e.track.startswith("comm:") and e.name.startswith("AG")]
+    assert len(copies) == len(gathers) > 0  # one copy-out per gather, each its unit's bytes read and written
+    assert pred.compute_s - same.compute_s == pytest.approx(sum(e.end_s - e.start_s for e in copies))
+    assert pred.step_time_s > same.step_time_s
     # HSDP: the replicate all-reduce after every micro-batch's reduce-scatter (4 of them), none at the
     # boundary; micscompile's 2-hop all-reduces once
     hsdp = mc.simulate(lm_trace, mc.Plan(partition_size=8, micro_batches=4), cluster, system="fsdp2")

@@ -51,7 +51,8 @@ class _InFlight:
     frees_bytes: int
     """Released at its wait (a packed gradient bucket; gathered buckets are released explicitly)."""
     finish_s: float = 0.0
-    """Compute-stream time its wait adds (a hierarchical gather's reorder and intra-node stage)."""
+    """Compute-stream time its wait adds (a hierarchical gather's reorder and intra-node stage, a
+    peer's copy-out of the gathered bytes)."""
     slowdown: float = 0.0
     """Fraction by which compute beside it runs slower..."""
     slowdown_left_s: float = 0.0
@@ -184,6 +185,8 @@ def simulate_program(
     reduce_pieces: Mapping[int, Sequence[int]] | None = None,
     hierarchical_on_stream: bool = False,
     replicate_every_micro_step: bool = False,
+    sync_at_fetch: bool = False,
+    copy_out_ops: Mapping[int, int] | None = None,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -202,7 +205,12 @@ def simulate_program(
     reorder and intra-node stage run on its communication stream, not the compute stream.
     ``replicate_every_micro_step``: each reduce-scatter's shard is all-reduced over the replicate
     group right after it, every micro-step, on that group's stream (FSDP2's HSDP), and the boundary
-    has no all-reduce of its own.
+    has no all-reduce of its own. ``sync_at_fetch``: the host synchronizes the whole device when a
+    fetched bucket's gather completes (a peer whose fetch ends in a device synchronize), so every
+    reduction in flight finishes before the bucket computes. ``copy_out_ops``: bucket -> the copy
+    kernels a peer runs on the compute stream at a gather's wait to copy the gathered bytes out into its
+    parameters (FSDP2's ``split_with_sizes_copy``, DeepSpeed's ``torch.cat`` per parameter), each
+    gathered byte read and written once.
     """
     if replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
         program = program.without_second_hops()
@@ -397,6 +405,10 @@ def simulate_program(
                 dynamic += a.tensor_bytes
                 note_memory(activations)
                 flight = issue(a)
+                if copy_out_ops is not None and a.bucket in copy_out_ops:
+                    pieces = gather_pieces.get(a.bucket) if gather_pieces else None
+                    gathered = a.tensor_bytes if pieces is None else sum(pieces)
+                    flight.finish_s += _memory_time_s(2 * gathered, gpu, ops=copy_out_ops[a.bucket])
                 pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
                 end = flight.end_s
             elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
@@ -419,9 +431,12 @@ def simulate_program(
                 flight = pending[(a.waits_for, a.bucket)].popleft()
                 slowing[0] -= flight.slowdown > 0
                 wait_until(flight.end_s)
+                if sync_at_fetch and a.waits_for in GATHERS:  # (the reductions stay queued for their own waits)
+                    wait_until(max((f.end_s for (kind, _), queue in pending.items() if kind not in GATHERS
+                                    for f in queue), default=t))
                 dynamic -= flight.frees_bytes
                 if flight.finish_s > 0:
-                    run_compute(flight.finish_s, (f"intra-node {a}" if record else ""))
+                    run_compute(flight.finish_s, (f"after {a}" if record else ""))
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)

@@ -175,7 +175,7 @@ P3DN_HELD_OUT_ERROR = 0.14
 """Median |error| of reproduce_thesis.py's held-out p3dn rows (47, 12, 13, 66, 15, 0%: the ratios
 and gains, docs/cost-model.md's table; the script prints it)."""
 P4D_HELD_OUT_ERROR = 0.10
-"""Median |error| of its held-out p4d rows (chapter 3: 16, 3, 40, 10, 5, 5, 77%; chapter 4: 0, 300,
+"""Median |error| of its held-out p4d rows (chapter 3: 16, 3, 38, 10, 5, 5, 42%; chapter 4: 0, 300,
 29, 30, 8, 3%)."""
 
 PRESETS: dict[str, Cluster] = {

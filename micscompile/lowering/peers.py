@@ -89,6 +89,15 @@ class Peer:
     """Each parameter is its own collective, in a fetch batch and in a gradient bucket (DeepSpeed
     v0.5.x: ``_allgather_params_coalesced`` and ``_allgather_param`` all-gather one parameter per
     call, ``_reduce_scatter_gradients`` reduce-scatters one per call; docs/peer-models.md)."""
+    sync_at_fetch: bool = False
+    """Each fetch ends in a device synchronize, which waits for the reductions in flight too (DeepSpeed
+    v0.5.x: ``fetch_sub_module`` calls ``_synchronize_communication``, whose ``torch.cuda.synchronize()``
+    waits on every stream, the reduction stream included; stage3.py l.450-451, l.533-541)."""
+    copy_out: str | None = None
+    """Where a gather lands in a flat buffer its parameters are copied out of, on the compute stream at
+    its wait: ``"unit"`` one copy per gathered bucket (FSDP2's ``split_with_sizes_copy`` in
+    ``wait_for_unshard``), ``"parameter"`` one per fetched parameter (DeepSpeed's ``torch.cat`` in
+    ``AllGatherCoalescedHandle.wait``); docs/peer-models.md cites the lines."""
 
     def kept_live(self, layouts: Sequence[BucketLayout]) -> int:
         """Buckets whose forward gather stays live into backward: between a bucket's forward and its
@@ -116,6 +125,11 @@ class Peer:
             out["hierarchical_on_stream"] = True
         if self.replicate_every_micro_step:
             out["replicate_every_micro_step"] = True
+        if self.sync_at_fetch:
+            out["sync_at_fetch"] = True
+        if self.copy_out is not None:
+            out["copy_out_ops"] = {lay.index: sum(s.numel > self.persistence_threshold for s in lay.slots)
+                                   if self.copy_out == "parameter" else 1 for lay in layouts}
         return out
 
 
@@ -193,11 +207,12 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
                      reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
     if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
-                    per_parameter=system.endswith("v0.5"))
+                    per_parameter=system.endswith("v0.5"), sync_at_fetch=system.endswith("v0.5"),
+                    copy_out=None if system.endswith("v0.5") else "parameter")
     if system == "deepspeed-mics":
         return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition"),
                     **deepspeed, hierarchical_on_stream=True)
     if system == "fsdp2":  # HSDP (partition_size < world size): the replicate all-reduce every micro-batch
-        return Peer(system, base, (Prefetch(distance=1),),
+        return Peer(system, base, (Prefetch(distance=1),), copy_out="unit",
                     replicate_every_micro_step=(plan.partition_size or world_size) < world_size)
     return Peer(system, plan, None)
