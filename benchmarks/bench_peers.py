@@ -31,7 +31,9 @@ DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``) with torch's Adam
 ``--predict`` also calibrates this machine first (same launch) and prices each row the simulator
 has a model for (micscompile's rows; FSDP2 and DeepSpeed ZeRO-3 by their peer models,
 ``mc.simulate(..., system=...)``, with the same DeepSpeed config), the graph profiled on the
-ranks just before each measurement, as ``bench_cost_model.py`` does: predicted step and error.
+ranks just before each measurement, as ``bench_cost_model.py`` does: predicted step and error. The
+peers' own runtime (hooks, copies, optimizer over their parameter types) is measured first, each
+rank training alone in a one-rank group (``host_overheads``), and priced on the compute stream.
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ import contextlib
 import copy
 import datetime
 import os
+import statistics
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
 from measure import CommCounter, LiveBytes, max_over_ranks, mean_over_ranks
-from timing import median_step_s
-from torch.distributed.device_mesh import init_device_mesh
+from timing import interleaved_times_s, median_step_s
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,14 +101,39 @@ def eager_step(model, opt, micro_batches, x, y, *, sync_ctx=None, before_last=No
     return total
 
 
-def deepspeed_step(model, s: int, batch_per_rank: int):
+class _OneRank:
+    """DeepSpeed's model-parallel unit that makes a rank's data-parallel group itself alone."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    get_model_parallel_group = get_tensor_model_parallel_group = get_data_parallel_group
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size = get_data_parallel_world_size
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    get_model_parallel_rank = get_tensor_model_parallel_rank = get_data_parallel_rank
+
+
+def deepspeed_step(model, s: int, batch_per_rank: int, alone=None):
+    """DeepSpeed ZeRO-3's step; ``alone``: a one-rank group this rank trains in by itself."""
     import deepspeed  # imported here: the other systems run without it
 
     config = {"train_micro_batch_size_per_gpu": batch_per_rank // s, "gradient_accumulation_steps": s,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config,
-                                      dist_init_required=False)
+                                      dist_init_required=False, mpu=None if alone is None else _OneRank(alone))
+    if alone is not None and engine.dp_world_size != 1:
+        raise RuntimeError(f"DeepSpeed alone on one rank runs data-parallel over {engine.dp_world_size}")
 
     def step(x, y):
         total = 0.0
@@ -152,22 +180,61 @@ def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_ra
     return lambda x, y: eager_step(model, opt, s, x, y)
 
 
-def predict(system: str, p: int, s: int, args, trace, cluster) -> float | None:
-    """The predicted step of one row on the calibrated ``cluster`` (None: no model for it)."""
+def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
+    """Per peer model ("fsdp2", "deepspeed-zero3"): (seconds per micro-step, seconds per step) its
+    runtime adds to the same model's eager step on this machine, none of it communication: each rank
+    trains alone in a one-rank group, every rank at once (the cores shared as in the bench), the
+    peer's step timed in alternation with the eager one. What it adds: its hooks, its copies between
+    flat buffers and parameters, its optimizer over its own parameter types. T_peer(s) - T_eager(s) =
+    s * per micro-step + per step, fitted over the ``--micro-batches`` counts."""
+    world = dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # (every rank creates every group)
+    mesh = DeviceMesh.from_group(alone, "cpu")
+    extra: dict[str, list[tuple[int, float]]] = {"fsdp2": [], "deepspeed-zero3": []}
+    for s in args.micro_batches:
+        eager, sharded = copy.deepcopy(model), copy.deepcopy(model)
+        for block in sharded.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        opt_e, opt_s = adamw(eager.parameters()), adamw(sharded.parameters())
+        steps = {"eager": lambda x, y, m=eager, o=opt_e, s=s: eager_step(m, o, s, x, y),
+                 "fsdp2": lambda x, y, m=sharded, o=opt_s, s=s: eager_step(m, o, s, x, y),
+                 "deepspeed-zero3": deepspeed_step(copy.deepcopy(model), s, args.batch_per_rank, alone)}
+        times = {k: statistics.median(v) for k, v in interleaved_times_s(steps, batches, args.warmup).items()}
+        for name in extra:
+            extra[name].append((s, times[name] - times["eager"]))
+    out = {}
+    for name, points in extra.items():
+        if len(points) == 1:
+            (s, d), = points
+            out[name] = (max(d / s, 0.0), 0.0)
+            continue
+        ms = statistics.mean(s for s, _ in points)
+        md = statistics.mean(d for _, d in points)
+        per_micro = sum((s - ms) * (d - md) for s, d in points) / sum((s - ms) ** 2 for s, _ in points)
+        out[name] = (max(per_micro, 0.0), max(md - per_micro * ms, 0.0))
+    return out
+
+
+def predict(system: str, p: int, s: int, args, trace, cluster, host: dict[str, tuple[float, float]]) -> float | None:
+    """The predicted step of one row on the calibrated ``cluster`` (None: no model for it); ``host``:
+    the peers' runtime time, ``host_overheads`` (it includes their copy-outs)."""
     plan = _plan(system, p, s, args.gpus_per_node)
     if system.startswith("micscompile"):
         return mc.simulate(trace, plan, cluster).step_time_s
     if system not in PEER_MODELS:
         return None
     name, config = PEER_MODELS[system]
-    return mc.simulate(trace, plan, cluster, system=name, peer_config=config).step_time_s
+    per_micro, per_step = host.get(name, (0.0, 0.0))
+    return mc.simulate(trace, plan, cluster, system=name, peer_config=config, copy_out_ops=None,
+                       host_per_micro_step_s=per_micro, host_per_step_s=per_step).step_time_s
 
 
-def measure(system: str, p: int, s: int, args, model: GPT, batches, trace=None, cluster=None) -> dict:
+def measure(system: str, p: int, s: int, args, model: GPT, batches, trace=None, cluster=None, host=None) -> dict:
     predicted = None
     if cluster is not None:  # every rank at once, just before the run (a shared machine's speed drifts)
         profile_trace(trace, micro_batches=s)
-        predicted = predict(system, p, s, args, trace, cluster)
+        predicted = predict(system, p, s, args, trace, cluster, host or {})
     with LiveBytes() as live:
         step = build(system, model, p, s, args.gpus_per_node, batches[0], args.batch_per_rank)
         step(*batches[0])
@@ -260,9 +327,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     batches = [lm_batch(cfg, args.batch_per_rank, gen) for _ in range(args.warmup + args.steps)]
     systems = [(n, p) for n, p in SYSTEMS if not any(n.startswith(x) for x in args.skip)]
-    cluster = None
+    cluster, host = None, None
     if args.predict:
         cluster = calibrate(log=print if rank == 0 else None)
+        host = host_overheads(model, args, batches)
+        if rank == 0:
+            print("peers' runtime beyond eager, alone on a rank (host_overheads): " + ", ".join(
+                f"{k} {a * 1e3:.1f} ms per micro-step + {b * 1e3:.1f} ms per step" for k, (a, b) in host.items()))
     results = {}
     for s in args.micro_batches:
         trace = None
@@ -273,7 +344,7 @@ def main() -> None:
                              device="cpu")
         for round_ in range(args.rounds):  # the second in reverse order: drift reaches every row alike
             for system, p in systems if round_ % 2 == 0 else systems[::-1]:
-                r = measure(system, p, s, args, model, batches, trace, cluster if round_ == 0 else None)
+                r = measure(system, p, s, args, model, batches, trace, cluster if round_ == 0 else None, host)
                 if rank == 0:
                     print(f"  measured {system}, s={s}, round {round_ + 1}: {r['step']:.3f} s/step", flush=True)
                 best = results.setdefault((system, s), r)

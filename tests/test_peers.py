@@ -169,6 +169,20 @@ def test_fsdp2_reduces_every_micro_batch_and_prefetches_one_unit(lm_trace):
         mc.simulate(lm_trace, mc.Plan(partition_size=8), cluster, system="zero-4")
 
 
+def test_a_peers_runtime_on_the_host_is_spread_over_its_gathers_and_added_to_its_optimizer(lm_trace):
+    """Where the host is the device (a CPU run), a peer's hooks and optimizer cost compute-stream time:
+    per micro-step, spread over its gathers' waits (before the unit computes), and per step."""
+    cluster = Cluster.preset("p3dn.24xlarge", nodes=2)
+    plan = mc.Plan(partition_size=16, micro_batches=4)
+    base = mc.simulate(lm_trace, plan, cluster, system="fsdp2")
+    host = mc.simulate(lm_trace, plan, cluster, system="fsdp2", host_per_micro_step_s=0.01, host_per_step_s=0.02)
+    assert host.compute_s - base.compute_s == pytest.approx(4 * 0.01 + 0.02)
+    spread = [e for e in host.events if e.track == "compute" and e.name == "host"]
+    waits = [e for e in host.events if e.track == "compute" and e.name.startswith("after W:AG")]
+    assert len(spread) == len(waits) > 4 and sum(e.end_s - e.start_s for e in spread) == pytest.approx(0.04)
+    assert host.step_time_s > base.step_time_s
+
+
 def test_deepspeed_mics_keeps_the_plan_and_runs_hierarchical_stages_on_its_stream(lm_trace):
     """DeepSpeed-MiCS (what the thesis measured): the user's partition group and 2-hop sync, DeepSpeed's
     fetch granularity, and its hierarchical gather's three stages on the all-gather stream

@@ -187,6 +187,8 @@ def simulate_program(
     replicate_every_micro_step: bool = False,
     sync_at_fetch: bool = False,
     copy_out_ops: Mapping[int, int] | None = None,
+    host_per_micro_step_s: float = 0.0,
+    host_per_step_s: float = 0.0,
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -210,7 +212,10 @@ def simulate_program(
     reduction in flight finishes before the bucket computes. ``copy_out_ops``: bucket -> the copy
     kernels a peer runs on the compute stream at a gather's wait to copy the gathered bytes out into its
     parameters (FSDP2's ``split_with_sizes_copy``, DeepSpeed's ``torch.cat`` per parameter), each
-    gathered byte read and written once.
+    gathered byte read and written once. ``host_per_micro_step_s`` / ``host_per_step_s``: compute-stream
+    time a peer's runtime adds per micro-step (spread over its gathers' waits: its hooks) and per step
+    (its optimizer), where the host is the device (a CPU run; ``benchmarks/bench_peers.py --predict``
+    measures them at world size 1).
     """
     if replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
         program = program.without_second_hops()
@@ -391,6 +396,12 @@ def simulate_program(
                 mb, seen = micro_batches - 1, None
                 continue
             seen = state, (t, dict(busy), exposed)
+        if host_per_micro_step_s:  # (spread over the gathers' waits; at the start without any)
+            waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and program.issues(a, mb)
+                        for a in program.micro_step)
+            host_s = host_per_micro_step_s / max(waits, 1)
+            if not waits:
+                run_compute(host_per_micro_step_s, "host")
         for i, a in enumerate(program.micro_step):
             if not program.issues(a, mb):
                 continue
@@ -431,6 +442,8 @@ def simulate_program(
                 flight = pending[(a.waits_for, a.bucket)].popleft()
                 slowing[0] -= flight.slowdown > 0
                 wait_until(flight.end_s)
+                if host_per_micro_step_s and a.waits_for in GATHERS:
+                    run_compute(host_s, "host")
                 if sync_at_fetch and a.waits_for in GATHERS:  # (the reductions stay queued for their own waits)
                     wait_until(max((f.end_s for (kind, _), queue in pending.items() if kind not in GATHERS
                                     for f in queue), default=t))
@@ -481,7 +494,7 @@ def simulate_program(
                 opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s
             else:
                 opt_s = _memory_time_s(optimizer_bytes_per_param * opt_numel, gpu, ops=10 * n_params)
-            run_compute(opt_s, "optimizer")
+            run_compute(opt_s + host_per_step_s, "optimizer")
             note_span(start, t, i)
     step = max([t, *stream_free.values()])
     charged = busy.pop("charged", 0.0)
