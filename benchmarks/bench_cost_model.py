@@ -47,7 +47,7 @@ def collective_waits(cluster: mc.Cluster):
     """Wrap the collectives the runtime issues (``dist.all_gather_single``, ``reduce_scatter_single``,
     ``all_reduce``): per (kind, this rank's group), [calls, seconds from issue to the end of the wait (a
     gather waited at once: its in-step duration), seconds the calibrated model prices them alone]."""
-    seen: dict[tuple[str, tuple[int, ...]], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    seen: dict[tuple[str, tuple[int, ...]], list] = defaultdict(lambda: [0, 0.0, 0.0, []])
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
 
     class Timed:
@@ -58,7 +58,9 @@ def collective_waits(cluster: mc.Cluster):
             try:
                 return self.work.wait(*args, **kwargs)
             finally:
-                self.row[1] += time.perf_counter() - self.t0
+                done = time.perf_counter()
+                self.row[1] += done - self.t0
+                self.row[3].append((self.t0, done))
 
         def __getattr__(self, name):
             return getattr(self.work, name)
@@ -75,7 +77,9 @@ def collective_waits(cluster: mc.Cluster):
             t0 = time.perf_counter()
             work = fn(out, *args, group=group, async_op=async_op, **kwargs)
             if work is None:
-                row[1] += time.perf_counter() - t0
+                done = time.perf_counter()
+                row[1] += done - t0
+                row[3].append((t0, done))
                 return None
             return Timed(work, row, t0)
         return issue
@@ -87,6 +91,24 @@ def collective_waits(cluster: mc.Cluster):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def arrival_split(seen) -> dict[tuple[str, tuple[int, ...]], tuple[float, float]]:
+    """Per (kind, group): of a call's time from issue to the end of its wait, the mean seconds spent
+    waiting for the group's last rank to issue it, and the mean after that; from every rank's issue
+    and end times (``time.perf_counter`` is the host's one monotonic clock), on every rank."""
+    mine = {key: row[3] for key, row in seen.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for key, calls in mine.items():
+        _, ranks = key
+        skew = after = 0.0
+        for i, (issued, done) in enumerate(calls):  # the i-th call of a group is the same call on its ranks
+            last = max(every[r][key][i][0] for r in ranks)
+            skew, after = skew + last - issued, after + done - last
+        out[key] = (skew / len(calls), after / len(calls))
+    return out
 
 
 def main() -> None:
@@ -139,13 +161,17 @@ def main() -> None:
                                prefetch=forced, need_graph=False).program.prefetch
                 if step.program.prefetch != priced:
                     say(f"  the step runs {step.program.prefetch}, the prediction prices {priced}")
+                inside = ""
                 if args.collective_waits:
                     with collective_waits(cluster) as seen:
                         for batch in batches[args.warmup:]:
                             step(*batch)
-                    say("  inside the step, per collective: " + ", ".join(
-                        f"{kind} {list(ranks)} x{calls // args.steps}: {spent / calls * 1e3:.2f} ms "
-                        f"(alone {alone / calls * 1e3:.2f})" for (kind, ranks), (calls, spent, alone) in sorted(seen.items())))
+                    split = arrival_split(seen)
+                    inside = ("\n  inside the step, per collective: " + ", ".join(
+                        f"{kind} {list(ranks)} x{calls // args.steps}: {spent / calls * 1e3:.2f} ms = "
+                        f"{split[(kind, ranks)][0] * 1e3:.2f} for the last rank to issue it + "
+                        f"{split[(kind, ranks)][1] * 1e3:.2f} after (alone {alone / calls * 1e3:.2f})"
+                        for (kind, ranks), (calls, spent, alone, _) in sorted(seen.items())))
                 err = (pred.step_time_s - measured) / measured
                 rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
                              "predicted_s": pred.step_time_s, "error": err})
@@ -154,7 +180,7 @@ def main() -> None:
                     f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}   (micro-step graph {profiled * 1e3:.0f} ms; "
                     f"{pred.compute_s * 1e3:.0f} ms compute, "
                     f"{pred.exposed_comm_s * 1e3:.0f} ms exposed; "
-                    + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pred.stream_busy_s.items())) + ")")
+                    + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pred.stream_busy_s.items())) + ")" + inside)
     if rank == 0:
         errs = sorted(abs(r["error"]) for r in rows)
         print(f"\n{'model':<11} {'p':>2} {'s':>2} {'measured':>10} {'predicted':>10} {'error':>8}")
