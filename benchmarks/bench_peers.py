@@ -200,7 +200,8 @@ def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
         steps = {"eager": lambda x, y, m=eager, o=opt_e, s=s: eager_step(m, o, s, x, y),
                  "fsdp2": lambda x, y, m=sharded, o=opt_s, s=s: eager_step(m, o, s, x, y),
                  "deepspeed-zero3": deepspeed_step(copy.deepcopy(model), s, args.batch_per_rank, alone)}
-        times = {k: statistics.median(v) for k, v in interleaved_times_s(steps, batches, args.warmup).items()}
+        rounds = batches[: args.warmup] + 2 * batches[args.warmup:]  # (twice the bench's steps: a difference of two times)
+        times = {k: statistics.median(v) for k, v in interleaved_times_s(steps, rounds, args.warmup).items()}
         for name in extra:
             extra[name].append((s, times[name] - times["eager"]))
     out = {}
