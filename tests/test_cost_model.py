@@ -12,12 +12,16 @@ from models import TiedLM, lm_loss, meta_lm_trace
 
 import micscompile as mc
 from micscompile.cost_model.collective_time import (
+    LL_BANDWIDTH,
     collective_time_s,
     effective_bandwidth_bps,
     fabric_factor,
     hierarchical_time_s,
     inter_node_bandwidth_bps,
     inter_node_bytes,
+    ll_network_step_s,
+    ll_ring_latency_s,
+    ring_latency_s,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
 from micscompile.lowering.flat import lower_flat
@@ -101,18 +105,37 @@ def test_sibling_groups_share_a_nodes_nics():
     # NCCL's ring latency: the 32-rank ring crosses the network on 3 of its 31 steps, as the 4-rank one
     part_bw_term = collective_time_s("all_gather", m, part, c) - alpha - 28 * c.intra.latency_s
     assert part_bw_term == pytest.approx(31 / 32 * m / c.node_bandwidth_bps)
-    # a group with uneven ranks per node (6, 7 | 8): one network step and one NVLink one
-    assert collective_time_s("all_gather", 1.0, (6, 7, 8), c) == pytest.approx(
-        c.inter.latency_s + c.intra.latency_s + 2 / 3 / inter_node_bandwidth_bps(c, (6, 7, 8)))
-    # NCCL's tree: a chain of a node's 8 ranks up and down, one network level between 2 nodes
+    # a group with uneven ranks per node (6, 7 | 8): one network step and one NVLink one (1 MiB: Simple)
+    mib = float(1 << 20)
+    assert collective_time_s("all_gather", mib, (6, 7, 8), c) == pytest.approx(
+        c.inter.latency_s + c.intra.latency_s + 2 / 3 * mib / inter_node_bandwidth_bps(c, (6, 7, 8)))
+    # NCCL's tree: a chain of a node's 8 ranks up and down, one network level between 2 nodes (16 MiB: Simple)
     two = c.with_nodes(2)
-    assert collective_time_s("all_reduce", 1.0, tuple(range(16)), two, "tree") == pytest.approx(
-        2 * (two.inter.latency_s + 7 * two.intra.latency_s) + 2 / two.node_bandwidth_bps)
+    assert collective_time_s("all_reduce", 16 * mib, tuple(range(16)), two, "tree") == pytest.approx(
+        2 * (two.inter.latency_s + 7 * two.intra.latency_s) + 2 * 16 * mib / two.node_bandwidth_bps)
     # two ranks per node: 4 siblings; one network step and two NVLink ones
     pairs = (0, 1, 8, 9)
     pairs_latency = c.inter.latency_s + 2 * c.intra.latency_s
     assert collective_time_s("all_gather", m, pairs, c) - pairs_latency == pytest.approx(
         4 * 3 / 4 * m / c.node_bandwidth_bps)
+
+
+def test_small_messages_take_nccls_ll_protocol():
+    """NCCL picks LL for small messages: the network's latency once per network step where Simple pays
+    it twice (tuning.cc's flush), NCCL's own 2.7 us against 14, and a quarter of the bandwidth. A bias
+    of a 2560-wide layer over 64 ranks on 8 nodes costs about half of Simple's latency; 1 GiB stays Simple."""
+    c = Cluster.preset("p4d.24xlarge", nodes=8)
+    ranks = tuple(range(64))
+    step = ll_network_step_s(c)
+    assert step == pytest.approx(2.7e-6 + (c.inter.latency_s - 14e-6) / 2)
+    assert step < c.inter.latency_s / 1.8
+    bias = 2560 * 2
+    assert collective_time_s("reduce_scatter", bias, ranks, c) == pytest.approx(
+        ll_ring_latency_s(64, 8, c) + 63 / 64 * bias / (inter_node_bandwidth_bps(c, ranks) * LL_BANDWIDTH["ring"]))
+    assert ll_ring_latency_s(64, 8, c) < ring_latency_s(64, 8, c)
+    big = float(1 << 30)
+    assert collective_time_s("all_gather", big, ranks, c) == pytest.approx(
+        ring_latency_s(64, 8, c) + 63 / 64 * big / inter_node_bandwidth_bps(c, ranks))
 
 
 def test_rings_beyond_a_switch_domain_run_slower():

@@ -9,6 +9,9 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
   ``(g-1) * alpha_intra``). Tree all-reduce: ``2 floor(log2 m) alpha_net + 2 (g/m - 1)
   alpha_intra + 2 N / B``; "auto" takes the faster. Broadcast (pipelined ring): ``L + N / B``;
   P2P: ``alpha + N / B``.
+* Per protocol, as NCCL's tuner picks the faster: the above is Simple; LL (small messages) pays the
+  network's latency once per network step where Simple pays it twice, plus NCCL's smaller hwLat, at a
+  quarter of the bandwidth (``ll_ring_latency_s``, ``LL_BANDWIDTH``).
 * Which links a group crosses decides B: a group inside one node uses the per-device
   intra-node link; a group spanning nodes is bottlenecked by each node's NICs, which
   collectives use in parallel (NCCL channels): B = nics * NIC bandwidth. alpha_net is a
@@ -99,6 +102,29 @@ def ring_latency_s(g: int, m: int, cluster: Cluster) -> float:
     return (m - 1) * cluster.inter.latency_s + (g - m) * cluster.intra.latency_s
 
 
+NCCL_NET_HW_LATENCY_S = {"ring_ll": 2.7e-6, "ring_simple": 14e-6, "tree_ll": 5.0e-6}
+"""NCCL's own latency per network step, before the network's (``src/graph/tuning.cc``, master: hwLatencies
+[NET]): Ring LL 2.7 us, Ring Simple 14 us, Tree LL 5 us."""
+LL_NVLINK_RATIO = 0.6 / 3.4
+"""An NVLink ring step with LL against Simple (the same table: 0.6 against 3.4 us)."""
+LL_BANDWIDTH = {"ring": 1 / 4, "ring_one_node": 1 / 3, "tree": 1 / 3.8}
+"""LL's bandwidth against Simple's: 4 bytes of data per 8-byte flagged word; NCCL prices a ring at busBw / 4
+across nodes (and for all-reduce), / 3 inside one node, a tree at / 3.8 (tuning.cc)."""
+
+
+def ll_network_step_s(cluster: Cluster) -> float:
+    """One network step of an LL ring. NCCL adds the network's own latency L to hwLat once for LL and
+    twice for Simple ("the flush extra latency"): Simple = 14 us + 2 L, LL = 2.7 us + L, so L comes
+    from the fitted Simple step (``Cluster.inter.latency_s``; EFA: ``specs.EFA_STEP_LATENCY_S``)."""
+    net = max(cluster.inter.latency_s - NCCL_NET_HW_LATENCY_S["ring_simple"], 0.0) / 2
+    return NCCL_NET_HW_LATENCY_S["ring_ll"] + net
+
+
+def ll_ring_latency_s(g: int, m: int, cluster: Cluster) -> float:
+    """``ring_latency_s`` with NCCL's LL protocol, which it picks for small messages."""
+    return (m - 1) * ll_network_step_s(cluster) + (g - m) * cluster.intra.latency_s * LL_NVLINK_RATIO
+
+
 def tree_latency_s(g: int, m: int, cluster: Cluster) -> float:
     """NCCL's tree all-reduce latency (``tuning.cc``): up and down a chain of the g / m ranks of a node
     and a tree of floor(log2 m) network levels."""
@@ -119,10 +145,17 @@ def collective_time_s(
     alpha, bw = _link(cluster, ranks, kind)
     m = nodes_spanned(ranks, cluster.gpus_per_node)
     if kind in (ALL_GATHER, REDUCE_SCATTER):
-        return ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / bw
+        simple = ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / bw
+        ll_bw = bw * LL_BANDWIDTH["ring" if m > 1 else "ring_one_node"]
+        return min(simple, ll_ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / ll_bw)
     if kind == ALL_REDUCE:
         ring = 2 * ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / bw
         tree = tree_latency_s(g, m, cluster) + 2 * nbytes / bw
+        ring = min(ring, 2 * ll_ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / (bw * LL_BANDWIDTH["ring"]))
+        tree_ll = 2 * (int(math.log2(m)) * (ll_network_step_s(cluster) + NCCL_NET_HW_LATENCY_S["tree_ll"]
+                                            - NCCL_NET_HW_LATENCY_S["ring_ll"])
+                       + (g // m - 1) * cluster.intra.latency_s * LL_NVLINK_RATIO)
+        tree = min(tree, tree_ll + 2 * nbytes / (bw * LL_BANDWIDTH["tree"]))
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
     if kind == BROADCAST:  # (a pipelined ring: its latency as the ring's)
         return ring_latency_s(g, m, cluster) + nbytes / bw

@@ -172,10 +172,10 @@ the collective measurements only (``benchmarks/reproduce_thesis.py --fit``): the
 nccl-tests' small all-reduces on 2 p3dn nodes (aws/aws-ofi-nccl#33). p4d's EFA is the same transport."""
 
 P3DN_HELD_OUT_ERROR = 0.14
-"""Median |error| of reproduce_thesis.py's held-out p3dn rows (47, 12, 13, 66, 15, 0%: the ratios
+"""Median |error| of reproduce_thesis.py's held-out p3dn rows (30, 1, 13, 66, 15, 12%: the ratios
 and gains, docs/cost-model.md's table; the script prints it)."""
-P4D_HELD_OUT_ERROR = 0.10
-"""Median |error| of its held-out p4d rows (chapter 3: 16, 3, 38, 10, 5, 5, 42%; chapter 4: 0, 300,
+P4D_HELD_OUT_ERROR = 0.08
+"""Median |error| of its held-out p4d rows (chapter 3: 2, 3, 30, 10, 5, 5, 61%; chapter 4: 0, 300,
 29, 30, 8, 3%)."""
 
 PRESETS: dict[str, Cluster] = {
