@@ -131,6 +131,13 @@ def tree_latency_s(g: int, m: int, cluster: Cluster) -> float:
     return 2 * (int(math.log2(m)) * cluster.inter.latency_s + (g // m - 1) * cluster.intra.latency_s)
 
 
+def ll_tree_latency_s(g: int, m: int, cluster: Cluster) -> float:
+    """``tree_latency_s`` with NCCL's LL protocol: a network level costs the LL step's network latency
+    with the tree's hwLat."""
+    level = ll_network_step_s(cluster) - NCCL_NET_HW_LATENCY_S["ring_ll"] + NCCL_NET_HW_LATENCY_S["tree_ll"]
+    return 2 * (int(math.log2(m)) * level + (g // m - 1) * cluster.intra.latency_s * LL_NVLINK_RATIO)
+
+
 def collective_time_s(
     kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster, algorithm: str = "auto",
 ) -> float:
@@ -152,10 +159,7 @@ def collective_time_s(
         ring = 2 * ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / bw
         tree = tree_latency_s(g, m, cluster) + 2 * nbytes / bw
         ring = min(ring, 2 * ll_ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / (bw * LL_BANDWIDTH["ring"]))
-        tree_ll = 2 * (int(math.log2(m)) * (ll_network_step_s(cluster) + NCCL_NET_HW_LATENCY_S["tree_ll"]
-                                            - NCCL_NET_HW_LATENCY_S["ring_ll"])
-                       + (g // m - 1) * cluster.intra.latency_s * LL_NVLINK_RATIO)
-        tree = min(tree, tree_ll + 2 * nbytes / (bw * LL_BANDWIDTH["tree"]))
+        tree = min(tree, ll_tree_latency_s(g, m, cluster) + 2 * nbytes / (bw * LL_BANDWIDTH["tree"]))
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
     if kind == BROADCAST:  # (a pipelined ring: its latency as the ring's)
         return ring_latency_s(g, m, cluster) + nbytes / bw

@@ -21,9 +21,10 @@ communicates during non gradient accumulation boundaries as well"). ``"deepspeed
 is the version the thesis measured (v0.5.x, §3.4's "coarse granularity"): every parameter is its own
 collective (``per_parameter``): its fetch all-gathers one parameter per call, and each gradient bucket
 is reduce-scattered one parameter per call. Its host synchronizes the reduction stream before
-reducing the next bucket (``reduction_stream.synchronize()`` in ``reduce_ipg_grads``) and the
-compute stream after each fetch (``torch.cuda.synchronize()``): one bucket's reductions and one
-fetch in flight, as the Program already keeps them.
+reducing the next bucket (``reduction_stream.synchronize()`` in ``reduce_ipg_grads``), and each
+fetch ends in ``torch.cuda.synchronize()``, which waits for every stream, the reductions in flight
+included (``sync_at_fetch``). Today's DeepSpeed copies each fetched parameter out of the gathered
+buffer at the fetch's wait (``copy_out="parameter"``); v0.5.x gathered each into its own storage.
 
 DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the thesis's MiCS upstream): the user's partition
 group, hierarchical gathers and 2-hop gradient sync as micscompile's, DeepSpeed's fetch
@@ -35,7 +36,8 @@ FSDP2 (docs/peer-models.md#fsdp2-fully_shard): one ``fully_shard`` unit per bloc
 collective, one unit prefetched (forward and backward); a reduce-scatter every micro-batch and,
 under HSDP (partition size < world), the replicate all-reduce of each reduced shard right after
 it, every micro-batch, on its own stream; its streams overlap collectives with compute as
-micscompile's do.
+micscompile's do; each gathered unit is copied out into its parameters on the compute stream
+(``copy_out="unit"``).
 """
 
 from __future__ import annotations
