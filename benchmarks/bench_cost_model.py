@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -150,15 +151,17 @@ def main() -> None:
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 if args.profile:  # every rank at once (each measures its share), just before the run:
                     profile_trace(trace, micro_batches=s)  # a shared machine's speed drifts by minutes
-                # the step scheduled on the cluster the prediction prices (its default would be this
-                # machine's cached calibration or the built-in estimate: perhaps another schedule)
+                # the step runs the schedule the prediction prices: the schedule's search on the
+                # profiled trace (mc.compile's own, on the roofline, may choose another)
                 forced = None if args.prefetch is None or p == 1 else [args.prefetch]
+                priced = [lower(concrete(trace), plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+                                cluster, prefetch=forced, need_graph=False).program.prefetch]
+                dist.broadcast_object_list(priced, src=0)  # (each rank profiled its own share: rank 0's)
+                priced = priced[0]
                 step = mc.compile(model, plan, loss_fn=lm_loss, example_inputs=batches[0], cluster=cluster,
-                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), prefetch=forced)
+                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), prefetch=(priced,))
                 measured, _ = median_step_s(step, batches, args.warmup)
-                pred = mc.simulate(trace, plan, cluster, prefetch=forced)
-                priced = lower(concrete(trace), plan.resolve(world, step.program.plan.gpus_per_node), cluster,
-                               prefetch=forced, need_graph=False).program.prefetch
+                pred = mc.simulate(trace, plan, cluster, prefetch=(priced,))
                 if step.program.prefetch != priced:
                     say(f"  the step runs {step.program.prefetch}, the prediction prices {priced}")
                 inside = ""

@@ -16,12 +16,14 @@ from micscompile.cost_model.collective_time import (
     collective_time_s,
     effective_bandwidth_bps,
     fabric_factor,
+    hierarchical_stages_s,
     hierarchical_time_s,
     inter_node_bandwidth_bps,
     inter_node_bytes,
     ll_network_step_s,
     ll_ring_latency_s,
     ring_latency_s,
+    rings_per_node,
 )
 from micscompile.cost_model.specs import PRESETS, Cluster
 from micscompile.lowering.flat import lower_flat
@@ -136,6 +138,16 @@ def test_small_messages_take_nccls_ll_protocol():
     big = float(1 << 30)
     assert collective_time_s("all_gather", big, ranks, c) == pytest.approx(
         ring_latency_s(64, 8, c) + 63 / 64 * big / inter_node_bandwidth_bps(c, ranks))
+    # the hierarchical gather's stages and a broadcast are rings too: the same choice per ring
+    inter, _, intra = hierarchical_stages_s("all_gather", bias, ranks, c)
+    assert inter == pytest.approx(ll_ring_latency_s(8, 8, c) + 7 / 8 * bias / 8 / (
+        inter_node_bandwidth_bps(c, ranks, 8 * rings_per_node(ranks, 8)) * LL_BANDWIDTH["ring"]))
+    assert intra == pytest.approx(ll_ring_latency_s(8, 1, c) + 7 / 8 * bias / (
+        c.intra.bandwidth_bps * LL_BANDWIDTH["ring_one_node"]))
+    assert collective_time_s("broadcast", bias, ranks, c) == pytest.approx(
+        ll_ring_latency_s(64, 8, c) + bias / (inter_node_bandwidth_bps(c, ranks) * LL_BANDWIDTH["ring"]))
+    inter, _, intra = hierarchical_stages_s("all_gather", big, ranks, c)
+    assert intra == pytest.approx(ring_latency_s(8, 1, c) + 7 / 8 * big / c.intra.bandwidth_bps)
 
 
 def test_rings_beyond_a_switch_domain_run_slower():

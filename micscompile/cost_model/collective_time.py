@@ -138,6 +138,16 @@ def ll_tree_latency_s(g: int, m: int, cluster: Cluster) -> float:
     return 2 * (int(math.log2(m)) * level + (g // m - 1) * cluster.intra.latency_s * LL_NVLINK_RATIO)
 
 
+def ring_s(g: int, m: int, moved_bytes: float, bw: float, cluster: Cluster, passes: int = 1,
+           ll_share: float | None = None) -> float:
+    """``passes`` passes of a ring over ``g`` ranks on ``m`` nodes that move ``moved_bytes`` per rank
+    at ``bw`` (Simple's): the faster of NCCL's Simple and LL protocols, as its tuner picks. LL runs at
+    ``ll_share`` of the bandwidth (default: a ring's across nodes, or inside one node)."""
+    share = ll_share if ll_share is not None else LL_BANDWIDTH["ring" if m > 1 else "ring_one_node"]
+    return min(passes * ring_latency_s(g, m, cluster) + moved_bytes / bw,
+               passes * ll_ring_latency_s(g, m, cluster) + moved_bytes / (bw * share))
+
+
 def collective_time_s(
     kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster, algorithm: str = "auto",
 ) -> float:
@@ -152,17 +162,14 @@ def collective_time_s(
     alpha, bw = _link(cluster, ranks, kind)
     m = nodes_spanned(ranks, cluster.gpus_per_node)
     if kind in (ALL_GATHER, REDUCE_SCATTER):
-        simple = ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / bw
-        ll_bw = bw * LL_BANDWIDTH["ring" if m > 1 else "ring_one_node"]
-        return min(simple, ll_ring_latency_s(g, m, cluster) + (g - 1) / g * nbytes / ll_bw)
+        return ring_s(g, m, (g - 1) / g * nbytes, bw, cluster)
     if kind == ALL_REDUCE:
-        ring = 2 * ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / bw
-        tree = tree_latency_s(g, m, cluster) + 2 * nbytes / bw
-        ring = min(ring, 2 * ll_ring_latency_s(g, m, cluster) + 2 * (g - 1) / g * nbytes / (bw * LL_BANDWIDTH["ring"]))
-        tree = min(tree, ll_tree_latency_s(g, m, cluster) + 2 * nbytes / (bw * LL_BANDWIDTH["tree"]))
+        ring = ring_s(g, m, 2 * (g - 1) / g * nbytes, bw, cluster, passes=2, ll_share=LL_BANDWIDTH["ring"])
+        tree = min(tree_latency_s(g, m, cluster) + 2 * nbytes / bw,
+                   ll_tree_latency_s(g, m, cluster) + 2 * nbytes / (bw * LL_BANDWIDTH["tree"]))
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
     if kind == BROADCAST:  # (a pipelined ring: its latency as the ring's)
-        return ring_latency_s(g, m, cluster) + nbytes / bw
+        return ring_s(g, m, nbytes, bw, cluster)
     if kind == P2P:
         return alpha + nbytes / bw
     raise ValueError(f"unknown collective kind {kind!r}")
@@ -186,11 +193,11 @@ def hierarchical_stages_s(kind: str, nbytes: float, ranks: Sequence[int], cluste
     # stage 1: q parallel rings of m ranks across nodes, each over 1/q of the buffer, sharing NICs
     # with each other and the sibling groups' rings
     ring_bw = inter_node_bandwidth_bps(cluster, ranks, q * rings_per_node(ranks, k))
-    inter = ring_latency_s(m, m, cluster) + (m - 1) / m * (nbytes / q) / ring_bw
+    inter = ring_s(m, m, (m - 1) / m * (nbytes / q), ring_bw, cluster)
     # stage 2: reorder chunks in device memory (read + write the buffer)
     reorder = 2 * nbytes / (cluster.gpu.memory_bandwidth_bps * cluster.gpu.memory_efficiency)
     # stage 3: intra-node collective of q ranks over the whole buffer
-    intra = ring_latency_s(q, 1, cluster) + (q - 1) / q * nbytes / cluster.intra.bandwidth_bps
+    intra = ring_s(q, 1, (q - 1) / q * nbytes, cluster.intra.bandwidth_bps, cluster)
     return inter, reorder, intra
 
 
