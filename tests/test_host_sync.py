@@ -69,6 +69,7 @@ def run(rank: int, world: int) -> dict:
             for b in batches[1:]:
                 step(*b)
         out[name] = syncs.seen
+        out[name + " fused"] = step.fused_optimizer
     return out
 
 
@@ -87,3 +88,41 @@ def test_clipping_waits_once_per_step_for_the_finite_check(results):
     for rank, res in enumerate(results):
         seen = res["p2 s3 clipped"]
         assert len(seen) == 2 and all("_scale_grads" in s or "isfinite" in s for s in seen), (rank, seen)
+
+
+def test_the_optimizer_steps_torchs_fused_kernel_without_waiting(results):
+    """The factory above leaves the implementation to torch, so every step's AdamW is the fused kernel
+    (``param_groups.prefer_fused``), and the steps above that never waited ran it."""
+    for rank, res in enumerate(results):
+        assert all(res[name + " fused"] for name in PLANS), rank
+
+
+def test_prefer_fused_only_where_the_user_left_the_choice():
+    from micscompile.runtime.param_groups import prefer_fused
+
+    def params():
+        out = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.zeros(0))]
+        for p in out:
+            p.grad = torch.randn_like(p)
+        return out
+
+    ps = params()
+    fused = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    assert prefer_fused(fused) and all(g["fused"] for g in fused.param_groups)
+    ref_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ref_ps, ps):
+        p.grad = q.grad.clone()
+    ref = torch.optim.AdamW(ref_ps, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        fused.step()
+        ref.step()
+    torch.testing.assert_close(ps[0].detach(), ref_ps[0].detach(), rtol=1e-6, atol=1e-7)  # the same update
+    for chosen in ({"foreach": False}, {"foreach": True}, {"fused": False}):
+        assert not prefer_fused(torch.optim.AdamW(params(), lr=1e-2, **chosen))
+    assert not prefer_fused(torch.optim.SGD(params(), lr=1e-2))
+
+    class Mine(torch.optim.AdamW):  # a subclass may step otherwise
+        pass
+
+    assert not prefer_fused(Mine(params(), lr=1e-2))
+    assert not prefer_fused(torch.optim.Adam(params(), lr=1e-2, differentiable=True))

@@ -36,7 +36,11 @@ PLANS = {  # name: Plan; the first saves the checkpoint every other plan resumes
 
 
 def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    # foreach=False: an implementation that rounds every element alone. torch's fused kernel, which
+    # micscompile steps when a factory leaves the choice to torch, rounds an element by its place in
+    # its piece (vector body or scalar tail), and resuming under another optimizer split is checked
+    # bitwise here.
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
 
 
 def _local(plan: mc.Plan, rank: int, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
