@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
 from micscompile.cost_model.calibrate import calibrate
+from micscompile.runtime.param_groups import prefer_fused
 from micscompile.tune.profile import profile_trace
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
@@ -185,8 +186,10 @@ def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
     runtime adds to the same model's eager step on this machine, none of it communication: each rank
     trains alone in a one-rank group, every rank at once (the cores shared as in the bench), the
     peer's step timed in alternation with the eager one. What it adds: its hooks, its copies between
-    flat buffers and parameters, its optimizer over its own parameter types. T_peer(s) - T_eager(s) =
-    s * per micro-step + per step, fitted over the ``--micro-batches`` counts."""
+    flat buffers and parameters, its optimizer over its own parameter types beyond the eager step's,
+    which runs as micscompile's does (torch's fused AdamW, ``param_groups.prefer_fused``: what the
+    calibrated optimizer cost prices). T_peer(s) - T_eager(s) = s * per micro-step + per step, fitted
+    over the ``--micro-batches`` counts."""
     world = dist.get_world_size()
     alone = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # (every rank creates every group)
     mesh = DeviceMesh.from_group(alone, "cpu")
@@ -197,6 +200,7 @@ def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
             fully_shard(block, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
         opt_e, opt_s = adamw(eager.parameters()), adamw(sharded.parameters())
+        prefer_fused(opt_e)  # the optimizer as micscompile's step runs it, which calibration prices
         steps = {"eager": lambda x, y, m=eager, o=opt_e, s=s: eager_step(m, o, s, x, y),
                  "fsdp2": lambda x, y, m=sharded, o=opt_s, s=s: eager_step(m, o, s, x, y),
                  "deepspeed-zero3": deepspeed_step(copy.deepcopy(model), s, args.batch_per_rank, alone)}
