@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_peers.py
 
-Same GPT, same ranks, same batches, same AdamW, one launch; the 4 gloo ranks (CPU) are
+Same GPT, same ranks, same batches, same AdamW (micscompile steps it by torch's fused kernel, the
+peers by torch's default), one launch; the 4 gloo ranks (CPU) are
 taken as 2 nodes of 2 (``--gpus-per-node``) for the inter-node bytes and for
 micscompile's hierarchical gathers. Systems are grouped by partition size p (how many
 ranks shard one replica): p=1 DDP, p=2 FSDP2 HSDP (2 replicas x 2 shards, the shard

@@ -69,7 +69,12 @@ def run(rank: int, world: int) -> dict:
             for b in batches[1:]:
                 step(*b)
         out[name] = syncs.seen
-        out[name + " fused"] = step.fused_optimizer
+        out[name + " fused"] = step.fused_optimizer and all(g["fused"] for g in step.optimizer.param_groups)
+        sd = step.state_dict()  # a checkpoint saved before the fused default, loaded: the step keeps its kernel
+        for group in sd["optim"]["param_groups"]:
+            group["fused"] = group["foreach"] = None
+        step.load_state_dict(sd)
+        out[name + " fused after a load"] = all(g["fused"] for g in step.optimizer.param_groups)
     return out
 
 
@@ -92,9 +97,11 @@ def test_clipping_waits_once_per_step_for_the_finite_check(results):
 
 def test_the_optimizer_steps_torchs_fused_kernel_without_waiting(results):
     """The factory above leaves the implementation to torch, so every step's AdamW is the fused kernel
-    (``param_groups.prefer_fused``), and the steps above that never waited ran it."""
+    (``param_groups.prefer_fused``), the steps above that never waited ran it, and loading a checkpoint
+    whose groups say otherwise (saved before) leaves the step's kernel as it is."""
     for rank, res in enumerate(results):
         assert all(res[name + " fused"] for name in PLANS), rank
+        assert all(res[name + " fused after a load"] for name in PLANS), rank
 
 
 def test_prefer_fused_only_where_the_user_left_the_choice():
@@ -126,3 +133,6 @@ def test_prefer_fused_only_where_the_user_left_the_choice():
 
     assert not prefer_fused(Mine(params(), lr=1e-2))
     assert not prefer_fused(torch.optim.Adam(params(), lr=1e-2, differentiable=True))
+    stepped = torch.optim.AdamW(params(), lr=1e-2)
+    stepped.step()  # its step counters already laid out for another kernel
+    assert not prefer_fused(stepped)

@@ -246,7 +246,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     say("matmul " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()) + " GFLOP/s, "
         f"memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
 
-    # optimizer step (AdamW), laid out and run as TrainStep runs it: 48 parameters and their gradients
+    # optimizer step (AdamW), laid out and run as the training step runs it: 48 parameters and their gradients
     # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements, by
     # torch's fused kernel where the device has it (runtime.param_groups.prefer_fused: 0.9 against
     # 3.5 ns per element on 4 ranks over 2 cores). One per-element cost: with realistic sizes the

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from micscompile.core.plan import PlanError
-from micscompile.runtime.param_groups import probe_params
+from micscompile.runtime.param_groups import prefer_fused, probe_params
 
 PROBE_SHAPE = (4, 6)
 PROBE_CUT = 7  # pieces [0, 7) and [7, 24): neither a whole row nor an even split
@@ -40,6 +40,8 @@ def check_elementwise(factory: Callable[[list[nn.Parameter]], torch.optim.Optimi
         opt_whole = factory(probe_params(whole, PROBE_SHAPE))
         name = type(opt_whole).__name__
         opts = [factory(probe_params(p, PROBE_SHAPE)) for p in pieces]
+        for opt in (opt_whole, *opts):  # as the step will run them
+            prefer_fused(opt)
         for g in grads:
             whole.grad = g.clone()
             opt_whole.step()

@@ -250,8 +250,8 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
     for group in optimizer.param_groups:
         first = next((names[id(p)] for p in group["params"] if id(p) in names), None)
         saved = next((g for g in optim["param_groups"] if first in g["params"]), None)
-        if saved is not None:
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        if saved is not None:  # (the kernel, fused or foreach, is the loading step's own choice)
+            group.update({k: v for k, v in saved.items() if k not in ("params", "fused", "foreach")})
     return int(sd["steps"])
 
 
