@@ -74,11 +74,11 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Step ``optimizer`` with torch's fused kernel where the user left the implementation to torch
     (``fused`` and ``foreach`` both None in every group), it is exactly Adam or AdamW, not
     ``differentiable``, has not stepped yet (no state), and every piece has a device and dtype the
-    kernel takes (torch's own check; CPU and CUDA among them). The fused kernel is the same update in one pass over each piece
-    instead of one per operation: AdamW over 3.3M fp32 elements in 50 pieces, one CPU core, 1.9 ms
-    against 12.3 (foreach) and about 14 (torch's CPU default, a loop over the pieces). A user who
-    wants another implementation says so (``foreach=True`` or ``fused=False``). Returns whether it
-    switched."""
+    kernel takes (torch's own check; CPU and CUDA among them). The fused kernel is the same update
+    in one pass over each piece instead of one per operation: AdamW over 3.3M fp32 elements in 50
+    pieces, one CPU core, 1.9 ms against 12.3 (foreach) and about 14 (torch's CPU default, a loop
+    over the pieces). A user who wants another implementation says so (``foreach=True`` or
+    ``fused=False``). Returns whether it switched."""
     if type(optimizer) not in FUSED_ON_REQUEST:
         return False
     groups = optimizer.param_groups
