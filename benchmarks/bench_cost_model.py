@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from timing import median_step_s
 
 import micscompile as mc
+from micscompile.core.launch import local_world_size
 from micscompile.cost_model.calibrate import calibrate
 from micscompile.cost_model.collective_time import collective_time_s
 from micscompile.cost_model.node_cost import META_TIME_S
@@ -154,7 +154,7 @@ def main() -> None:
                 # the step runs the schedule the prediction prices: the schedule's search on the
                 # profiled trace (mc.compile's own, on the roofline, may choose another)
                 forced = None if args.prefetch is None or p == 1 else [args.prefetch]
-                priced = [lower(concrete(trace), plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+                priced = [lower(concrete(trace), plan.resolve(world, local_world_size()),
                                 cluster, prefetch=forced, need_graph=False).program.prefetch]
                 dist.broadcast_object_list(priced, src=0)  # (each rank profiled its own share: rank 0's)
                 priced = priced[0]

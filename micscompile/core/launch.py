@@ -18,6 +18,11 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 """CUDA tensors go over NCCL, host tensors (counts, timings) over gloo."""
 
 
+def local_world_size() -> int | None:
+    """Ranks per node as torchrun starts them (``LOCAL_WORLD_SIZE``); None outside torchrun."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+
+
 def local_device() -> torch.device:
     """This rank's device: the CPU without CUDA; else the GPU the default group is bound to
     (``init_process_group(device_id=...)``), else cuda:LOCAL_RANK (torchrun sets it), else

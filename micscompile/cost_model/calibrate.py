@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from micscompile.core.launch import collective_device, step_device
+from micscompile.core.launch import collective_device, local_world_size, step_device
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
@@ -118,7 +118,7 @@ def _matmul_peaks(device: torch.device, repeats: int) -> dict[str, float]:
 
 def _topology(world: int) -> tuple[int, int]:
     """(nodes, ranks per node): torchrun's LOCAL_WORLD_SIZE ranks per node (one node without it)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = local_world_size() or world
     if per_node < 1 or world % per_node:
         raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the {world} ranks: "
                            "every node must run as many ranks")

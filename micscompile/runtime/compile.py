@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -25,7 +24,7 @@ import torch.fx
 from torch import nn
 
 from micscompile.core import collectives as C
-from micscompile.core.launch import step_device
+from micscompile.core.launch import local_world_size, step_device
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.specs import Cluster, default_cluster
@@ -205,7 +204,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     prints, error, order = None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         _check_max_grad_norm(max_grad_norm)
-        rp = plan.resolve(world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+        rp = plan.resolve(world, local_world_size())
         if plan.optimizer_sharding == "world" and rp.replicas == 1:
             warnings.warn(f"optimizer_sharding='world' changes nothing with d = 1 replica ({rp}): the partition "
                           "group already holds one copy of the optimizer state", stacklevel=2)
