@@ -87,8 +87,9 @@ def adamw(params):
 
 
 def eager_step(model, opt, micro_batches, x, y, *, sync_ctx=None, before_last=None):
-    """One optimizer step with gradient accumulation for an eager (hook-based) peer."""
-    total = 0.0
+    """One optimizer step with gradient accumulation for an eager (hook-based) peer; the loss summed on
+    the device and read once, after the optimizer step (a read per micro-batch makes a GPU's host wait)."""
+    total = 0
     for j, (xb, yb) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
         last = j == micro_batches - 1
         if before_last is not None:
@@ -97,10 +98,10 @@ def eager_step(model, opt, micro_batches, x, y, *, sync_ctx=None, before_last=No
         with ctx:
             loss = lm_loss(model(xb), yb) / micro_batches
             loss.backward()
-        total += float(loss.detach())
+        total = total + loss.detach()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return total
+    return float(total)
 
 
 class _OneRank:

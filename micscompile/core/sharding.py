@@ -170,16 +170,37 @@ def shard_of(full: torch.Tensor, layout: BucketLayout, slot: ParamSlot, shard_ra
     return full.detach().reshape(-1)[lo:hi].clone()
 
 
+def flat_view(buf: torch.Tensor, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf[offset : offset + numel].view(shape)``, kept on a plain ``buf``: a gathered bucket or a
+    gradient bucket is the same arena slot every step (``Arena.take``), so later steps dispatch no slice
+    and view again (host time on a GPU; ~200 per micro-step for bench_peers' GPT). Each kept view is
+    made on ``buf``'s storage (``set_``), not as a view of ``buf``, so it holds no reference back to
+    it: no cycle, and a buffer allocated for one step frees as before. Anything else (a fake tensor
+    while tracing, a parameter) gets a plain view."""
+    if type(buf) is not torch.Tensor:
+        return buf[offset : offset + numel].view(shape)
+    views = buf.__dict__.setdefault("_mc_views", {})
+    key = (offset, numel, shape)
+    view = views.get(key)
+    if view is None:
+        view = views[key] = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
+            buf.untyped_storage(), buf.storage_offset() + offset, shape)
+    return view
+
+
 def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
     """The full parameter as a view of the gathered flat bucket (or of the shard when p = 1)."""
-    return gathered[offset : offset + numel].view(shape)
+    return flat_view(gathered, offset, numel, shape)
 
 
 def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> torch.Tensor:
     """Full gradients -> the bucket's flat ``[padded_numel]`` buffer ``out`` (in ``grad_dtype``; None =
     zero): each gradient copied, and cast, into its slot, whatever its strides; the padding zeroed."""
     for slot, g in zip(layout.slots, grads):
-        dst = out[slot.offset : slot.offset + slot.numel]
-        dst.zero_() if g is None else dst.view(g.shape).copy_(g)
-    out[layout.numel :].zero_()
+        if g is None:
+            flat_view(out, slot.offset, slot.numel, (slot.numel,)).zero_()
+        else:
+            flat_view(out, slot.offset, slot.numel, tuple(g.shape)).copy_(g)
+    if layout.padded_numel > layout.numel:
+        flat_view(out, layout.numel, layout.padded_numel - layout.numel, (layout.padded_numel - layout.numel,)).zero_()
     return out

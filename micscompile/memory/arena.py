@@ -34,6 +34,10 @@ class Arena:
         self.plan = plan
         self.storage = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)
         self.cursor = 0
+        self._views: dict[tuple, torch.Tensor] = {}
+        """(slot, dtype, shape) -> the view ``take`` made of that slot once: the offsets are the same
+        every step, so each later step reuses it instead of dispatching a slice and views again (on a
+        GPU those dispatches are host time; a step takes ~200 buffers per micro-step)."""
 
     def begin_step(self) -> None:
         self.cursor = 0
@@ -42,8 +46,8 @@ class Arena:
         if self.cursor != len(self.buffers):
             raise ArenaError(f"the step took {self.cursor} of the {len(self.buffers)} planned arena buffers")
 
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The next planned buffer as a flat ``dtype`` tensor of ``numel`` elements."""
+    def take(self, name: str, numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The next planned buffer as a flat ``dtype`` tensor of ``numel`` elements (``shape``: viewed so)."""
         nbytes = numel * dtype.itemsize
         if self.cursor >= len(self.buffers):
             raise ArenaError(f"{name} ({nbytes} bytes): the step has used all {len(self.buffers)} planned buffers")
@@ -51,9 +55,14 @@ class Arena:
         if want.name != name or want.size != nbytes:
             raise ArenaError(f"arena buffer #{self.cursor}: the runtime asked for {name} ({nbytes} bytes), the plan "
                              f"has {want.name} ({want.size} bytes, {want.kind})")
-        offset = self.plan.offsets[self.cursor]
+        key = (self.cursor, dtype, shape)
         self.cursor += 1
-        return self.storage[offset : offset + nbytes].view(dtype)
+        view = self._views.get(key)
+        if view is None:
+            offset = self.plan.offsets[key[0]]
+            view = self.storage[offset : offset + nbytes].view(dtype)
+            view = self._views[key] = view if shape is None else view.view(shape)
+        return view
 
 
 def _storage(t) -> torch.UntypedStorage | None:

@@ -27,7 +27,7 @@ OUT_PREFIX = "out:"
 
 def arena_out(comm, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Graph op (this pass): the arena buffer an op writes its result into."""
-    return comm.arena.take(name, math.prod(shape), dtype).view(shape)
+    return comm.arena.take(name, math.prod(shape), dtype, tuple(shape))
 
 
 def out_overload(node: torch.fx.Node):

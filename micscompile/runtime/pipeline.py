@@ -232,7 +232,7 @@ class PipelineStep(Step):
     def _recv_buffer(self, name: str, spec) -> torch.Tensor:
         if self._arena is None:
             return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-        return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype).view(spec.shape)
+        return self._arena.take(name, torch.Size(spec.shape).numel(), spec.dtype, tuple(spec.shape))
 
     def _micro_steps(self, micro: list, loss_sum: torch.Tensor) -> None:
         pp = self.program
