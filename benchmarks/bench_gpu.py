@@ -5,7 +5,7 @@
 What ``bench_peers.py`` measures on 4 gloo ranks, on the one GPU a rank owns (NCCL refuses two
 ranks on one GPU, so p=1 and world 1): what each system's runtime costs on top of the same model's
 compute, on the device it is built for. Same GPT, same batches (on the GPU before timing), fp32
-(``--tf32``: TF32 matmuls) for all; micscompile steps AdamW by torch's fused kernel (``param_groups.prefer_fused``),
+(``--tf32``: TF32 matmuls) for all; micscompile steps AdamW by torch's fused kernel (``core.optim.prefer_fused``),
 the peers by torch's default (foreach on CUDA), "eager" by the fused kernel as micscompile does (the
 floor: no wrapper, no collective). Every system is built first and then timed in alternation
 (``timing.interleaved_times_s``: each round times every system once on the same batch), each
@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
 from micscompile.core.launch import init_distributed
-from micscompile.runtime.param_groups import prefer_fused
+from micscompile.core.optim import prefer_fused
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 SYSTEMS = ["micscompile p=1", "eager (fused AdamW)", "DDP (no_sync)", "FSDP2 (1 rank)"]

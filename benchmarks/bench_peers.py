@@ -58,8 +58,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
+from micscompile.core.optim import prefer_fused
 from micscompile.cost_model.calibrate import calibrate
-from micscompile.runtime.param_groups import prefer_fused
 from micscompile.tune.profile import profile_trace
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
@@ -189,7 +189,7 @@ def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
     trains alone in a one-rank group, every rank at once (the cores shared as in the bench), the
     peer's step timed in alternation with the eager one. What it adds: its hooks, its copies between
     flat buffers and parameters, its optimizer over its own parameter types beyond the eager step's,
-    which runs as micscompile's does (torch's fused AdamW, ``param_groups.prefer_fused``: what the
+    which runs as micscompile's does (torch's fused AdamW, ``core.optim.prefer_fused``: what the
     calibrated optimizer cost prices). T_peer(s) - T_eager(s) = s * per micro-step + per step, fitted
     over the ``--micro-batches`` counts."""
     world = dist.get_world_size()

@@ -129,7 +129,7 @@ def test_a_later_step_makes_no_view_of_its_arena_again(results):
 
 def test_the_optimizer_steps_torchs_fused_kernel_without_waiting(results):
     """The factory above leaves the implementation to torch, so every step's AdamW is the fused kernel
-    (``param_groups.prefer_fused``), the steps above that never waited ran it, and loading a checkpoint
+    (``core.optim.prefer_fused``), the steps above that never waited ran it, and loading a checkpoint
     whose groups say otherwise (saved before) leaves the step's kernel as it is."""
     for rank, res in enumerate(results):
         assert all(res[name + " fused"] for name in PLANS), rank
@@ -137,7 +137,7 @@ def test_the_optimizer_steps_torchs_fused_kernel_without_waiting(results):
 
 
 def test_prefer_fused_only_where_the_user_left_the_choice():
-    from micscompile.runtime.param_groups import prefer_fused
+    from micscompile.core.optim import prefer_fused
 
     def params():
         out = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.zeros(0))]

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from micscompile.core.launch import collective_device, local_world_size, step_device
+from micscompile.core.optim import prefer_fused
 from micscompile.cost_model.collective_time import fit_key
 from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
@@ -248,7 +248,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
 
     # optimizer step (AdamW), laid out and run as the training step runs it: 48 parameters and their gradients
     # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements, by
-    # torch's fused kernel where the device has it (runtime.param_groups.prefer_fused: 0.9 against
+    # the implementation the step runs (core.optim.prefer_fused: torch's fused kernel here, 0.9 against
     # 3.5 ns per element on 4 ranks over 2 cores). One per-element cost: with realistic sizes the
     # per-tensor term is below the noise.
     elements, tensors = 1 << 22, 48
@@ -259,7 +259,8 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
         p = torch.nn.Parameter(flat[i * size : (i + 1) * size])
         p.grad = grad[i * size : (i + 1) * size]
         params.append(p)
-    adamw = torch.optim.AdamW(params, lr=1e-3, fused=device.type in _get_fused_kernels_supported_devices())
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    prefer_fused(adamw)
     per_element = _timed(adamw.step, repeats, device) / (size * tensors)
     del adamw, params, flat, grad
     say(f"AdamW step {per_element * 1e9:.2f} ns per element")

@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
-from micscompile.runtime.param_groups import prefer_fused, probe_params
+from micscompile.runtime.param_groups import probe_params
 
 PROBE_SHAPE = (4, 6)
 PROBE_CUT = 7  # pieces [0, 7) and [7, 24): neither a whole row nor an even split

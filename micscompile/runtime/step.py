@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
+from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
 from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
@@ -41,7 +42,7 @@ from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
 from micscompile.runtime.loss_scale import LossScaler
 from micscompile.runtime.materialize import local_state
-from micscompile.runtime.param_groups import ShardParams, prefer_fused
+from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home
 from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch, trace
 
@@ -155,7 +156,7 @@ class Step(Checkpointable):
         self.optimizer = optimizer_factory(ShardParams(trained, names, graph.param_shapes))
         self.fused_optimizer = prefer_fused(self.optimizer)
         """Whether the optimizer steps with torch's fused kernel because its factory left the choice to
-        torch (``param_groups.prefer_fused``)."""
+        torch (``core.optim.prefer_fused``)."""
         self.steps = 0
         self.track_memory = False
         """When True, each step counts the bytes ops allocate outside the arena (``memory_stats``). It sees the
