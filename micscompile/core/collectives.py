@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from micscompile.core.sharding import BucketLayout, pack_grads, unpack_param
+from micscompile.core.sharding import BucketLayout, flat_view, pack_grads, unpack_param
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
@@ -411,9 +411,10 @@ def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
     layout, acc = comm.layouts[bucket], comm.grads[bucket]
     if comm.micro_step == 0:
         return pack_grads(layout, grads, acc)
-    for slot, g in zip(layout.slots, grads):
-        if g is not None:
-            acc[slot.offset : slot.offset + slot.numel].view(g.shape).add_(g)
+    pairs = [(flat_view(acc, slot.offset, slot.numel, tuple(g.shape)), g) for slot, g in zip(layout.slots, grads)
+             if g is not None]
+    if pairs:
+        torch._foreach_add_(*map(list, zip(*pairs)))  # one dispatch (one kernel per dtype group on a GPU)
     return acc
 
 

@@ -196,11 +196,14 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
 def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> torch.Tensor:
     """Full gradients -> the bucket's flat ``[padded_numel]`` buffer ``out`` (in ``grad_dtype``; None =
     zero): each gradient copied, and cast, into its slot, whatever its strides; the padding zeroed."""
+    pairs = []
     for slot, g in zip(layout.slots, grads):
         if g is None:
             flat_view(out, slot.offset, slot.numel, (slot.numel,)).zero_()
         else:
-            flat_view(out, slot.offset, slot.numel, tuple(g.shape)).copy_(g)
+            pairs.append((flat_view(out, slot.offset, slot.numel, tuple(g.shape)), g))
+    if pairs:
+        torch._foreach_copy_(*map(list, zip(*pairs)))  # one dispatch for the bucket
     if layout.padded_numel > layout.numel:
         flat_view(out, layout.numel, layout.padded_numel - layout.numel, (layout.padded_numel - layout.numel,)).zero_()
     return out
