@@ -1,8 +1,8 @@
 """The ordered lists of passes built from the Plan, and one runner for them.
 
 ``build_pass_list``: what rewrites the trace before lowering (every prefetch candidate of the
-search runs it). ``arena_pass_list``: what rewrites the chosen graph for the runtime's arena
-after lowering (it never changes the Program).
+search runs it). ``arena_pass_list``: what rewrites the chosen graph for the runtime (its arena,
+its dispatches) after lowering (it never changes the Program).
 
 The runner times each pass, lints its result, records the change in op counts, can
 hand the graph before/after to a ``log`` callable, and skips passes by name.
@@ -20,6 +20,7 @@ import torch.fx
 from micscompile.core.plan import Plan
 from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.context import PassContext
+from micscompile.passes.fold_transposes import fold_transposes_pass
 from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.offload import offload_pass
 from micscompile.passes.out_variants import out_variants_pass
@@ -58,9 +59,12 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
 
 
 def arena_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
-    """With an arena, ops with an ``out=`` overload write into it; not when Inductor generates the
-    compute (``Plan.codegen``: its kernels allocate their own outputs)."""
-    return [("out_variants", out_variants_pass)] if arena and plan.codegen != "inductor" else []
+    """The runtime's rewrites of the chosen graph, none when Inductor generates the compute
+    (``Plan.codegen``: its kernels fold views and allocate their own outputs): transposes of
+    transposes dropped, and, with an arena, ops with an ``out=`` overload write into it."""
+    if plan.codegen == "inductor":
+        return []
+    return [("fold_transposes", fold_transposes_pass)] + ([("out_variants", out_variants_pass)] if arena else [])
 
 
 def run_passes(
