@@ -24,10 +24,8 @@ import statistics
 import torch
 import torch.distributed as dist
 from bench_peers import adamw, eager_step
+from bench_peers import build as peer
 from timing import interleaved_times_s
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
 from micscompile.core.launch import init_distributed
@@ -49,19 +47,13 @@ def build(system: str, model: GPT, s: int, example, device: torch.device, codege
                           optimizer=adamw, example_inputs=example)
         print(f"  {system}: {step.codegen_choice or 'codegen ' + codegen}", flush=True)
         return step
-    model = copy.deepcopy(model).to(device)
     if system.startswith("DDP"):
-        model = DDP(model)
-        opt = adamw(model.parameters())
-        return lambda x, y: eager_step(model, opt, s, x, y, sync_ctx=model.no_sync)
-    if system.startswith("FSDP2"):
-        mesh = init_device_mesh("cuda", (1,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        return peer("DDP (no_sync)", model, 1, s, 1, example, len(example[0]))
+    if system.startswith("FSDP2"):  # full shard over the one rank
+        return peer("FSDP2 full shard", model, 1, s, 1, example, len(example[0]))
+    model = copy.deepcopy(model).to(device)
     opt = adamw(model.parameters())
-    if system.startswith("eager"):
-        prefer_fused(opt)
+    prefer_fused(opt)
     return lambda x, y: eager_step(model, opt, s, x, y)
 
 

@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
+from micscompile.core.launch import step_device
 from micscompile.core.optim import prefer_fused
 from micscompile.cost_model.calibrate import calibrate
 from micscompile.tune.profile import profile_trace
@@ -158,12 +159,14 @@ def _plan(system: str, p: int, s: int, k: int) -> mc.Plan:
 
 
 def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_rank: int):
-    """Returns step(x, y) for one system."""
+    """Returns step(x, y) for one system, on this rank's device (``step_device``: the CPU on gloo, its GPU
+    on NCCL, as ``bench_gpu.py`` runs the peers)."""
     world = dist.get_world_size()
     if system.startswith("micscompile"):
         step = mc.compile(model, _plan(system, p, s, k), loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
         return lambda x, y: float(step(x, y))
-    model = copy.deepcopy(model)
+    device = step_device()
+    model = copy.deepcopy(model).to(device)
     if system.startswith("DeepSpeed"):
         return deepspeed_step(model, s, batch_per_rank)
     if system.startswith("DDP"):
@@ -171,9 +174,9 @@ def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_ra
         opt = adamw(ddp.parameters())
         return lambda x, y: eager_step(ddp, opt, s, x, y, sync_ctx=ddp.no_sync)
     if system.startswith("FSDP2 HSDP"):
-        mesh = init_device_mesh("cpu", (world // p, p), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (world // p, p), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
