@@ -22,7 +22,10 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
     rings (a replication group with one rank per node: k rings);
   - a ring over more nodes than one non-blocking switch domain (``Cluster.fabric_nodes``)
     sends a share 1 - fabric_nodes / m of its hops through the oversubscribed layer above,
-    and runs at the bandwidth that layer leaves each of them.
+    and runs at the bandwidth that layer leaves each of them;
+  - a ring moves at the pace of its slowest network hop, and has one per node it spans: over m > 2
+    nodes it gets ``(m / 2) ** -Cluster.nic_node_exponent`` of its 2-node rate (p4d: fitted on
+    nccl-tests' 3- and 4-node bus bandwidth).
 * Effective bandwidth N / T therefore falls as the group grows for a fixed message
   (the latency term grows with the nodes it spans, the group leaves the node, then the switch domain),
   as measured in the thesis (Fig 3-2, §3.3.2).
@@ -64,12 +67,14 @@ def fit_key(kind: str, group_size: int) -> str:
 
 
 def fabric_factor(cluster: Cluster, nodes: int) -> float:
-    """How much slower a ring over ``nodes`` nodes runs than one inside a switch domain: the share
-    1 - fabric_nodes / nodes of its hops that leave a domain, times the oversubscription above."""
+    """How much slower a ring over ``nodes`` nodes runs than one over 2 inside a switch domain: the share
+    1 - fabric_nodes / nodes of its hops that leave a domain, times the oversubscription above; and
+    ``(nodes / 2) ** nic_node_exponent``, its slowest of ``nodes`` network hops setting its pace."""
+    spread = (nodes / 2) ** cluster.nic_node_exponent if nodes > 2 and cluster.nic_node_exponent else 1.0
     r = cluster.fabric_nodes
     if r <= 0 or nodes <= r:
-        return 1.0
-    return max(1.0, cluster.fabric_oversubscription * (1 - r / nodes))
+        return spread
+    return spread * max(1.0, cluster.fabric_oversubscription * (1 - r / nodes))
 
 
 def rings_per_node(ranks: Sequence[int], gpus_per_node: int) -> int:
