@@ -62,13 +62,13 @@ maintainers' own run): (bytes, microseconds, the mean of out-of-place and in-pla
 evidence the fit may use: how much a network step costs a small message."""
 NCCL_TESTS_P4D = ((3, 31.8), (4, 29.6))
 """nccl-tests ``all_reduce_perf`` at 1 GiB on 3 and 4 p4d.24xlarge (NCCL 2.9.9; NVIDIA/nccl#527): (nodes,
-bus bandwidth GB/s). The p4d preset's NIC efficiency: 31.8 and 29.6 of the 4 x 100 Gbps line rate."""
+bus bandwidth GB/s). What the p4d preset's NIC rate and its fall with the node count are fitted on
+(``--fit-p4d``)."""
 NCCL_TESTS_P4D_2NODES = ((32 * MB, (1965.1 + 1962.7) / 2), (42 * MB, (2458.2 + 2473.7) / 2))
 """nccl-tests ``all_reduce_perf`` on 2 p4d.24xlarge (16 A100, NCCL 2.7.8, aws-ofi-nccl 1.1.2,
 ``NCCL_MIN_NCHANNELS=4``, 2021; aws/aws-ofi-nccl#65): (bytes, microseconds, the mean of out-of-place and
-in-place). Collective-level evidence of the thesis's time that the preset misses (+34-39%): it asks for
-about 0.74 of line rate and ~50 us per network step on 2 nodes, where nccl#527's 3-4 nodes ask for 0.6;
-pricing p4d's step at 50 us moves held-out rows out (docs/cost-model.md, the variants table)."""
+in-place). Collective-level evidence of the thesis's time, another NCCL version than nccl#527's: a
+check of the p4d fit, not fitted on (docs/cost-model.md, "A ring's pace falls with the nodes it spans")."""
 
 V100_FP16_PEAK = 125e12
 A100_FP16_PEAK = 312e12
@@ -168,15 +168,16 @@ def algbw(cluster: mc.Cluster, gpus: int, nbytes: float) -> float:
     return effective_bandwidth_bps(ALL_GATHER, nbytes, tuple(range(gpus)), cluster) / 1e9
 
 
-def p4d_all_reduce_us(nbytes: int) -> float:
-    """An all-reduce's time (microseconds) over 2 p4d nodes."""
-    c = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+def p4d_all_reduce_us(nbytes: int, cluster: mc.Cluster | None = None) -> float:
+    """An all-reduce's time (microseconds) over 2 nodes of ``cluster`` (default: the p4d preset)."""
+    c = (cluster or mc.Cluster.preset("p4d.24xlarge")).with_nodes(2)
     return collective_time_s(ALL_REDUCE, nbytes, tuple(range(c.world_size)), c) * 1e6
 
 
-def p4d_busbw(nodes: int) -> float:
-    """A 1 GiB all-reduce's bus bandwidth (GB/s, 2 (g-1)/g N / T) over ``nodes`` p4d nodes."""
-    c = mc.Cluster.preset("p4d.24xlarge", nodes=nodes)
+def p4d_busbw(nodes: int, cluster: mc.Cluster | None = None) -> float:
+    """A 1 GiB all-reduce's bus bandwidth (GB/s, 2 (g-1)/g N / T) over ``nodes`` nodes of ``cluster``
+    (default: the p4d preset)."""
+    c = (cluster or mc.Cluster.preset("p4d.24xlarge")).with_nodes(nodes)
     g = c.world_size
     return 2 * (g - 1) / g * GIB / collective_time_s(ALL_REDUCE, GIB, tuple(range(g)), c) / 1e9
 
@@ -343,9 +344,6 @@ def rows() -> list[Row]:
     ]
 
 
-NOT_YET: list[str] = []
-
-
 def relative_error(published, simulated) -> float:
     """Of the figure, or of a range's midpoint."""
     if isinstance(published, tuple):
@@ -442,14 +440,8 @@ def fit() -> None:
 def p4d_figures(cluster: mc.Cluster) -> list[tuple[str, float, float, bool]]:
     """p4d's collective measurements, (name, simulated on ``cluster``'s constants, published, fitted on):
     nccl#527's 1 GiB bus bandwidth on 3 and 4 nodes (the fit), aws-ofi-nccl#65's 2-node times (checks)."""
-    def busbw(nodes):
-        c = cluster.with_nodes(nodes)
-        g = c.world_size
-        return 2 * (g - 1) / g * GIB / collective_time_s(ALL_REDUCE, GIB, tuple(range(g)), c) / 1e9
-
-    two = cluster.with_nodes(2)
-    return [(f"busbw {n} nodes GB/s", busbw(n), bw, True) for n, bw in NCCL_TESTS_P4D] + [
-        (f"{size // MB} MiB 2 nodes us", collective_time_s(ALL_REDUCE, size, tuple(range(16)), two) * 1e6, us, False)
+    return [(f"busbw {n} nodes GB/s", p4d_busbw(n, cluster), bw, True) for n, bw in NCCL_TESTS_P4D] + [
+        (f"{size // MB} MiB 2 nodes us", p4d_all_reduce_us(size, cluster), us, False)
         for size, us in NCCL_TESTS_P4D_2NODES]
 
 
@@ -566,8 +558,6 @@ def main() -> None:
         if by_gpu[gpu]:  # what Cluster.prediction_error should say
             print(f"median |error| of the held-out {gpu} rows: {statistics.median(by_gpu[gpu]):.0%} "
                   f"({preset}'s prediction_error: {mc.Cluster.preset(preset).prediction_error:.0%})")
-    if NOT_YET:
-        print("not yet in the table:\n" + "\n".join(f"- {x}" for x in NOT_YET))
 
 
 if __name__ == "__main__":
