@@ -203,6 +203,16 @@ def test_the_p3dn_preset_reproduces_the_thesis_collective_measurements():
         assert rt.p4d_busbw(nodes) == pytest.approx(busbw, rel=0.1)
 
 
+def test_each_gpu_preset_reproduces_its_one_compute_fit_row():
+    """The calibration protocol fits each GPU's matmul efficiency on one end-to-end row
+    (``reproduce_thesis.py --fit-compute``): the presets give those rows within 1%, and the fit
+    is not the default every other GPU keeps."""
+    rt = _reproduce_thesis()
+    for gpu, preset, setup, row, published in rt.COMPUTE_FITS:
+        assert row() == pytest.approx(published, rel=0.01), (gpu, setup)
+        assert Cluster.preset(preset).gpu.matmul_efficiency != 0.5, gpu
+
+
 @pytest.fixture(scope="module")
 def lm_trace():
     return meta_lm_trace(vocab=512, h=64, layers=4, batch=8, seq=32)

@@ -254,7 +254,7 @@ def test_fold_transposes_drops_transposes_of_transposes_and_keeps_values():
     drops both transposes where nothing else uses the inner one (bench_peers' GPT: 102 -> 34 ``t``
     dispatches per micro-step, docs/gpu.md); an inner ``t`` still used elsewhere stays."""
     from micscompile.passes.fold_transposes import fold_transposes_pass
-    from micscompile.passes.manager import arena_pass_list
+    from micscompile.passes.manager import runtime_pass_list
 
     t = torch.ops.aten.t.default
     g = torch.fx.Graph()
@@ -274,6 +274,6 @@ def test_fold_transposes_drops_transposes_of_transposes_and_keeps_values():
     gm.recompile()
     assert all(torch.equal(a, b) for a, b in zip(gm(*args), want))
     eager = mc.Plan(codegen="eager")
-    assert [n for n, _ in arena_pass_list(eager, False)] == ["fold_transposes"]
-    assert [n for n, _ in arena_pass_list(eager, True)] == ["fold_transposes", "out_variants"]
-    assert arena_pass_list(mc.Plan(codegen="inductor"), True) == []
+    assert [n for n, _ in runtime_pass_list(eager, False)] == ["fold_transposes"]
+    assert [n for n, _ in runtime_pass_list(eager, True)] == ["fold_transposes", "out_variants"]
+    assert runtime_pass_list(mc.Plan(codegen="inductor"), True) == []

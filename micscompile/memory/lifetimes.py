@@ -49,7 +49,7 @@ from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
 from micscompile.memory.planner import Buffer, MemoryPlan, plan_memory
-from micscompile.passes.manager import arena_pass_list, run_passes
+from micscompile.passes.manager import run_passes, runtime_pass_list
 from micscompile.passes.offload import offload, offload_done, reload_issue, reload_wait
 from micscompile.passes.out_variants import OUT_PREFIX, arena_out
 from micscompile.trace import META_REGION
@@ -297,9 +297,10 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
 
 
 def write_into_arena(graphs, plan, arena: bool) -> None:
-    """Run the arena passes (``passes.manager.arena_pass_list``) on ``graphs``, (graph, PassContext)
-    pairs, in place: with an arena, ops with an ``out=`` overload write into it."""
-    passes = arena_pass_list(plan, arena)
+    """Run the runtime's passes (``passes.manager.runtime_pass_list``) on ``graphs``, (graph, PassContext)
+    pairs, in place: transposes of transposes folded and, with an arena, ops with an ``out=`` overload
+    writing into it."""
+    passes = runtime_pass_list(plan, arena)
     for graph, ctx in graphs:
         run_passes(graph, ctx, passes)
 

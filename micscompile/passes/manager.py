@@ -1,7 +1,7 @@
 """The ordered lists of passes built from the Plan, and one runner for them.
 
 ``build_pass_list``: what rewrites the trace before lowering (every prefetch candidate of the
-search runs it). ``arena_pass_list``: what rewrites the chosen graph for the runtime (its arena,
+search runs it). ``runtime_pass_list``: what rewrites the chosen graph for the runtime (its arena,
 its dispatches) after lowering (it never changes the Program).
 
 The runner times each pass, lints its result, records the change in op counts, can
@@ -58,7 +58,7 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     return passes
 
 
-def arena_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
+def runtime_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
     """The runtime's rewrites of the chosen graph, none when Inductor generates the compute
     (``Plan.codegen``: its kernels fold views and allocate their own outputs): transposes of
     transposes dropped, and, with an arena, ops with an ``out=`` overload write into it."""
