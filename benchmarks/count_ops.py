@@ -18,28 +18,18 @@ import datetime
 import torch
 import torch.distributed as dist
 from bench_peers import SYSTEMS, adamw, build, eager_step
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.core.optim import prefer_fused
+from micscompile.tune.profile import OpCounter
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def counted(step, batches) -> collections.Counter:
     step(*batches[0])
     step(*batches[1])
-    with Ops() as ops:
+    with OpCounter() as ops:
         step(*batches[2])
-    return ops.count
+    return ops.ops
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from models import TiedLM, lm_batches, lm_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import micscompile as mc
+from micscompile.tune.profile import OpCounter
 
 pytestmark = pytest.mark.multiproc
 aten = torch.ops.aten
@@ -59,32 +60,20 @@ class ArenaSlices(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class Ops(TorchDispatchMode):
-    """Counts the ops dispatched while active (each one host time on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def eager_ops(batch, micro_batches: int) -> int:
     """The ops one eager PyTorch step of the same model dispatches (after a first step): the micro-batches'
     forward and backward, accumulated in ``.grad``, and torch's fused AdamW."""
     torch.manual_seed(0)
     model = TiedLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    ops = Ops()
+    ops = OpCounter()
     for counted in (False, True):
         with ops if counted else contextlib.nullcontext():
             for x, y in zip(*(t.chunk(micro_batches) for t in batch)):
                 (lm_loss(model(x), y) / micro_batches).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return ops.count
+    return ops.total
 
 
 def _to_host(func, args, kwargs) -> bool:
@@ -120,9 +109,9 @@ def run(rank: int, world: int) -> dict:
                 step(*batches[1])
             out[name + " arena slices"] = (slices.count, len(step._arena.buffers))
         if name == "p1 s3":
-            with Ops() as ops:
+            with OpCounter() as ops:
                 step(*batches[1])
-            out["p1 ops"] = (ops.count, eager_ops(batches[1], 3))
+            out["p1 ops"] = (ops.total, eager_ops(batches[1], 3))
         out[name + " fused"] = step.fused_optimizer and all(g["fused"] for g in step.optimizer.param_groups)
         sd = step.state_dict()  # a checkpoint saved before the fused default, loaded: the step keeps its kernel
         for group in sd["optim"]["param_groups"]:

@@ -15,6 +15,7 @@ Integer inputs are zeros (valid indices for embeddings and targets of any size).
 
 from __future__ import annotations
 
+import collections
 import functools
 import statistics
 import time
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.core.launch import collective_device
 from micscompile.cost_model.calibrate import device_sync, slowest_rank_median
@@ -113,3 +115,21 @@ def profile_trace(
     for name, seconds in per_node.items():
         by_name[name].meta[META_TIME_S] = seconds * scale
     return trace
+
+
+class OpCounter(TorchDispatchMode):
+    """The aten ops dispatched while active, by op (``ops``) and in all (``total``): each one is host
+    time on a GPU, so a small model's step is as fast as its count (docs/gpu.md).
+    ``with OpCounter() as c: step(x, y)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
