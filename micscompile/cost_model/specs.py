@@ -186,11 +186,12 @@ the collective measurements only (``benchmarks/reproduce_thesis.py --fit``): the
 nccl-tests' small all-reduces on 2 p3dn nodes (aws/aws-ofi-nccl#33). p4d's EFA is the same transport."""
 
 P3DN_HELD_OUT_ERROR = 0.15
-"""Median |error| of reproduce_thesis.py's held-out p3dn rows (19, 9, 18, 75, 11, 12%: the ratios
-and gains, docs/cost-model.md's table; the script prints it)."""
-P4D_HELD_OUT_ERROR = 0.03
-"""Median |error| of its held-out p4d rows (chapter 3: 12, 3, 39, 2, 3, 43%; chapter 4: 0, 0, 0, 28,
-146, 75, 3%): the median, so half of them are further off (docs/cost-model.md#uncertainty)."""
+"""Median |error| in throughput of reproduce_thesis.py's held-out p3dn rows (19, 9, 18, 19, 2, 12%: the
+ratios, and the gains as throughput ratios; docs/cost-model.md's table; the script prints it)."""
+P4D_HELD_OUT_ERROR = 0.08
+"""The same of its held-out p4d rows (chapter 3: 12, 3, 39, 2, 3, 43%; chapter 4: 0, 28, 28, 3%; the rows
+of a discrete setting, a micro-batch or a global batch, left out): a median, so half of them are
+further off (docs/cost-model.md#uncertainty)."""
 
 P4D_NIC_EFFICIENCY, P4D_NIC_NODE_EXPONENT = 0.71, 0.23
 """p4d's EFA NICs: 0.71 of line rate for a ring over 2 nodes, falling as ``(m / 2) ** -0.23`` over m
