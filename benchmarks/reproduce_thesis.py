@@ -144,14 +144,20 @@ def chapter4(cfg: GPTConfig, seq: int, system: str, global_batch: int, micro_bat
                   stages=stages, offload=offload)
 
 
+def _efficiency(matmul_efficiency: float | None) -> dict:
+    """``tflops``'s keyword for an efficiency in place of the preset's; none for the preset's own, so the
+    call is the one the other rows' make (``tflops``'s cache keys on the keywords passed)."""
+    return {} if matmul_efficiency is None else {"matmul_efficiency": matmul_efficiency}
+
+
 def bert10b_mics_v100(matmul_efficiency: float | None = None) -> float:
     """V100's compute fit row (§3.5.1.1): BERT 10B, MiCS p = 8, 128 V100, micro-batch 8, global batch 8192."""
-    return tflops(BERT_10B, "p3dn.24xlarge", 16, 8, steps_of(8192, 8, 128), 8, matmul_efficiency=matmul_efficiency)
+    return tflops(BERT_10B, "p3dn.24xlarge", 16, 8, steps_of(8192, 8, 128), 8, **_efficiency(matmul_efficiency))
 
 
 def bert52b_mics_a100(matmul_efficiency: float | None = None) -> float:
     """A100's compute fit row (§3.5.1.5): the 52B model, MiCS p = 64, 128 A100, micro-batch 16, 4 micro-steps."""
-    return tflops(BERT_52B, "p4d.24xlarge", 16, 16, 4, 64, matmul_efficiency=matmul_efficiency)
+    return tflops(BERT_52B, "p4d.24xlarge", 16, 16, 4, 64, **_efficiency(matmul_efficiency))
 
 
 COMPUTE_FITS = (("V100", "p3dn.24xlarge", "BERT 10B MiCS on 128 V100", bert10b_mics_v100, 0.42 * V100_FP16_PEAK / 1e12),
@@ -165,6 +171,8 @@ def fit_compute() -> None:
     collective constants fixed: bisection to 0.001, then the row at the preset's value."""
     for gpu, preset, setup, row, published in COMPUTE_FITS:
         lo, hi = 0.2, 0.9
+        if not row(lo) < published < row(hi):
+            raise SystemExit(f"{gpu}: {setup} at {published} TFLOP/s lies outside matmul efficiencies {lo}-{hi}")
         while hi - lo > 0.001:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if row(mid) < published else (lo, mid)

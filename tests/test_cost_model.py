@@ -210,7 +210,8 @@ def test_each_gpu_preset_reproduces_its_one_compute_fit_row():
     rt = _reproduce_thesis()
     for gpu, preset, setup, row, published in rt.COMPUTE_FITS:
         assert row() == pytest.approx(published, rel=0.01), (gpu, setup)
-        assert Cluster.preset(preset).gpu.matmul_efficiency != 0.5, gpu
+        slower = 0.9 * Cluster.preset(preset).gpu.matmul_efficiency  # what --fit-compute varies takes effect
+        assert row(slower) < 0.95 * published, (gpu, setup)
 
 
 def test_a_rows_error_in_throughput_reads_gains_and_losses_as_throughput_ratios():
@@ -227,6 +228,10 @@ def test_a_rows_error_in_throughput_reads_gains_and_losses_as_throughput_ratios(
     assert rt.throughput_error(row("gain", (30.6, 38.0)), (8.5, 8.5)) == pytest.approx(1.085 / 1.343 - 1)
     assert rt.throughput_error(row("throughput", 2.0), 2.2) == pytest.approx(0.1)
     assert rt.throughput_error(row("setting", 1024), 2048) is None
+    for r in rt.rows():  # the table's rows say what their figure is
+        expected = ("setting" if r.unit == "" else "gain" if "gain" in r.claim else
+                    "loss" if "lost" in r.claim else "throughput")
+        assert r.scale == expected, r.claim
 
 
 @pytest.fixture(scope="module")

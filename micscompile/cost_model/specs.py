@@ -89,8 +89,10 @@ class Cluster:
     so its rate falls as it spans more nodes, even on a non-blocking fabric (docs/cost-model.md "The
     collective model")."""
     prediction_error: float = 0.0
-    """Typical relative error of a step-time prediction on this cluster: the median |error| of the
-    held-out rows measured on it (0: no held-out evidence). Predictions carry it as their interval."""
+    """Typical relative error of a step-time prediction on this cluster: the median |error| in
+    throughput of the held-out rows measured on it, rows of a discrete setting left out
+    (``benchmarks/reproduce_thesis.py``'s ``throughput_error``; 0: no held-out evidence). Predictions
+    carry it as their interval."""
     overlap: float = 1.0
     """Fraction of a collective that can hide behind compute (1 = separate engines, as on GPUs;
     lower where communication and compute share cores, as gloo on a small CPU machine)."""
@@ -151,12 +153,13 @@ class Cluster:
 
 GIB = 1 << 30
 V100_MATMUL_EFFICIENCY, A100_MATMUL_EFFICIENCY = 0.446, 0.561
-"""The fraction of 16-bit peak the matmuls of BERT-style training reach on each GPU, fitted on the one
-end-to-end row per GPU type the calibration protocol allows (``benchmarks/reproduce_thesis.py
---fit-compute``): MiCS's absolute throughput in the thesis at its smallest partition group, BERT 10B on
-128 V100 at "about 42% of the theoretical peak" (§3.5.1.1), and the 52B model on 128 A100 at 179 TFLOP/s
-(§3.5.1.5). Each is fitted with the collective model's constants already fixed; every other row of the
-table is held out. GPUs without such a row keep ``GpuSpec``'s default 0.5."""
+"""The fraction of peak the matmuls of BERT-style training reach on each GPU (fitted in 16 bits; the
+presets apply it to every dtype's peak), fitted on the one end-to-end row per GPU type the
+calibration protocol allows (``benchmarks/reproduce_thesis.py --fit-compute``): MiCS's absolute
+throughput in the thesis at its smallest partition group, BERT 10B on 128 V100 at "about 42% of the
+theoretical peak" (§3.5.1.1), and the 52B model on 128 A100 at 179 TFLOP/s (§3.5.1.5). Each is fitted
+with the collective model's constants already fixed; every other row of the table is held out. GPUs
+without such a row keep ``GpuSpec``'s default 0.5."""
 V100_32GB = GpuSpec(name="V100-32GB", peak_flops={"float16": 125e12, "float32": 15.7e12},
                     memory_bandwidth_bps=900e9, memory_bytes=32 * GIB, matmul_efficiency=V100_MATMUL_EFFICIENCY)
 A100_40GB = GpuSpec(name="A100-40GB", peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},

@@ -11,6 +11,8 @@ simulator prefers them to the roofline estimate. When several ranks share a
 machine, profile on all of them at once: each then measures its fair share.
 
 Integer inputs are zeros (valid indices for embeddings and targets of any size).
+
+``OpCounter`` counts the aten ops a step dispatches (host time per op on a GPU; docs/gpu.md).
 """
 
 from __future__ import annotations
