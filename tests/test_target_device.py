@@ -2,6 +2,8 @@
 device's fused kernel, meta models initialised on the CPU whatever the device, the optimizer
 probe run on the compile device."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -122,8 +124,13 @@ def test_fused_attention_flops_and_memory():
     tg = mc.trace(model, (x, x), lm_loss, device="cpu")
     fwd, bwd = (next(n for n in tg.gm.graph.nodes if n.target == op) for op in (CPU_FLASH, CPU_FLASH_BWD))
     b, h, t, d = 2, cfg.heads, cfg.seq_len, cfg.hidden // cfg.heads
-    assert fwd.meta[META_FLOPS] == 4 * b * h * t * t * d and fwd.meta["mc_region"] == REGION_FWD
+    # causal: only the (query, key) pairs on and below the diagonal, t (t + 1) / 2 of them
+    assert fwd.meta[META_FLOPS] == 4 * b * h * (t * (t + 1) // 2) * d and fwd.meta["mc_region"] == REGION_FWD
     assert bwd.meta[META_FLOPS] == 5 * fwd.meta[META_FLOPS] // 2 and bwd.meta["mc_region"] == REGION_BWD
+    with torch.device("meta"):
+        bidirectional = GPT(dataclasses.replace(cfg, causal=False))  # BERT-style: every pair
+    full = next(n for n in mc.trace(bidirectional, (x, x), lm_loss, device="cpu").gm.graph.nodes if n.target == CPU_FLASH)
+    assert full.meta[META_FLOPS] == 4 * b * h * t * t * d
     # nothing of T x T lives: the peak is well under one fp32 score matrix per head
     peak = max(activation_bytes(tg.gm.graph).values())
     assert peak < b * h * t * t * 4
@@ -142,7 +149,7 @@ def test_cuda_target_records_the_cuda_kernels_without_a_gpu():
     bf16 = mc.trace(model, (x, x), lm_loss, device="cuda", param_dtype=torch.bfloat16)
     flash = next(n for n in bf16.gm.graph.nodes if n.target == aten._scaled_dot_product_flash_attention.default)
     assert aten._scaled_dot_product_flash_attention_backward.default in _targets(bf16)
-    assert flash.meta[META_FLOPS] == 4 * 2 * 2 * 16 * 16 * 32
+    assert flash.meta[META_FLOPS] == 4 * 2 * 2 * (16 * 17 // 2) * 32  # causal: the pairs on and below the diagonal
     masked = _targets(mc.trace(Attention(mask=True), (torch.randn(2, 8, 32), torch.randint(2, (2,))),
                                F.cross_entropy, device="cuda"))  # a mask: memory-efficient (flash takes none)
     assert aten._scaled_dot_product_efficient_attention.default in masked

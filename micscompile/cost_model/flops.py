@@ -2,8 +2,9 @@
 
 Assumptions: a multiply-add counts as 2 FLOPs; matmul-like ops and convolutions are
 counted exactly from their shapes (forward and backward), fused attention as its two
-matmuls (backward 2.5x: dQ, dK, dV and the recomputed scores; causal masking not
-discounted); every other op is counted as one FLOP per output element (elementwise
+matmuls over the (query, key) pairs it computes (backward 2.5x: dQ, dK, dV and the recomputed
+scores; causal: only the pairs on and below the diagonal, which the fused kernels compute and
+the masked ones they skip); every other op is counted as one FLOP per output element (elementwise
 estimate; views count 0). Shapes come from ``node.meta["val"]`` (meta or fake tensors
 recorded by make_fx).
 """
@@ -74,19 +75,34 @@ def _convolution_backward(node: torch.fx.Node) -> int:
     return one * int(bool(mask[0])) + one * int(bool(mask[1])) + math.prod(_shape(grad_out)) * int(bool(mask[2]))
 
 
-def _attention_flops(q, k) -> int:
-    # QK^T and PV: 2 matmuls of 2 * s_q * s_k * d each per batch-head
+def _attention_flops(q, k, causal: bool = False) -> int:
+    """QK^T and PV: 2 matmuls of 2 * d FLOPs per (query, key) pair and batch-head; causal (``is_causal``:
+    query i sees keys 0..i) computes only those pairs, about half."""
     *batch, s_q, d = _shape(q)
-    return 4 * math.prod(batch) * s_q * _shape(k)[-2] * d
+    s_k = _shape(k)[-2]
+    if not causal:
+        pairs = s_q * s_k
+    elif s_q <= s_k:
+        pairs = s_q * (s_q + 1) // 2
+    else:
+        pairs = s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+    return 4 * math.prod(batch) * pairs * d
+
+
+def _is_causal(node: torch.fx.Node) -> bool:
+    """The node's ``is_causal`` argument, by its name in the op's schema (its position differs per kernel)."""
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index("is_causal")
+    return bool(node.args[i] if i < len(node.args) else node.kwargs.get("is_causal", False))
 
 
 def _sdpa(node: torch.fx.Node) -> int:
-    return _attention_flops(node.args[0], node.args[1])
+    return _attention_flops(node.args[0], node.args[1], _is_causal(node))
 
 
 def _sdpa_backward(node: torch.fx.Node) -> int:
     # args: grad_out, query, key, ...; dQ, dK, dV and the recomputed scores: 2.5x forward
-    return 5 * _attention_flops(node.args[1], node.args[2]) // 2
+    return 5 * _attention_flops(node.args[1], node.args[2], _is_causal(node)) // 2
 
 
 FLOP_RULES: dict[object, Callable[[torch.fx.Node], int]] = {

@@ -81,7 +81,7 @@ OPTIMIZER_WORLD_MIN_GAIN = 0.05
 """``Plan.optimizer_sharding="auto"`` takes "world" where it is predicted at least this much faster than
 "partition" (the threshold of ``runtime.codegen``'s Inductor rule; the two homes are priced by the same
 model on the same trace, so their ratio is surer than either step time: this machine's cost model is
-within 6-13% median, the presets' held-out rows 10-14%), or where only "world" fits the device."""
+within 6-13% median, the presets' held-out rows 8-15%), or where only "world" fits the device."""
 
 
 def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster | None, groups: dict, rank: int,
