@@ -32,6 +32,8 @@ from micscompile.core.sharding import BucketLayout, flat_view, pack_grads, unpac
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
+SEND = "send"
+"""A pipeline's point-to-point send of activations or gradients to the next or previous stage."""
 
 
 def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> int:
@@ -105,6 +107,20 @@ class CommStats:
             row.inter_node_bytes += wire * parallel_rings
         else:
             row.intra_node_bytes += wire
+
+    def record_send(self, group: GroupInfo, nbytes: int, inter_node: bool) -> None:
+        """A point-to-point send of ``nbytes`` to one peer of ``group`` (a pipeline's activations or
+        gradients): all of it on the wire, through the node's NICs where the peer is on another node.
+        (The peer's receive is its sender's bytes: only sends are counted.)"""
+        row = self.rows.setdefault((SEND, group.name), CommRow())
+        self.groups[group.name] = group
+        row.calls += 1
+        row.bytes += nbytes
+        row.tensor_bytes += nbytes
+        if inter_node:
+            row.inter_node_bytes += nbytes
+        else:
+            row.intra_node_bytes += nbytes
 
     def __getitem__(self, key: tuple[str, str]) -> CommRow:
         return self.rows.get(key, CommRow())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from micscompile.core.collectives import CommStats, fmt_bytes
-from micscompile.core.pipeline_schedule import PipeSchedule, make_schedule
+from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import Prefetch, Program, digest
 from micscompile.cost_model.pipeline import simulate_pipeline
@@ -84,10 +84,23 @@ class LoweredPipeline:
         return {c: self.program(c) for c in self.my_chunks()}
 
     def comm_stats(self, stats: CommStats | None = None) -> CommStats:
-        """This rank's chunks' collectives over one step, together."""
+        """This rank's chunks' collectives over one step, together, and its point-to-point sends
+        (each micro-batch's activations to the next chunk, gradients to the previous one), as
+        ``step.comm_stats()`` counts them once run."""
         stats = CommStats() if stats is None else stats
         for program in self.programs().values():
             program.comm_stats(stats)
+        stage = self.plan.stage_of(self.rank)
+        k = self.plan.gpus_per_node
+        for a in self.schedule.ranks[stage]:
+            if a.op not in (Op.SEND_ACT, Op.SEND_GRAD):
+                continue
+            pipe = self.program(a.chunk).groups["pipe"]
+            forward = a.op is Op.SEND_ACT
+            transfers = self.split.stages[a.chunk].send_act if forward else self.split.stages[a.chunk].send_grad
+            peer = pipe.ranks[self.schedule.rank_of(a.chunk + (1 if forward else -1))]
+            for t in transfers:
+                stats.record_send(pipe, t.nbytes, inter_node=peer // k != self.rank // k)
         return stats
 
     def predict(self, cluster: Cluster | None = None, *, buffer_bytes: int = 0, flops_per_step: float | None = None,

@@ -204,6 +204,9 @@ class PipelineStep(Step):
                 for i, t in enumerate(outbox.pop((a.op, a.mb, a.chunk))):
                     ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pipe.group,
                                           self._tag(a.mb, a.chunk, backward, i)))
+                    k = self._rp.gpus_per_node
+                    self._stats.record_send(self._pipe, t.numel() * t.element_size(),
+                                            inter_node=peer // k != self._pipe.ranks[self._pipe.rank] // k)
             else:
                 src = a.chunk + (1 if backward else -1)
                 specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
