@@ -73,12 +73,8 @@ class LoweredPipeline:
         return max(self.program(c).peak_gathered_bytes for c in self.my_chunks())
 
     def wire_bytes(self) -> dict[tuple[str, str], int]:
-        """Predicted wire bytes of this rank's chunks' collectives for one step."""
-        out: dict[tuple[str, str], int] = {}
-        for c in self.my_chunks():
-            for key, v in self.program(c).wire_bytes().items():
-                out[key] = out.get(key, 0) + v
-        return out
+        """Predicted wire bytes of this rank's chunks' collectives and its sends for one step."""
+        return {key: row.bytes for key, row in self.comm_stats().rows.items()}
 
     def programs(self) -> dict[int, Program]:
         return {c: self.program(c) for c in self.my_chunks()}
