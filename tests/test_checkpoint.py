@@ -151,7 +151,7 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
     from micscompile.passes.offload import offload, offload_done
 
     lowered = _lowered(deep_bf16, checkpoint=True, offload_activations=True, param_dtype=BF16)
-    buffers = lowered.rewrite_for_arena(arena=True)
+    buffers = lowered.rewrite_for_runtime(arena=True)
     nodes = [n for n in lowered.graph.nodes if n.op in ("call_function", "placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     done = [n for n in nodes if n.target is offload_done]
@@ -168,7 +168,7 @@ def test_no_arena_slot_is_reused_while_an_offload_copy_may_read_it(deep_bf16):
     for n in done:  # without the value as an argument, its slot would be free at the offload
         n.args = n.args[:2]
     with pytest.raises(ValueError, match="while its offload copy may read it"):
-        lowered.rewrite_for_arena(arena=True)
+        lowered.rewrite_for_runtime(arena=True)
 
 
 def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node():

@@ -138,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
     comm, text = lowered.comm_stats(), str(lowered)
     rp = lowered.plan  # with what the lowering chose ("auto" optimizer sharding)
     pred = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)  # as mc.simulate
-    buffers = lowered.rewrite_for_arena(True)
+    buffers = lowered.rewrite_for_runtime(True)
     memory = mc.MemoryStats.of(buffers, None)
     _say(f"lowered and simulated in {time.perf_counter() - t0:.1f} s\n")
     _say(f"plan: {rp}\ncluster: {cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name})\n")

@@ -36,7 +36,7 @@ from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import build_program
 from micscompile.lowering.groups import planned_groups
-from micscompile.memory.lifetimes import step_buffers, write_into_arena
+from micscompile.memory.lifetimes import run_runtime_passes, step_buffers
 from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU, PassContext, make_context
 from micscompile.passes.insert_collectives import AFTER, CUT, FIRST, carried_gathers, issue_slot, keep_live_choice
@@ -133,10 +133,10 @@ class LoweredFlat:
             pred.scaling_efficiency = 1.0
         return pred
 
-    def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
-        """Rewrite the graph for the arena (``lifetimes.write_into_arena``), then return the step's
-        buffers as the runtime runs it (``lifetimes.step_buffers``)."""
-        write_into_arena([(self.graph, self.ctx)], self.plan.plan, arena)
+    def rewrite_for_runtime(self, arena: bool) -> list[Buffer]:
+        """Run the runtime's passes on the graph (``lifetimes.run_runtime_passes``), then return the
+        step's buffers as the runtime runs it (``lifetimes.step_buffers``)."""
+        run_runtime_passes([(self.graph, self.ctx)], self.plan.plan, arena)
         return step_buffers(self.graph, self.program)
 
     def __str__(self) -> str:

@@ -52,9 +52,9 @@ class Lowered(Protocol):
                 scaling: bool = False, **costs) -> Prediction:
         """One optimizer step simulated on ``cluster`` (default: the one it was lowered for)."""
 
-    def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
-        """Rewrite this rank's graphs so that ops write into the arena (with one), then return the
-        step's buffers as the runtime runs them."""
+    def rewrite_for_runtime(self, arena: bool) -> list[Buffer]:
+        """Run the runtime's passes on this rank's graphs (transposes of transposes folded; with an
+        arena, ops writing into it), then return the step's buffers as the runtime runs them."""
 
 
 def lower(

@@ -26,7 +26,7 @@ from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.flat import LoweredFlat, lower_flat
 from micscompile.lowering.pipeline_split import PipelineSplit, split
-from micscompile.memory.lifetimes import pipeline_buffers, write_into_arena
+from micscompile.memory.lifetimes import pipeline_buffers, run_runtime_passes
 from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU
 from micscompile.trace import TrainGraph
@@ -113,10 +113,10 @@ class LoweredPipeline:
             pred.flops_per_step = flops_per_step
         return pred
 
-    def rewrite_for_arena(self, arena: bool) -> list[Buffer]:
-        """Rewrite this rank's chunks for the arena, then return the step's buffers in schedule order
+    def rewrite_for_runtime(self, arena: bool) -> list[Buffer]:
+        """Run the runtime's passes on this rank's chunks, then return the step's buffers in schedule order
         (``lifetimes.pipeline_buffers``)."""
-        write_into_arena([(self.chunks[c].graph, self.chunks[c].ctx) for c in self.my_chunks()], self.plan.plan, arena)
+        run_runtime_passes([(self.chunks[c].graph, self.chunks[c].ctx) for c in self.my_chunks()], self.plan.plan, arena)
         return pipeline_buffers(self)
 
     def __str__(self) -> str:

@@ -99,7 +99,7 @@ def step_buffers_of(
     ``mc.compile`` lowers it (``arena`` as there), without a process group."""
     rp = plan.resolve(world_size, gpus_per_node)
     trace = concrete(trace)
-    return lower(trace, rp, cluster, planned_groups(rp, rank), rank, prefetch=prefetch).rewrite_for_arena(arena)
+    return lower(trace, rp, cluster, planned_groups(rp, rank), rank, prefetch=prefetch).rewrite_for_runtime(arena)
 
 
 def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> MemoryStats:

@@ -296,7 +296,7 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
     return _finish(recs)
 
 
-def write_into_arena(graphs, plan, arena: bool) -> None:
+def run_runtime_passes(graphs, plan, arena: bool) -> None:
     """Run the runtime's passes (``passes.manager.runtime_pass_list``) on ``graphs``, (graph, PassContext)
     pairs, in place: transposes of transposes folded and, with an arena, ops with an ``out=`` overload
     writing into it."""

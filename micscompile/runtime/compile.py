@@ -234,7 +234,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
                 tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
         kind = STEP_OF[type(lowered)]
-        buffers = lowered.rewrite_for_arena(arena)
+        buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None
         prepared = kind.prepare(lowered, tg, device)
         order = lowered.collective_order()

@@ -86,7 +86,7 @@ def _pick(args: Sequence, used: list[bool]) -> list:
 
 def split_chunks(pp: LoweredPipeline, device: torch.device) -> tuple[dict[int, Phases], CodegenReport | None]:
     """This rank's chunks as forward and backward GraphModules (``lowering.phase_split``; after
-    ``Lowered.rewrite_for_arena`` rewrote their graphs for the arena); with
+    ``Lowered.rewrite_for_runtime`` rewrote their graphs for the arena); with
     ``Plan.codegen="inductor"`` their compute regions compiled, identical ones once across chunks."""
     phases, regions, cache = {}, [], {}
     for c in pp.my_chunks():
