@@ -40,6 +40,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from micscompile.cost_model.collective_time import (
     effective_bandwidth_bps,
     hierarchical_time_s,
 )
+from micscompile.cost_model.specs import GBPS_TO_BPS, Link
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 
 MB = 2**20
@@ -463,11 +465,6 @@ def fit() -> None:
     its oversubscription, minimizing the squared log errors of ``collective_figures``. Switch domains
     of 16 nodes or more are left out: they would leave 16 nodes at full bandwidth, where §3.2.3 says
     "128MB obtains poor bandwidth utilization on 16 and 32 nodes"."""
-    import dataclasses
-    import math
-
-    from micscompile.cost_model.specs import GBPS_TO_BPS, Link
-
     base = mc.Cluster.preset("p3dn.24xlarge")
 
     def cluster(eta_nv, alpha, eta_net, domain, oversub):
@@ -510,11 +507,6 @@ def fit_p4d() -> None:
     """Fit p4d's NIC efficiency (the rate of a ring over 2 nodes) and ``nic_node_exponent`` (its fall with
     the node count) on one software version's node sweep, nccl-tests at 3 and 4 nodes (NCCL 2.9.9); the
     per-network-step latency stays p3dn's (the same EFA). The 2-node figures (NCCL 2.7.8) are checks."""
-    import dataclasses
-    import math
-
-    from micscompile.cost_model.specs import GBPS_TO_BPS, Link
-
     base = mc.Cluster.preset("p4d.24xlarge")
 
     def cluster(eta, k):

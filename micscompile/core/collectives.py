@@ -97,30 +97,27 @@ class CommStats:
     def record(self, kind: str, group: GroupInfo, nbytes: int, parallel_rings: int = 1) -> None:
         """``parallel_rings``: this many rings like this rank's run at once through the node's
         inter-node link (the k rings of a hierarchical gather's first stage)."""
-        row = self.rows.setdefault((kind, group.name), CommRow())
-        self.groups[group.name] = group
         wire = ring_wire_bytes(kind, nbytes, group.size)
-        row.calls += 1
-        row.bytes += wire
-        row.tensor_bytes += nbytes
-        if group.spans_nodes:
-            row.inter_node_bytes += wire * parallel_rings
-        else:
-            row.intra_node_bytes += wire
+        self._count(kind, group, nbytes, wire, wire * parallel_rings if group.spans_nodes else None)
 
     def record_send(self, group: GroupInfo, nbytes: int, inter_node: bool) -> None:
         """A point-to-point send of ``nbytes`` to one peer of ``group`` (a pipeline's activations or
         gradients): all of it on the wire, through the node's NICs where the peer is on another node.
         (The peer's receive is its sender's bytes: only sends are counted.)"""
-        row = self.rows.setdefault((SEND, group.name), CommRow())
+        self._count(SEND, group, nbytes, nbytes, nbytes if inter_node else None)
+
+    def _count(self, kind: str, group: GroupInfo, tensor_bytes: int, wire: int, nic_bytes: int | None) -> None:
+        """One call over ``group`` sending ``wire`` bytes; ``nic_bytes``: what it puts through the node's
+        inter-node link (None: it stays inside the node)."""
+        row = self.rows.setdefault((kind, group.name), CommRow())
         self.groups[group.name] = group
         row.calls += 1
-        row.bytes += nbytes
-        row.tensor_bytes += nbytes
-        if inter_node:
-            row.inter_node_bytes += nbytes
+        row.bytes += wire
+        row.tensor_bytes += tensor_bytes
+        if nic_bytes is None:
+            row.intra_node_bytes += wire
         else:
-            row.intra_node_bytes += nbytes
+            row.inter_node_bytes += nic_bytes
 
     def __getitem__(self, key: tuple[str, str]) -> CommRow:
         return self.rows.get(key, CommRow())

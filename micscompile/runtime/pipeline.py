@@ -196,6 +196,8 @@ class PipelineStep(Step):
         right before the first compute that reads one of its receives (``_received``), and at the end
         of the step: on NCCL the batch is one coalesced Work, and its buffers are valid only after it."""
         stages = self.program.split.stages
+        k = self._rp.gpus_per_node
+        node = self.program.rank // k
         ops, received, receives = [], [], []
         for a in batch:
             backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
@@ -204,9 +206,7 @@ class PipelineStep(Step):
                 for i, t in enumerate(outbox.pop((a.op, a.mb, a.chunk))):
                     ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pipe.group,
                                           self._tag(a.mb, a.chunk, backward, i)))
-                    k = self._rp.gpus_per_node
-                    self._stats.record_send(self._pipe, t.numel() * t.element_size(),
-                                            inter_node=peer // k != self._pipe.ranks[self._pipe.rank] // k)
+                    self._stats.record_send(self._pipe, t.numel() * t.element_size(), inter_node=peer // k != node)
             else:
                 src = a.chunk + (1 if backward else -1)
                 specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
