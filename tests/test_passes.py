@@ -96,7 +96,7 @@ def test_p1_is_plain_data_parallel_no_gathers():
     graph, ctx = rewrite(lm_trace(), 1)
     t = targets(graph)
     assert t[C.all_gather_issue] == t[C.release] == t[C.reduce_scatter_issue] == 0
-    assert t[C.accumulate_local] == t[C.second_hop] == 1 and t[C.pack_local] == t[C.accumulate] == 0
+    assert t[C.accumulate_local] == t[C.second_hop] == 1 and t[C.accumulate] == 0
     assert [lay.name for lay in ctx.layouts] == ["emb+blocks.0+blocks.1+ln"]  # DDP's 25 MiB buckets by default
     per_block, ctx = rewrite(lm_trace(), 1, bucket_bytes=1)
     assert len(ctx.layouts) == targets(per_block)[C.accumulate_local] == 4

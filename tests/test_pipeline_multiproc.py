@@ -3,7 +3,9 @@ GPipe schedules, a tied input/output embedding, buffers, a meta model; bad input
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +23,7 @@ from micscompile.cli.parity import (
     train_reference,
     train_reference_mixed,
 )
+from micscompile.core import collectives as C
 from micscompile.runtime.materialize import initialize
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
@@ -101,7 +104,8 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
     step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0])
     losses = [float(step(*b)) for b in local[:-1]]
     step.track_memory = True
-    losses.append(float(step(*local[-1])))
+    with _second_hops_logged(step) as hops:
+        losses.append(float(step(*local[-1])))
     memory = step.memory_stats()
     stats = step.comm_stats()
     return {
@@ -114,9 +118,40 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
                    memory.outside_measured_peak_bytes),
         "calls": {k: r.calls for k, r in stats.rows.items()},
         "sent": (stats[("send", "pipe")].bytes, step.program.comm_stats()[("send", "pipe")].bytes * STEPS),
+        "hops": hops,
         "program": str(step.program) if rank == 0 else "",
         "codegen": step.codegen and [(r.graph_name, r.compiled, r.reused_from) for r in step.codegen.regions],
     }
+
+
+@contextlib.contextmanager
+def _second_hops_logged(step):
+    """Log, for each second hop the step starts (an all-reduce or reduce-scatter over the replicas),
+    the chunk whose backward was running and how many of that chunk's backwards had started."""
+    log, running, started = [], [None], {}
+    for ch in step._chunks.values():
+        def backward(args, c=ch.index, inner=ch.phases.backward):
+            running[0], started[c] = c, started.get(c, 0) + 1
+            try:
+                return inner(args)
+            finally:
+                running[0] = None
+        ch.phases = dataclasses.replace(ch.phases, backward=backward)
+    real = {name: getattr(C, name) for name in ("all_reduce_start", "reduce_scatter_start")}
+
+    def logged(fn):
+        def start(*args, what=None, **kwargs):
+            if what and "second-hop" in what:
+                log.append((running[0], started.get(running[0])))
+            return fn(*args, what=what, **kwargs)
+        return start
+    for name, fn in real.items():
+        setattr(C, name, logged(fn))
+    try:
+        yield log
+    finally:
+        for name, fn in real.items():
+            setattr(C, name, fn)
 
 
 def _full_state_dict(step) -> dict:
@@ -232,6 +267,17 @@ def test_comm_stats_count_the_pipeline_sends_the_plan_predicts(results, case: Pi
     sent = [res[case]["sent"] for res in results]
     assert all(measured == planned for measured, planned in sent), sent
     assert all(measured > 0 for measured, _ in sent), sent
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if WORLD > c.stages * c.t], ids=lambda c: c.id)
+def test_each_chunk_starts_its_second_hops_in_its_last_backward(results, case: PipeCase):
+    """2-hop over d > 1 replicas: every chunk a rank holds starts its buckets' all-reduces over the
+    replicas (the second hop) inside its own last backward, under the rest of the schedule, never in
+    an earlier backward nor at the boundary."""
+    for rank, res in enumerate(results):
+        hops = res[case]["hops"]
+        assert hops and {c for c, _ in hops} == set(res[case]["chunks"]), (rank, hops)
+        assert all(n == case.m for _, n in hops), (rank, hops)
 
 
 def test_bad_pipeline_plans_are_refused_on_every_rank(results):

@@ -168,7 +168,8 @@ class Comm:
     stats: CommStats = field(default_factory=CommStats)
     micro_step: int = 0
     micro_steps: int = 1
-    """Set by the runtime before each micro-step (the Program's carried gathers depend on them)."""
+    """Set by the runtime before each micro-step (a pipeline chunk's: before each of its backwards); the
+    carried gathers, the accumulation and the second hop depend on them."""
     carried: deque = field(default_factory=deque)
     """(bucket, Pending) gathers issued for the next micro-step, in issue order."""
     arena: Any = None
@@ -176,7 +177,7 @@ class Comm:
     copy_stream: Any = None
     """CUDA stream of activation offload copies (micscompile.passes.offload), made on first use."""
     grads: list = field(default_factory=list)
-    """A flat plan's fp32 gradient accumulators, one per bucket (set by the runtime): the graph adds
+    """The part's fp32 gradient accumulators, one per bucket (set by the runtime): the graph adds
     each micro-step's reduced shard into them (``accumulate``, ``accumulate_local``)."""
     second_hops: list = field(default_factory=list)
     """The second hops ``second_hop`` started in the last micro-step (``Pending``), waited at the boundary."""
@@ -404,21 +405,16 @@ def all_reduce_issue(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
                    what=_what(ALL_REDUCE, bucket, comm.world))
 
 
-def pack_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
-    """p = 1 (a pipeline chunk): the bucket's gradients flattened into its (whole) shard; no communication."""
-    return _packed(comm, bucket, like, grads)
-
-
 def accumulate(comm: Comm, bucket: int, grad: torch.Tensor) -> None:
-    """A flat plan: this micro-step's reduced gradient shard of a bucket added into its fp32
-    accumulator (the first micro-step copies it), right after the reduction, so that the bucket's
-    second hop can start there (``second_hop``)."""
+    """This micro-step's reduced gradient shard of a bucket added into its fp32 accumulator (the
+    first micro-step copies it), right after the reduction, so that the bucket's second hop can
+    start there (``second_hop``). In a pipeline chunk, a micro-step is one of the chunk's backwards."""
     acc = comm.grads[bucket]
     acc.copy_(grad) if comm.micro_step == 0 else acc.add_(grad)
 
 
 def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
-    """A flat plan at p = 1: the bucket's gradients added (and cast) straight into their slots of its
+    """p = 1: the bucket's gradients added (and cast) straight into their slots of its
     fp32 accumulator, the first micro-step packing them in (``pack_grads``): no pack buffer, no
     extra copy. Returns the accumulator."""
     layout, acc = comm.layouts[bucket], comm.grads[bucket]

@@ -220,9 +220,9 @@ class ResolvedPlan:
 
     @property
     def second_hop_in_backward(self) -> bool:
-        """A flat 2-hop plan over d > 1 replicas all-reduces each bucket over the replicas in its last
-        backward, as soon as the bucket is reduced (a pipeline: at the boundary)."""
-        return self.stages == 1 and self.plan.grad_sync == "2hop" and self.replicas > 1
+        """A 2-hop plan over d > 1 replicas all-reduces each bucket over the replicas in its last
+        backward (a pipeline chunk's: in the chunk's last backward), as soon as the bucket is reduced."""
+        return self.plan.grad_sync == "2hop" and self.replicas > 1
 
     @property
     def optimizer_shards(self) -> int:

@@ -2,18 +2,18 @@
 
 Lowered from the rewritten graph: each collective node becomes an action, each run
 of compute nodes between them one COMPUTE action; the micro-step list repeats
-``micro_batches`` times, then the boundary actions (replication all-reduce, loss
-all-reduce, optimizer step) run once. The graph's node order *is* the order the
+``micro_batches`` times, then the boundary actions (loss all-reduce, the waits for the
+second hops, optimizer step) run once. The graph's node order *is* the order the
 runtime executes, so the Program is an exact description, not an estimate.
 
 Short codes (``str(action)``): ``AG3`` issue all-gather of bucket 3, ``W:AG3`` wait
 for it, ``REL3`` release it, ``AGN3`` issue the next micro-step's all-gather of bucket
 3 (not on the last micro-step), ``AGC3`` the all-gather ``AGN3`` issued (issued here
 only on the first micro-step), ``RS3``/``AR3`` reduce-scatter / all-reduce bucket 3's
-gradients, ``PK3`` pack them locally (p = 1; a flat plan adds them straight into the
-accumulator), ``SH3`` start bucket 3's second hop (2-hop, d > 1: its accumulated shard
-all-reduced over the replication group; last micro-step only, waited at the boundary as
-``W:SH3``), ``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step.
+gradients, ``PK3`` add them straight into the accumulator (p = 1), ``SH3`` start bucket
+3's second hop (2-hop, d > 1: its accumulated shard all-reduced over the replication group;
+last micro-step only, a pipeline chunk's last backward, waited at the boundary as ``W:SH3``),
+``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step.
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ ISSUE_KIND = {
     C.all_gather_next: Kind.ALL_GATHER_NEXT,
     C.reduce_scatter_issue: Kind.REDUCE_SCATTER,
     C.all_reduce_issue: Kind.ALL_REDUCE,
-    C.pack_local: Kind.PACK,
     C.accumulate_local: Kind.PACK,
     C.second_hop: Kind.SECOND_HOP,
     C.release: Kind.RELEASE,
@@ -249,10 +248,10 @@ class Program:
         return [f"{self.collective_of(a)}:{a.group}:{a.tensor_bytes}" for a in self.collectives()]
 
     def collective_of(self, a: Action) -> str:
-        """The collective ``a`` issues. The replicas' reduction (a flat plan's second hop, a pipeline's
-        boundary all-reduce over "replicate") is a reduce-scatter with ``optimizer_sharding="world"``:
-        each rank then steps its 1/d of the shard, and ``UPDATE_GATHER`` all-gathers the result."""
-        if a.group == "replicate" and a.kind in (Kind.SECOND_HOP, Kind.ALL_REDUCE) and self.plan.optimizer_shards > 1:
+        """The collective ``a`` issues. The replicas' reduction (the second hop) is a reduce-scatter with
+        ``optimizer_sharding="world"``: each rank then steps its 1/d of the shard, and ``UPDATE_GATHER``
+        all-gathers the result."""
+        if a.kind is Kind.SECOND_HOP and self.plan.optimizer_shards > 1:
             return C.REDUCE_SCATTER
         return COLLECTIVE_OF_KIND[a.kind]
 

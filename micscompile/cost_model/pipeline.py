@@ -15,7 +15,9 @@ from micscompile.cost_model.specs import Cluster
 
 
 def halves(program: Program) -> tuple[Program, Program, Program]:
-    """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone."""
+    """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone. The
+    backward half holds the second hops (2-hop over d > 1 replicas) that the chunk's last backward
+    starts; the boundary does not wait for them (``simulate_pipeline`` places them)."""
     one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(micro_batches=1))
     acts = program.micro_step
     cut = backward_start(acts)
@@ -24,7 +26,7 @@ def halves(program: Program) -> tuple[Program, Program, Program]:
     def part(micro, boundary):
         return dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
 
-    return part(acts[:cut], []), part(acts[cut:], []), part([], program.boundary)
+    return part(acts[:cut], []), part(acts[cut:], []), part([], program.without_second_hops().boundary)
 
 
 def _carried_bytes(forward: Program) -> int:
@@ -54,24 +56,31 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     """One optimizer step of a pipeline on ``cluster``: each chunk's forward and backward are its
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
     simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations chunk c sends per
-    micro-batch), and the boundary (replication and tied-weight all-reduces, optimizer) follows.
-    ``exposed_comm_s`` is the busiest rank's communication not hidden behind its compute (bubbles
-    are ``bubble_fraction``). ``record``: keep every stage's forward and backward spans as events
-    (one track per stage: what the timeline picture draws)."""
+    micro-batch). A chunk's second hops (its buckets' all-reduces over the replicas) start in its last
+    backward and run on the rank's replication stream, one chunk's after another's, under the rest of
+    the schedule; the boundary (loss all-reduce, optimizer) follows once every rank's compute and this
+    rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
+    behind its compute (bubbles are ``bubble_fraction``). ``record``: keep every stage's forward and
+    backward spans, and its second hops, as events (what the timeline picture and trace draw)."""
     m = rp.micro_batches
-    fwd, bwd, edge, exposed, static, acts, saved = [], [], [], [], [], [], []
+    fwd, bwd, edge, exposed, static, acts, saved, hop_end, hop_busy = [], [], [], [], [], [], [], [], []
     priced: dict[int, tuple] = {}  # chunks of one shape share their Program (mc.autotune): priced once
     for program in programs:
         if id(program) not in priced:
             f_half, b_half, boundary = halves(program)
             f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
-            b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half, boundary))
-            priced[id(program)] = f, b, e, _carried_bytes(f_half)
-        f, b, e, carried = priced[id(program)]
+            b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half.without_second_hops(), boundary))
+            has_hops = any(a.kind is Kind.SECOND_HOP for a in b_half.micro_step)
+            last = simulate_program(b_half, cluster, record=False, **costs) if has_hops else None
+            priced[id(program)] = f, b, e, last, _carried_bytes(f_half)
+        f, b, e, last, carried = priced[id(program)]
         fwd.append(f.step_time_s)
         bwd.append(b.step_time_s)
-        edge.append(e.step_time_s)
-        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s) + e.step_time_s)
+        edge.append(e)
+        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s) + e.exposed_comm_s)
+        # the last backward with its second hops: when they end (from its start), how long they hold the links
+        hop_end.append(last.step_time_s if last else 0.0)
+        hop_busy.append(last.stream_busy_s.get("comm:replicate", 0.0) if last else 0.0)
         static.append(f.static_memory_bytes)
         acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
         saved.append(carried)
@@ -83,22 +92,39 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         chains = rp.partition_size if a // k != b // k else 1
         hops.append(collective_time_s(P2P, nbytes * chains, [a, b], cluster))
     timeline = sched.simulate(fwd, bwd, max(hops, default=0.0))
+    makespan = timeline.makespan_s
     in_flight = chunk_in_flight(sched)
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
-    # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
+    # each rank's second hops, chunk by chunk as their last backwards start, one after another on its links
+    replicated, events = [], []
+    for r, spans in enumerate(timeline.spans):
+        last_start = {a.chunk: start for a, start, _ in spans if a.op is Op.BACKWARD}  # (the last one wins)
+        free = 0.0
+        for c in sorted((c for c in ranks[r] if hop_busy[c]), key=last_start.__getitem__):
+            start = max(last_start[c], free)
+            free = max(last_start[c] + hop_end[c], free + hop_busy[c])
+            events.append(Event(f"stage {r} replicate", f"second hop chunk {c}", start, free))
+        replicated.append(free)
+    # a rank's boundary: its second hops and the loss all-reduce (every rank's compute) done, then the rest
+    ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
+    waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
     peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
-             for cs in ranks]
+             for cs in ranks]  # a chunk keeps what its forward saved per micro-batch in flight; its backward's peak on top of one
     compute = [sum(m * (fwd[c] + bwd[c]) for c in cs) for cs in ranks]
     flops = sum(a.flops for program in programs for a in program.micro_step)
+    busy = {"compute": max(compute)}
+    if any(hop_busy):
+        busy["comm:replicate"] = max(sum(hop_busy[c] for c in cs) for cs in ranks)
     pred = Prediction(
-        step_time_s=timeline.makespan_s + max(sum(edge[c] for c in cs) for cs in ranks),
-        compute_s=max(compute), exposed_comm_s=max(sum(exposed[c] for c in cs) for cs in ranks),
-        stream_busy_s={"compute": max(compute)}, peak_memory_bytes=int(max(peaks)),
+        step_time_s=max(ends), compute_s=max(compute),
+        exposed_comm_s=max(sum(exposed[c] for c in cs) + waits[r] for r, cs in enumerate(ranks)),
+        stream_busy_s=busy, peak_memory_bytes=int(max(peaks)),
         static_memory_bytes=int(max(sum(static[c] for c in cs) for cs in ranks)),
         flops_per_step=m * flops / rp.stages, world_size=rp.world_size, uncertainty=cluster.prediction_error,
+        exposed_boundary_s=max(waits[r] + sum(edge[c].exposed_boundary_s for c in cs) for r, cs in enumerate(ranks)),
     )
     pred.bubble_fraction = timeline.bubble_fraction
     if record:
         pred.events = [Event(f"stage {r}", str(a), start, end)
-                       for r, spans in enumerate(timeline.spans) for a, start, end in spans]
+                       for r, spans in enumerate(timeline.spans) for a, start, end in spans] + events
     return pred

@@ -471,9 +471,7 @@ def simulate_program(
 
     for i, a in enumerate(program.boundary, start=len(program.micro_step)):
         start = t
-        if a.kind is Kind.ALL_REDUCE and replicate_every_micro_step:
-            continue  # (done after every micro-step's reduce-scatter)
-        if a.kind in (Kind.ALL_REDUCE, Kind.LOSS_ALL_REDUCE):
+        if a.kind is Kind.LOSS_ALL_REDUCE:
             ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
             note_span(start, ends[-1], i)
         elif a.kind is Kind.UPDATE_GATHER:  # issued at the step's start (the previous step's), above

@@ -95,21 +95,13 @@ def with_second_hops(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micr
 
 
 def boundary_actions(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micro_step: list[Action]) -> list[Action]:
-    """What runs once per step after the micro-steps: the replication all-reduce of every reduced
-    bucket (2-hop, d > 1; waits for the second hops a flat plan started in its last backward), the
-    loss all-reduce and the optimizer step."""
-    loss = [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4)]
+    """What runs once per step after the micro-steps: the loss all-reduce (issued first), the waits
+    for the second hops the last backward started (2-hop, d > 1), the optimizer step and, with
+    ``optimizer_sharding="world"``, the update gathers."""
     hops = [a.bucket for a in micro_step if a.kind is Kind.SECOND_HOP]
-    if hops:  # the loss all-reduce is issued first: the step then waits for them all
-        return loss + [Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops] + [Action(Kind.OPTIMIZER)] + \
-            update_gathers(plan, layouts, hops, micro_step)
-    boundary = []
-    reduced = []
-    if plan.plan.grad_sync == "2hop" and plan.replicas > 1:
-        reduced = sorted({a.bucket for a in micro_step if a.kind in (Kind.REDUCE_SCATTER, Kind.PACK)})
-        boundary += [Action(Kind.ALL_REDUCE, b, group="replicate", tensor_bytes=layouts[b].grad_shard_bytes)
-                     for b in reduced]
-    return boundary + loss + [Action(Kind.OPTIMIZER)] + update_gathers(plan, layouts, reduced, micro_step)
+    return [Action(Kind.LOSS_ALL_REDUCE, group="world", tensor_bytes=4),
+            *(Action(Kind.WAIT, b, waits_for=Kind.SECOND_HOP) for b in hops), Action(Kind.OPTIMIZER),
+            *update_gathers(plan, layouts, hops, micro_step)]
 
 
 def update_gathers(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], buckets: list[int],

@@ -150,8 +150,7 @@ def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:
     small = cluster.with_nodes(-(-p // k)) if p >= k else dataclasses.replace(cluster, nodes=1, gpus_per_node=p)
     rp1 = ResolvedPlan(rp.plan, p, min(k, p), p, 1)
     one = program.without_second_hops()
-    boundary = [a for a in one.boundary if a.kind is not Kind.ALL_REDUCE]
-    return dataclasses.replace(one, plan=rp1, groups=planned_groups(rp1), boundary=boundary), small
+    return dataclasses.replace(one, plan=rp1, groups=planned_groups(rp1)), small
 
 
 def with_prefetch(program: Program, distance: int, across_micro_steps: bool = False) -> Program:

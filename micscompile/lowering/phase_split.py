@@ -93,3 +93,10 @@ def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases
     bg.output(tuple(env_b[outs[i]] if isinstance(outs[i], torch.fx.Node) else outs[i] for i in bwd_outputs))
 
     return Phases(flat_module(gm, fg), flat_module(gm, bg, boxed=True), len(saved))
+
+
+def split_chunk(gm: torch.fx.GraphModule, n_send_act: int) -> Phases:
+    """A chunk's rewritten graph split into its phases: its outputs are the loss, the ``n_send_act``
+    activations it sends (the forward's) and the input gradients it sends back (the backward's); its
+    gradients stay inside (``collectives.accumulate``)."""
+    return split_phases(gm, list(range(1 + n_send_act)))

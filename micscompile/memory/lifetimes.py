@@ -67,7 +67,7 @@ def on_device(buffers: list[Buffer]) -> list[Buffer]:
 
 
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
-_GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue, C.pack_local)
+_GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue)
 _NO_ALLOC = (C.collective_wait, C.release, reload_wait, offload_done, *_GATHERS, *_GRAD_SYNCS,
              C.accumulate, C.accumulate_local, C.second_hop)  # (the last two write the accumulators)
 
@@ -261,7 +261,7 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
         body = [n for n in lt.nodes if n.op == "call_function"]
         cut = next((i for i, n in enumerate(body) if n.meta.get(META_REGION) == REGION_BWD), len(body))
         outputs = list(lt.nodes[-1].args[0])
-        sends = {lt.root[v] for v in outputs[1 + len(sched.program.layouts):] if isinstance(v, torch.fx.Node)}
+        sends = {lt.root[v] for v in outputs[1:] if isinstance(v, torch.fx.Node)}
         chunks[c] = _Halves(lt, body[:cut], body[cut:], sends, set(body[cut:]))
     # pass 1: when each action runs (a compute action takes one step per node, plus one to hand
     # over its outputs; a P2P action one step)

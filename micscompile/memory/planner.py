@@ -70,6 +70,10 @@ NUMPY_MIN_BUFFERS = 256     # pieces from this many buffers on use the numpy pla
 # Work caps: the search stops after about this many elementary steps per second of budget
 # (calibrated so that it normally ends well before the wall clock, keeping results deterministic).
 WORK_PER_S = 2_500_000
+# The wall clock stops the search only at this many times the budget: the work caps, not the machine's
+# speed, end it on a machine up to this much slower than the one WORK_PER_S was measured on (a 2-core
+# CI machine ran 1.7x slower and gave another plan for the same buffers when the two limits were equal).
+DEADLINE_SLACK = 4.0
 _INT64_SAFE = 1 << 61
 
 
@@ -418,8 +422,9 @@ def _improve(p: _Piece, sol: _Solution, glb: int, work_cap: int, deadline: float
 def plan_memory(buffers: Iterable[Any], *, alignment: int = 512, time_budget_s: float | None = None) -> MemoryPlan:
     """Place every buffer at a fixed aligned offset so that buffers live at once never overlap.
 
-    ``time_budget_s``: the total time for the improvement and exact phases (None: 1 s, 0: greedy
-    only); every phase ends as soon as the arena reaches L.
+    ``time_budget_s``: the time for the improvement and exact phases (None: 1 s, 0: greedy only), as
+    work caps; the wall clock stops them at ``DEADLINE_SLACK`` times it. Every phase ends as soon
+    as the arena reaches L.
     """
     t0 = time.perf_counter()
     a = _check_alignment(alignment)
@@ -461,7 +466,7 @@ def plan_memory(buffers: Iterable[Any], *, alignment: int = 512, time_budget_s: 
     for sol in sols.values():
         if sol.proven:
             glb = max(glb, sol.arena)
-    deadline = time.perf_counter() + time_budget_s
+    deadline = time.perf_counter() + DEADLINE_SLACK * time_budget_s
     work_left = int(time_budget_s * WORK_PER_S)
     stuck = 0          # arena of a piece we could not bring down: pieces below it do not matter
     for sig in sorted(pieces, key=lambda k: -sols[k].arena):

@@ -29,21 +29,20 @@ Rewrite, per bucket b (a gather unit, see passes.buckets):
 * Gradients: after the bucket's last gradient is produced, ``reduce_scatter_issue``
   over the partition group (2hop) or ``all_reduce_issue`` over all ranks
   (every_step); each is waited just before the next bucket's reduction is issued,
-  the last one before the output. A flat plan then adds the shard into the bucket's
-  fp32 accumulator (``accumulate``; at p = 1 ``accumulate_local`` adds the gradients
-  straight in) and, with 2hop over d > 1 replicas, starts its ``second_hop`` there: on
-  the last micro-step, the all-reduce over the replication group, under the rest of
-  the backward (the runtime waits for it at the boundary). A flat graph outputs only
-  the loss; a pipeline chunk outputs its gradient shards (the runtime accumulates them
-  and all-reduces them at the boundary).
+  the last one before the output. The shard is then added into the bucket's fp32
+  accumulator (``accumulate``; at p = 1 ``accumulate_local`` adds the gradients
+  straight in) and, with 2hop over d > 1 replicas, its ``second_hop`` starts there: on
+  the last micro-step (a pipeline chunk: its last backward), the all-reduce over the
+  replication group, under the rest of the backward (the runtime waits for it at the
+  boundary). The graph outputs only the loss (and a pipeline chunk's sends).
 * A pipeline chunk (``plan.stages > 1``) runs its forward and backward as two graphs:
   a backward gather is issued no earlier than the first backward node, and outputs
-  after the gradients (the chunk's sends) pass through.
+  after the loss (the chunk's sends) pass through.
 * Buckets in ``ctx.hierarchical`` pass ``hierarchical=True`` to their gathers and
   reduce-scatters (collectives.py runs them in two stages over the inter/intra groups).
 * p = 1: no gathers (parameters are views of the local shard; with mixed precision,
-  of a cast copy made where the gather would be) and ``accumulate_local`` (a pipeline
-  chunk: ``pack_local``) instead of a reduce-scatter.
+  of a cast copy made where the gather would be) and ``accumulate_local`` instead of a
+  reduce-scatter.
 
 Invariants: every consumer of a parameter sits inside an interval of its bucket;
 intervals of one bucket are disjoint; every rank gets the same graph, so every rank
@@ -286,9 +285,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     grad_of = dict(zip(tg.trainable, grads))
     order = {n: i for i, n in enumerate(graph.nodes)}
     reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
-    flat = ctx.plan.stages == 1  # a pipeline chunk's gradients leave through its outputs (runtime.pipeline)
     if p == 1 and reduce_fn is C.reduce_scatter_issue:
-        reduce_fn = C.accumulate_local if flat else C.pack_local
+        reduce_fn = C.accumulate_local
     hop = ctx.plan.second_hop_in_backward
     jobs = []
     for lay in layouts:
@@ -299,14 +297,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         at = max(producers, key=order.__getitem__)
         jobs.append((order[at], lay.index, at, gs))
     jobs.sort(key=lambda j: (j[0], j[1]))
-    results: dict[int, torch.fx.Node] = {}
 
     def reduced(b: int, result: torch.fx.Node) -> None:
-        """The bucket's reduced shard is ``result``: a pipeline chunk outputs it; a flat plan adds it
-        into its accumulator there and then, on the last micro-step, starts its second hop."""
-        if not flat:
-            results[b] = result
-            return
+        """The bucket's reduced shard is ``result``: added into its accumulator there and then, on the
+        last micro-step (a pipeline chunk's last backward), its second hop started."""
         with graph.inserting_after(result):
             last = result
             if result.target is not C.accumulate_local:
@@ -324,7 +318,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
         anchor = issue
         order[issue] = order[at]
-        if reduce_fn in (C.pack_local, C.accumulate_local):
+        if reduce_fn is C.accumulate_local:
             reduced(b, issue)
             continue
         if pending is not None:
@@ -334,7 +328,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     if pending is not None:
         with graph.inserting_before(output):
             reduced(pending[0], _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0]))
-    output.args = ((loss, *extra) if flat else (loss, *(results.get(lay.index) for lay in layouts), *extra),)
+    output.args = ((loss, *extra),)
 
     # ---- drop the full-parameter placeholders and what only they fed -------------------
     for node in reversed(list(graph.nodes)):

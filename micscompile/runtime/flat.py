@@ -49,7 +49,6 @@ class TrainStep(Step):
         self.gm = gm
         self.pass_records = pass_records
         self._comm = comm
-        comm.grads = part.grads  # the graph accumulates into them (collectives.accumulate)
 
     @staticmethod
     def prepare(lowered: LoweredFlat, graph: TrainGraph, device: torch.device) -> dict:

@@ -14,9 +14,11 @@ ordered to be deadlock-free under NCCL's rules); a batch's Work is waited for ri
 first compute that reads one of its receives (on NCCL the batch is one coalesced Work, its receive
 buffers valid only after it; on gloo the receives' own Works), and every batch at the end of the
 step; what a forward sends is dropped once posted, and a backward gets only the values it reads.
-AR is the boundary: all-reduce each chunk's gradient shards over "replicate" (2-hop),
-sum a tied parameter's partial gradients between the chunks that hold it, all-reduce
-the loss, scale by 1 / (t * d * m) and step the optimizer.
+A chunk's backward adds each bucket's reduced gradient shard into the bucket's accumulator; in the
+chunk's last backward it also starts the bucket's all-reduce over "replicate" there (2-hop's second
+hop, ``collectives.second_hop``), under the rest of that backward and of the schedule. AR is the
+boundary: all-reduce the loss, wait for the second hops, sum a tied parameter's partial gradients
+between the chunks that hold it, scale by 1 / (t * d * m) and step the optimizer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from micscompile.core.program import ProgramError
 from micscompile.core.sharding import local_piece
 from micscompile.lowering.flat import lower_evaluation
 from micscompile.lowering.groups import planned_groups
-from micscompile.lowering.phase_split import Phases, split_phases
+from micscompile.lowering.phase_split import Phases, split_chunk
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.lowering.pipeline_split import split
 from micscompile.memory.arena import Arena
@@ -91,9 +93,7 @@ def split_chunks(pp: LoweredPipeline, device: torch.device) -> tuple[dict[int, P
     phases, regions, cache = {}, [], {}
     for c in pp.my_chunks():
         st, sched = pp.split.stages[c], pp.chunks[c]
-        n_buckets = len(sched.ctx.layouts)
-        forward_outputs = [0, *range(1 + n_buckets, 1 + n_buckets + len(st.send_act))]
-        phases[c] = split_phases(torch.fx.GraphModule(st.graph.gm, sched.graph), forward_outputs)
+        phases[c] = split_chunk(torch.fx.GraphModule(st.graph.gm, sched.graph), len(st.send_act))
         if pp.plan.plan.codegen == "inductor":
             for name, gm in ((f"chunk {c} forward", phases[c].forward), (f"chunk {c} backward", phases[c].backward)):
                 regions += compile_regions(gm, device, graph_name=name, cache=cache, first_index=len(regions))
@@ -142,7 +142,7 @@ class PipelineStep(Step):
         for c in pp.my_chunks():
             st, sched = pp.split.stages[c], pp.chunks[c]
             comm = Comm(sched.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], stats=stats,
-                        arena=planned_arena, optimizer_shards=rp.optimizer_shards)
+                        arena=planned_arena, optimizer_shards=rp.optimizer_shards, micro_steps=rp.micro_batches)
             phases = chunk_phases[c]
             chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, model, groups["shard"].rank, device,
                                                   init_fn, graph.unused_params, own_buffers=True),
@@ -243,9 +243,7 @@ class PipelineStep(Step):
         inbox: dict = {}  # receive -> (its buffers, its batch's _Posted)
         saved: dict = {}
         posted: list[_Posted] = []
-        for ch in self._chunks.values():
-            for g in ch.grads:
-                g.zero_()
+        backwards = dict.fromkeys(self._chunks, 0)  # per chunk: its backwards run so far this step
         for a in pp.schedule.batched(self._stage):
             if isinstance(a, tuple):
                 self._post(a, outbox, inbox, posted)
@@ -268,13 +266,11 @@ class PipelineStep(Step):
                 grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
                 args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
                 del acts, kept, grads_in
+                ch.comm.micro_step = backwards[a.chunk]  # the first copies into the accumulators, the last
+                backwards[a.chunk] += 1                  # starts the second hops (collectives.accumulate)
                 out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
-                n = len(ch.grads)
-                for acc, g in zip(ch.grads, out[:n]):
-                    if g is not None:
-                        acc.add_(g)
-                if len(out) > n:
-                    outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out[n:]
+                if out:
+                    outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out
                 del out
             elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
                 raise ProgramError(f"unknown pipeline action {a}")

@@ -76,10 +76,6 @@ class Part:
     buffer_state: dict[str, torch.Tensor]
     """The module buffers this part saves and exports, by name."""
     params: dict[str, nn.Parameter]
-    boundary_buckets: list[int]
-    """The buckets the boundary all-reduces over "replicate" (the Program's boundary ALL_REDUCEs: a
-    pipeline's; a flat plan's second hops start in the graph, ``Kind.SECOND_HOP``); reduce-scatters
-    with ``optimizer_sharding="world"``."""
     update_buckets: list[int]
     """``optimizer_sharding="world"``: the buckets all-gathered over "replicate" after the optimizer."""
     optimizer_rows: list[torch.Tensor]
@@ -100,6 +96,7 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Modul
     if LOSS_SCALE in graph.buffer_names:  # fp16: the step writes its loss scale here before each step
         buffers[LOSS_SCALE] = torch.ones((), dtype=torch.float32, device=device)
     grads = [torch.zeros_like(s) for s in shards]
+    comm.grads = grads  # the graph accumulates into them (collectives.accumulate)
     inputs = [buffers[n] for n in graph.buffer_names]
     # optimizer_sharding="world": the optimizer steps row q (this rank's among the d replicas) of each shard
     d = comm.optimizer_shards
@@ -110,7 +107,6 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Modul
         comm=comm, shards=shards, grads=grads, buffers=inputs,
         buffer_state=dict(zip(graph.buffer_names, inputs)) if own_buffers else buffers,
         params=dict(params), optimizer_rows=rows, step_grads=row_grads, optimizer_rank=shard_rank * d + q,
-        boundary_buckets=[a.bucket for a in program.boundary if a.kind is Kind.ALL_REDUCE],
         update_buckets=[a.bucket for a in program.boundary if a.kind is Kind.UPDATE_GATHER],
     )
 
@@ -335,17 +331,13 @@ class Step(Checkpointable):
         raise NotImplementedError
 
     def _boundary(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The 2-hop all-reduce of the gradients over "replicate" (a flat plan's started in its last
-        backward: waited here), the loss (and its count) summed over "world", tied gradients summed:
-        every gradient is then the sum over the global batch."""
-        reduce_dtype = self.program.plan.plan.reduce_dtype
+        """The loss (and its count) summed over "world", the waits for the 2-hop all-reduces of the
+        gradients over "replicate" (each started in its part's last backward, ``collectives.second_hop``),
+        tied gradients summed: every gradient is then the sum over the global batch."""
         self._settle()  # (a bucket the micro-steps never gathered) before the optimizer writes its rows
-        works = [w for part in self._parts for w in part.comm.second_hops]  # a flat plan's, issued in its
-        for part in self._parts:                                              # last backward
+        works = [w for part in self._parts for w in part.comm.second_hops]
+        for part in self._parts:
             part.comm.second_hops.clear()
-        reduce = C.reduce_scatter_start if self.program.plan.optimizer_shards > 1 else C.all_reduce_start
-        works += [reduce(self._stats, self._groups["replicate"], part.grads[b], reduce_dtype)
-                  for part in self._parts for b in part.boundary_buckets]
         loss_buf = loss_sum.reshape(-1)
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
         for w in works:
