@@ -44,7 +44,8 @@ def test_plan_prints_the_program_summary_and_writes_the_pictures(tmp_path, extra
     assert "intra-node" in out and "inter-node" in out and "TFLOP/s per GPU" in out and "peak memory" in out
     trace = json.loads((tmp_path / "trace.json").read_text())
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    assert tracks >= ({"stage 0", "stage 1"} if "-S" in extra else {"compute", "comm:shard"}), tracks
+    stages = {"stage 0", "stage 1", "stage 0 replicate", "stage 1 replicate"}  # (d = 4: second hops)
+    assert tracks >= (stages if "-S" in extra else {"compute", "comm:shard"}), tracks
     assert (tmp_path / "program.txt").read_text().strip()
     for name in ("timeline.png", "memory.png"):
         assert_png(tmp_path / name)
