@@ -46,7 +46,8 @@ def test_plan_prints_the_program_summary_and_writes_the_pictures(tmp_path, extra
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     stages = {"stage 0", "stage 1", "stage 0 replicate", "stage 1 replicate"}  # (d = 4: second hops)
     assert tracks >= (stages if "-S" in extra else {"compute", "comm:shard"}), tracks
-    assert (tmp_path / "program.txt").read_text().strip()
+    program = (tmp_path / "program.txt").read_text()
+    assert program.strip() and ("second hops (SH): each chunk's last backward" in program) == ("-S" in extra)
     for name in ("timeline.png", "memory.png"):
         assert_png(tmp_path / name)
 

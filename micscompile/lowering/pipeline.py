@@ -132,6 +132,10 @@ class LoweredPipeline:
         if sp.tied:
             lines.append("tied parameters (gradients all-reduced between chunks at the boundary): "
                          + ", ".join(f"{n} {list(cs)}" for n, cs in sp.tied.items()))
+        if rp.second_hop_in_backward:
+            how = "reduce-scattered" if rp.optimizer_shards > 1 else "all-reduced"
+            lines.append(f"second hops (SH): each chunk's last backward starts its buckets' gradient shards {how} "
+                         f"over the {rp.replicas} replicas, each as soon as it is reduced; the boundary waits for them")
         lines += [str(self.schedule), self.schedule.grid()]
         for c in self.my_chunks():
             lines += [f"--- chunk {c} ---", str(self.program(c))]
