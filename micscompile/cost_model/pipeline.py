@@ -108,8 +108,9 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     # a rank's boundary: its second hops and the loss all-reduce (every rank's compute) done, then the rest
     ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
+    # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
     peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
-             for cs in ranks]  # a chunk keeps what its forward saved per micro-batch in flight; its backward's peak on top of one
+             for cs in ranks]
     compute = [sum(m * (fwd[c] + bwd[c]) for c in cs) for cs in ranks]
     flops = sum(a.flops for program in programs for a in program.micro_step)
     busy = {"compute": max(compute)}

@@ -71,8 +71,8 @@ NUMPY_MIN_BUFFERS = 256     # pieces from this many buffers on use the numpy pla
 # (calibrated so that it normally ends well before the wall clock, keeping results deterministic).
 WORK_PER_S = 2_500_000
 # The wall clock stops the search only at this many times the budget: the work caps, not the machine's
-# speed, end it on a machine up to this much slower than the one WORK_PER_S was measured on (a 2-core
-# CI machine ran 1.7x slower and gave another plan for the same buffers when the two limits were equal).
+# speed, end it on a machine up to this much slower than the one WORK_PER_S was measured on (on a day the
+# project's 2-core machine ran pure Python 3-4x slower, equal limits gave another plan for the same buffers).
 DEADLINE_SLACK = 4.0
 _INT64_SAFE = 1 << 61
 
