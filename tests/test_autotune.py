@@ -278,3 +278,27 @@ def test_repricing_places_second_hops_for_each_partition_size(symbolic):
         want = mc.simulate(symbolic.at_batch(2), plan, cl, prefetch=[pf], scaling=False)
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9), p
         assert got.exposed_boundary_s == pytest.approx(want.exposed_boundary_s, rel=1e-9, abs=1e-12), p
+
+
+def test_the_priced_partition_size_is_the_smallest_within_the_tie_of_the_fastest_that_fits():
+    """``micscompile plan`` without -p (tune.partition.pick): sizes that do not fit never win, and a
+    smaller size within PARTITION_TIE of the fastest takes it (the thesis's smallest-group rule).
+    Mutations: no tie (the fastest, 16, wins) or fit ignored (4 wins) fail."""
+    from types import SimpleNamespace
+
+    from micscompile.tune.partition import PricedSize, candidate_sizes, pick
+
+    cluster = mc.Cluster.preset("p4d.24xlarge").with_nodes(4)
+    cap = cluster.gpu.memory_bytes
+
+    def row(p: int, ms: float, fits: bool = True) -> PricedSize:
+        return PricedSize(p, SimpleNamespace(step_time_s=ms / 1e3, peak_memory_bytes=cap // 2 if fits else 2 * cap))
+
+    rows = [row(4, 50.0, fits=False), row(8, 100.0), row(16, 60.0), row(32, 59.0)]
+    assert pick(rows, cluster).partition_size == 16  # 32 is 1.7% faster: a tie
+    rows[1] = row(8, 61.5)
+    assert pick(rows, cluster).partition_size == 8  # 4.2% slower than 32: within the 5% tie, the smaller group
+    assert pick(rows, cluster, tie=0.01).partition_size == 32
+    assert pick([row(8, 1.0, fits=False)], cluster) is None
+    assert candidate_sizes(mc.Plan(), cluster) == [1, 2, 4, 8, 16, 32]
+    assert candidate_sizes(mc.Plan(pipeline_stages=2), cluster) == [1, 2, 4, 8]  # a stage's group stays in a node

@@ -125,6 +125,7 @@ def _plan(args: argparse.Namespace) -> int:
     from micscompile.core.collectives import fmt_bytes
     from micscompile.lowering.lowered import lower
     from micscompile.lowering.predict import concrete, model_buffer_bytes
+    from micscompile.tune.partition import choose_partition_size
 
     cluster = _cluster(args)
     plan = _plans(args, cluster)[0]
@@ -134,13 +135,22 @@ def _plan(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     trace = concrete(tg)
+    choice = None
+    if args.partition_size is None:  # priced, not assumed (tune.partition)
+        choice = choose_partition_size(trace, plan, cluster, progress=_say)
+        rp = choice.plan
     lowered = lower(trace, rp, cluster)  # once, as mc.compile lowers rank 0: its Program, prediction and buffers
+    if choice is not None:
+        for program in lowered.programs().values():
+            program.choice = f"{choice.why}\n{program.choice}" if program.choice else choice.why
     comm, text = lowered.comm_stats(), str(lowered)
     rp = lowered.plan  # with what the lowering chose ("auto" optimizer sharding)
     pred = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)  # as mc.simulate
     buffers = lowered.rewrite_for_runtime(True)
     memory = mc.MemoryStats.of(buffers, None)
     _say(f"lowered and simulated in {time.perf_counter() - t0:.1f} s\n")
+    if choice is not None:
+        _say(f"{choice.why}\n{choice.table(cluster)}\n")
     _say(f"plan: {rp}\ncluster: {cluster.world_size} x {cluster.gpu.name} ({cluster.nodes} x {cluster.name})\n")
     _say(f"collectives of one step on rank 0 (ring wire bytes per rank):\n{comm}\n")
     intra = sum(r.intra_node_bytes for r in comm.rows.values())
@@ -239,8 +249,9 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
 
 def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("-p", "--partition-size", type=int, nargs="+" if several else None, default=None,
-                    help="ranks sharding one replica (t inside a stage); default: one node"
-                         + ("; several: one row each" if several else ""))
+                    help="ranks sharding one replica (t inside a stage); default: "
+                         + ("one node; several: one row each" if several else
+                            "priced: the fastest power of two that fits, within 5%% the smallest"))
     sp.add_argument("-S", "--pipeline-stages", type=int, default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=int, default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")
