@@ -280,10 +280,11 @@ def test_repricing_places_second_hops_for_each_partition_size(symbolic):
         assert got.exposed_boundary_s == pytest.approx(want.exposed_boundary_s, rel=1e-9, abs=1e-12), p
 
 
-def test_the_priced_partition_size_is_the_smallest_within_the_tie_of_the_fastest_that_fits():
-    """``micscompile plan`` without -p (tune.partition.pick): sizes that do not fit never win, and a
-    smaller size within PARTITION_TIE of the fastest takes it (the thesis's smallest-group rule).
-    Mutations: no tie (the fastest, 16, wins) or fit ignored (4 wins) fail."""
+def test_the_priced_partition_size_leaves_one_node_only_for_a_size_priced_5_percent_faster():
+    """``micscompile plan`` without -p (tune.partition.pick): one node stays unless a size that fits
+    is predicted at least PARTITION_TIE faster; then the smallest within the tie of the fastest (the
+    thesis's smallest-group rule). Sizes that do not fit never win. Mutations: no tie (32 wins where
+    16 and one node should), fit ignored (4 wins), one node not preferred (4 wins in a tie) fail."""
     from types import SimpleNamespace
 
     from micscompile.tune.partition import PricedSize, candidate_sizes, pick
@@ -295,10 +296,12 @@ def test_the_priced_partition_size_is_the_smallest_within_the_tie_of_the_fastest
         return PricedSize(p, SimpleNamespace(step_time_s=ms / 1e3, peak_memory_bytes=cap // 2 if fits else 2 * cap))
 
     rows = [row(4, 50.0, fits=False), row(8, 100.0), row(16, 60.0), row(32, 59.0)]
-    assert pick(rows, cluster).partition_size == 16  # 32 is 1.7% faster: a tie
+    assert pick(rows, cluster, default=8).partition_size == 16  # 32 is 1.7% faster: a tie, the smaller
+    assert pick(rows, cluster, default=8, tie=0.01).partition_size == 32
+    assert pick(rows, cluster, default=4).partition_size == 16  # one node does not fit
     rows[1] = row(8, 61.5)
-    assert pick(rows, cluster).partition_size == 8  # 4.2% slower than 32: within the 5% tie, the smaller group
-    assert pick(rows, cluster, tie=0.01).partition_size == 32
-    assert pick([row(8, 1.0, fits=False)], cluster) is None
+    assert pick(rows, cluster, default=8).partition_size == 8  # 4.2% slower than 32: one node stays
+    assert pick([row(4, 60.0), row(8, 61.0)], cluster, default=8).partition_size == 8  # not the smaller one
+    assert pick([row(8, 1.0, fits=False)], cluster, default=8) is None
     assert candidate_sizes(mc.Plan(), cluster) == [1, 2, 4, 8, 16, 32]
     assert candidate_sizes(mc.Plan(pipeline_stages=2), cluster) == [1, 2, 4, 8]  # a stage's group stays in a node

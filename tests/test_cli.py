@@ -149,18 +149,22 @@ def test_the_pictures_label_their_axes_and_legends():
 
 
 def test_plan_without_a_partition_size_prices_them_and_lowers_the_one_it_takes(tmp_path):
-    """No -p: every candidate size priced in a table, the one the tie rule takes from that table
-    marked and lowered (the plan line and program.txt say it). Mutation: the choice priced but not
-    lowered (one node's p=8 in the plan line) fails."""
-    from micscompile.tune.partition import PARTITION_TIE
+    """No -p: every candidate size priced in a table, the one ``tune.partition.pick`` takes from that
+    table marked and lowered (the plan line and program.txt say it). Mutation: the choice priced but
+    not lowered (one node's p=8 in the plan line) fails."""
+    from types import SimpleNamespace
 
-    out = ok(run("plan", "gpt:tiny", "--cluster", "p4d.24xlarge", "--nodes", "2", "--out", str(tmp_path)))
+    from micscompile.tune.partition import PricedSize, pick
+
+    out = ok(run("plan", "gpt:tiny", "--cluster", "p4d.24xlarge", "--nodes", "16", "--out", str(tmp_path)))
     table = out[out.index("step ms  peak GiB"):]
     rows = [line.split() for line in table.splitlines()[2:] if line.split()[:1] and line.split()[0].isdigit()]
-    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16], out
-    times = {int(r[0]): float(r[2]) for r in rows if r[4] == "yes"}
-    best = min(times.values())
-    want = min(p for p, t in times.items() if t <= best * (1 + PARTITION_TIE))
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128], out
+    cluster = mc.Cluster.preset("p4d.24xlarge", nodes=16)
+    priced = [PricedSize(int(r[0]), SimpleNamespace(step_time_s=float(r[2]) / 1e3, peak_memory_bytes=0 if r[4] == "yes"
+                                                    else 2 * cluster.gpu.memory_bytes)) for r in rows]
+    want = pick(priced, cluster, default=8).partition_size
+    assert want != 8, out  # gpt:tiny at one micro-batch: one node is not the choice, so the plan line tells
     assert [int(r[0]) for r in rows if r[-1] == "<-"] == [want], out
     assert f"partition size {want} (priced on p4d.24xlarge" in out and f" p={want} " in out, out
     assert f"partition size {want} (priced" in (tmp_path / "program.txt").read_text()

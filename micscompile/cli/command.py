@@ -251,7 +251,7 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("-p", "--partition-size", type=int, nargs="+" if several else None, default=None,
                     help="ranks sharding one replica (t inside a stage); default: "
                          + ("one node; several: one row each" if several else
-                            "priced: the fastest power of two that fits, within 5%% the smallest"))
+                            "priced: one node unless a power of two that fits is 5%% faster"))
     sp.add_argument("-S", "--pipeline-stages", type=int, default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=int, default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")

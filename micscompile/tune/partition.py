@@ -8,8 +8,10 @@ backward (gpt:13b on 16 p4d nodes at p=8: the replicas' links are busy 2.5 s aga
 compute), where a partition group of two nodes halves it. So the partition size is priced, not
 assumed: every power of two from 1 to the ranks of a stage (to one node with pipeline stages,
 whose groups stay inside a node) whose fp32 shard and gradient accumulator alone fit the device,
-each lowered and simulated as ``mc.simulate`` prices a plan; the fastest that fits is taken, and
-within ``PARTITION_TIE`` of it the smallest (the thesis's rule: fewer ranks to gather from).
+each lowered and simulated as ``mc.simulate`` prices a plan. One node (what ``mc.Plan`` and
+``simulate`` take without a partition size) stays unless a size that fits is predicted at least ``PARTITION_TIE`` faster, or
+one node does not fit; then the smallest size within ``PARTITION_TIE`` of the fastest is taken
+(the thesis's rule: fewer ranks to gather from).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ default: two plans priced by one model on one trace, whose ratio is surer than e
 
 STATE_BYTES_PER_PARAM = 8
 """Bytes per parameter a rank holds whatever the plan: its fp32 shard and its fp32 gradient
-accumulator (``Plan.param_dtype``'s master weights); a partition size whose 1/p of them does not
-fit the device is not priced."""
+accumulator (``Plan.param_dtype``'s master weights); a partition size whose 1/p of them (of a stage's
+average 1/S of the model with pipeline stages) does not fit the device is not priced."""
 
 
 @dataclass
@@ -84,12 +86,16 @@ def candidate_sizes(plan: Plan, cluster: Cluster) -> list[int]:
     return sizes
 
 
-def pick(priced: list[PricedSize], cluster: Cluster, tie: float = PARTITION_TIE) -> PricedSize | None:
-    """The smallest partition size predicted within ``tie`` of the fastest that fits; None if none fits."""
+def pick(priced: list[PricedSize], cluster: Cluster, default: int, tie: float = PARTITION_TIE) -> PricedSize | None:
+    """One node (``default``) unless a size that fits is predicted at least ``tie`` faster (or it does
+    not fit); then the smallest size within ``tie`` of the fastest. None if none fits."""
     fitting = [r for r in priced if r.fits(cluster)]
     if not fitting:
         return None
     best = min(r.prediction.step_time_s for r in fitting)
+    node = next((r for r in fitting if r.partition_size == default), None)
+    if node is not None and node.prediction.step_time_s < best * (1 + tie):
+        return node
     return min((r for r in fitting if r.prediction.step_time_s <= best * (1 + tie)), key=lambda r: r.partition_size)
 
 
@@ -104,7 +110,7 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
     for p in candidate_sizes(plan, cluster):
         row = PricedSize(p)
         priced.append(row)
-        state = STATE_BYTES_PER_PARAM * params / p
+        state = STATE_BYTES_PER_PARAM * params / (p * plan.pipeline_stages)  # a stage's share, on average
         if state > cluster.gpu.memory_bytes:
             row.skipped = f"its fp32 shard and gradients alone are {state / 2**30:.1f} GiB"
             continue
@@ -117,15 +123,22 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
         row.prediction = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)
         if progress:
             progress(f"priced p={p}: {row.prediction.step_time_s * 1e3:.1f} ms")
-    chosen = pick(priced, cluster)
     default = min(k, world // plan.pipeline_stages)
+    chosen = pick(priced, cluster, default)
     p = chosen.partition_size if chosen else default
     ours = next(r for r in priced if r.partition_size == p) if chosen else None
     node = next((r for r in priced if r.partition_size == default and r.fits(cluster)), None)
     if chosen is None:
         why = f"none of {len(priced)} sizes fits {cluster.gpu.name}; one node ({default})"
-    elif node is None or node is ours:
-        why = f"{ours.prediction.step_time_s * 1e3:.1f} ms, the fastest that fits (within {PARTITION_TIE:.0%}, the smallest)"
+    elif node is None:
+        why = f"{ours.prediction.step_time_s * 1e3:.1f} ms; one node (p={default}) does not fit"
+    elif ours is node:
+        others = [r for r in priced if r is not node and r.fits(cluster)]
+        fastest = min(others, key=lambda r: r.prediction.step_time_s, default=None)
+        gain = node.prediction.step_time_s / fastest.prediction.step_time_s if fastest else 0.0
+        why = (f"{node.prediction.step_time_s * 1e3:.1f} ms, one node: " +
+               ("the only size that fits" if fastest is None else "the fastest that fits" if gain <= 1 else
+                f"p={fastest.partition_size} is only {gain:.3f}x faster, under {1 + PARTITION_TIE:.2f}x"))
     else:
         ratio = node.prediction.step_time_s / ours.prediction.step_time_s
         why = (f"{ours.prediction.step_time_s * 1e3:.1f} ms, {ratio:.2f}x one node's (p={default}) "
