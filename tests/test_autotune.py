@@ -305,3 +305,23 @@ def test_the_priced_partition_size_leaves_one_node_only_for_a_size_priced_5_perc
     assert pick([row(8, 1.0, fits=False)], cluster, default=8) is None
     assert candidate_sizes(mc.Plan(), cluster) == [1, 2, 4, 8, 16, 32]
     assert candidate_sizes(mc.Plan(pipeline_stages=2), cluster) == [1, 2, 4, 8]  # a stage's group stays in a node
+
+
+def test_pricing_the_partition_size_of_a_pipeline_and_of_a_plan_nothing_fits(model):
+    """tune.partition.choose_partition_size end to end: a 2-stage pipeline on one 8-GPU node prices
+    t = 1, 2, 4 (a stage's ranks), takes one of them and resolves it; on a device too small for any
+    shard every size is skipped with the reason and one node is taken, said so."""
+    from micscompile.lowering.predict import concrete
+    from micscompile.tune.partition import choose_partition_size, pick
+
+    trace = concrete(mc.trace(model, _batch(2), lm_loss))
+    cluster = mc.Cluster.preset("p4d.24xlarge")
+    choice = choose_partition_size(trace, mc.Plan(pipeline_stages=2, micro_batches=2), cluster)
+    assert [r.partition_size for r in choice.priced] == [1, 2, 4]
+    assert all(r.prediction is not None for r in choice.priced), choice.table(cluster)
+    assert choice.plan.stages == 2 and choice.plan.partition_size == pick(choice.priced, cluster, default=4).partition_size
+    assert f"partition size {choice.plan.partition_size} (priced on p4d.24xlarge" in choice.why
+    tiny = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=1 << 10))
+    choice = choose_partition_size(trace, mc.Plan(), tiny)
+    assert choice.plan.partition_size == 8 and "none of 4 sizes fits" in choice.why, choice.why
+    assert all(r.prediction is None and "alone are" in r.skipped for r in choice.priced)

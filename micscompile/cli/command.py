@@ -107,8 +107,9 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
 def _plans(args: argparse.Namespace, cluster) -> list:
 
     import micscompile as mc
+    from micscompile.tune.partition import one_node
 
-    sizes = args.partition_size or [min(cluster.gpus_per_node, cluster.world_size)]
+    sizes = args.partition_size or [one_node(mc.Plan(pipeline_stages=args.pipeline_stages), cluster)]
     sizes = sizes if isinstance(sizes, list) else [sizes]
     dtype = _dtype(args, cluster)
     return [mc.Plan(partition_size=p, pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches,

@@ -74,16 +74,22 @@ class PartitionChoice:
         return "\n".join(lines)
 
 
+def one_node(plan: Plan, cluster: Cluster) -> int:
+    """The partition size without pricing: one node, or a stage's ranks where they are fewer."""
+    return max(1, min(cluster.gpus_per_node, cluster.world_size // plan.pipeline_stages))
+
+
 def candidate_sizes(plan: Plan, cluster: Cluster) -> list[int]:
-    """Powers of two from 1 to a stage's ranks (to one node with pipeline stages) dividing them."""
+    """Powers of two from 1 to a stage's ranks (to one node with pipeline stages) dividing them, and
+    one node (``one_node``) where a node is not a power of two."""
     stage_ranks = cluster.world_size // plan.pipeline_stages
     top = min(stage_ranks, cluster.gpus_per_node) if plan.pipeline_stages > 1 else stage_ranks
-    sizes, p = [], 1
+    sizes, p = {one_node(plan, cluster)}, 1
     while p <= top:
         if stage_ranks % p == 0:
-            sizes.append(p)
+            sizes.add(p)
         p *= 2
-    return sizes
+    return sorted(sizes)
 
 
 def pick(priced: list[PricedSize], cluster: Cluster, default: int, tie: float = PARTITION_TIE) -> PricedSize | None:
@@ -116,14 +122,14 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
             continue
         try:
             rp = plan.replace(partition_size=p).resolve(world, k)
-        except PlanError as e:
+            lowered = lower(trace, rp, cluster, need_graph=False)
+            row.prediction = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)
+        except PlanError as e:  # this size cannot work (the others may)
             row.skipped = str(e)
             continue
-        lowered = lower(trace, rp, cluster, need_graph=False)
-        row.prediction = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)
         if progress:
             progress(f"priced p={p}: {row.prediction.step_time_s * 1e3:.1f} ms")
-    default = min(k, world // plan.pipeline_stages)
+    default = one_node(plan, cluster)
     chosen = pick(priced, cluster, default)
     p = chosen.partition_size if chosen else default
     ours = next(r for r in priced if r.partition_size == p) if chosen else None
@@ -131,17 +137,17 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
     if chosen is None:
         why = f"none of {len(priced)} sizes fits {cluster.gpu.name}; one node ({default})"
     elif node is None:
-        why = f"{ours.prediction.step_time_s * 1e3:.1f} ms; one node (p={default}) does not fit"
+        why = f"{ours.prediction.step_time_s * 1e3:.1f} ms; one node (p={default}) does not fit or cannot work"
     elif ours is node:
         others = [r for r in priced if r is not node and r.fits(cluster)]
         fastest = min(others, key=lambda r: r.prediction.step_time_s, default=None)
         gain = node.prediction.step_time_s / fastest.prediction.step_time_s if fastest else 0.0
-        why = (f"{node.prediction.step_time_s * 1e3:.1f} ms, one node: " +
+        why = (f"{node.prediction.step_time_s * 1e3:.1f} ms, one node (p={default}): " +
                ("the only size that fits" if fastest is None else "the fastest that fits" if gain <= 1 else
                 f"p={fastest.partition_size} is only {gain:.3f}x faster, under {1 + PARTITION_TIE:.2f}x"))
     else:
         ratio = node.prediction.step_time_s / ours.prediction.step_time_s
-        why = (f"{ours.prediction.step_time_s * 1e3:.1f} ms, {ratio:.2f}x one node's (p={default}) "
-               f"{node.prediction.step_time_s * 1e3:.1f} ms")
+        why = (f"{ours.prediction.step_time_s * 1e3:.1f} ms, {ratio:.2f}x faster than one node (p={default}, "
+               f"{node.prediction.step_time_s * 1e3:.1f} ms)")
     return PartitionChoice(plan.replace(partition_size=p).resolve(world, k), priced,
                            f"partition size {p} (priced on {cluster.name}, no -p given): {why}")
