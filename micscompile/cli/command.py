@@ -143,7 +143,7 @@ def _plan(args: argparse.Namespace) -> int:
     lowered = lower(trace, rp, cluster)  # once, as mc.compile lowers rank 0: its Program, prediction and buffers
     if choice is not None:
         for program in lowered.programs().values():
-            program.choice = f"{choice.why}\n{program.choice}" if program.choice else choice.why
+            program.note_choice(choice.why, first=True)
     comm, text = lowered.comm_stats(), str(lowered)
     rp = lowered.plan  # with what the lowering chose ("auto" optimizer sharding)
     pred = lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), scaling=True)  # as mc.simulate

@@ -182,10 +182,16 @@ class Program:
     prefetch: Prefetch | None = None
     """Where the schedule put the gathers."""
     choice: str = ""
-    """How the schedule was chosen (``lowering.flat``): what was priced, and the choice's predicted gain."""
+    """How the schedule was chosen (``lowering.flat``): what was priced, and the choice's predicted gain;
+    one line per choice (``note_choice``)."""
     pricer: Callable[..., Any] | None = None
     """``pricer(program, cluster, **costs)`` -> a ``cost_model.simulator.Prediction``: the lowering that
     built the Program hands it the cost model (core imports nothing above it, docs/design.md#layering)."""
+
+    def note_choice(self, line: str, *, first: bool = False) -> None:
+        """Add a line to ``choice`` (``first``: above the others)."""
+        lines = [line, self.choice] if first else [self.choice, line]
+        self.choice = "\n".join(x for x in lines if x)
 
     def issued_in(self, mb: int) -> list[Action]:
         """The actions micro-step ``mb`` runs: carried gathers are skipped after the first micro-step

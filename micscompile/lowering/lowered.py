@@ -112,5 +112,5 @@ def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster
     line = (f"optimizer states over the {'world' if home == 'world' else 'partition group'} (auto, priced on "
             f"{cluster.name}): {why}")
     for program in chosen.programs().values():
-        program.choice = f"{program.choice}\n{line}" if program.choice else line
+        program.note_choice(line)
     return chosen

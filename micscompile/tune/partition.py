@@ -27,9 +27,10 @@ from micscompile.lowering.predict import model_buffer_bytes
 from micscompile.trace import TrainGraph
 
 PARTITION_TIE = 0.05
-"""Partition sizes predicted within this fraction of the fastest are a tie, which the smallest takes
-(the threshold ``Plan.optimizer_sharding="auto"`` and ``Plan.codegen="auto"`` use to leave their
-default: two plans priced by one model on one trace, whose ratio is surer than either time)."""
+"""One node stays unless a size is predicted at least this fraction faster; sizes within it of the
+fastest are a tie, which the smallest takes (the threshold ``Plan.optimizer_sharding="auto"`` and
+``Plan.codegen="auto"`` use to leave their default: two plans priced by one model on one trace, whose
+ratio is surer than either time)."""
 
 STATE_BYTES_PER_PARAM = 8
 """Bytes per parameter a rank holds whatever the plan: its fp32 shard and its fp32 gradient
@@ -132,13 +133,12 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
     default = one_node(plan, cluster)
     chosen = pick(priced, cluster, default)
     p = chosen.partition_size if chosen else default
-    ours = next(r for r in priced if r.partition_size == p) if chosen else None
     node = next((r for r in priced if r.partition_size == default and r.fits(cluster)), None)
     if chosen is None:
         why = f"none of {len(priced)} sizes fits {cluster.gpu.name}; one node ({default})"
     elif node is None:
-        why = f"{ours.prediction.step_time_s * 1e3:.1f} ms; one node (p={default}) does not fit or cannot work"
-    elif ours is node:
+        why = f"{chosen.prediction.step_time_s * 1e3:.1f} ms; one node (p={default}) does not fit or cannot work"
+    elif chosen is node:
         others = [r for r in priced if r is not node and r.fits(cluster)]
         fastest = min(others, key=lambda r: r.prediction.step_time_s, default=None)
         gain = node.prediction.step_time_s / fastest.prediction.step_time_s if fastest else 0.0
@@ -146,8 +146,8 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
                ("the only size that fits" if fastest is None else "the fastest that fits" if gain <= 1 else
                 f"p={fastest.partition_size} is only {gain:.3f}x faster, under {1 + PARTITION_TIE:.2f}x"))
     else:
-        ratio = node.prediction.step_time_s / ours.prediction.step_time_s
-        why = (f"{ours.prediction.step_time_s * 1e3:.1f} ms, {ratio:.2f}x faster than one node (p={default}, "
+        ratio = node.prediction.step_time_s / chosen.prediction.step_time_s
+        why = (f"{chosen.prediction.step_time_s * 1e3:.1f} ms, {ratio:.2f}x faster than one node (p={default}, "
                f"{node.prediction.step_time_s * 1e3:.1f} ms)")
     return PartitionChoice(plan.replace(partition_size=p).resolve(world, k), priced,
                            f"partition size {p} (priced on {cluster.name}, no -p given): {why}")
