@@ -12,6 +12,10 @@ floor: no wrapper, no collective). Every system is built first and then timed in
 step from an idle device to its end (synchronized). Per (model, s): the median step, its ratio to
 micscompile's, the system's GPU memory at the peak of its first step, and, for micscompile, whether a step makes the host
 wait for the GPU (``torch.cuda.set_sync_debug_mode("error")`` around whole steps after warm-up).
+Per system also the host's side of a step (``host_side``): the median time until the step returns
+(its kernels queued, the device not waited for), the aten ops it dispatches (``OpCounter``) and the
+kernels it launches (``torch.profiler``: the runtime's and the driver's launch calls, Triton's
+included): what ``Plan.codegen="auto"`` must price on a host-bound GPU (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,7 @@ from timing import interleaved_times_s
 import micscompile as mc
 from micscompile.core.launch import init_distributed
 from micscompile.core.optim import prefer_fused
+from micscompile.tune.profile import OpCounter
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
 SYSTEMS = ["micscompile p=1", "eager (fused AdamW)", "DDP (no_sync)", "FSDP2 (1 rank)"]
@@ -85,6 +92,28 @@ def host_syncs(step, batch) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def host_side(step, batches) -> tuple[float, int, int]:
+    """(median seconds until a step returns, from an idle device; aten ops it dispatches; kernels it
+    launches). On a host-bound step the first is close to the step's time, and over the launches it is
+    the host's cost per kernel."""
+    times = []
+    for batch in batches:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(*batch)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    with OpCounter() as ops:
+        step(*batches[0])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(*batches[0])
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key)
+    return statistics.median(times), ops.total, launches
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -104,7 +133,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dist.get_backend()}, "
           f"{'TF32' if args.tf32 else 'fp32'} matmuls, "
           f"AdamW; step = median of {args.steps} steps, systems timed in alternation", flush=True)
-    head = f"{'model':<10}{'s':>3} {'system':<22}{'step ms':>9}{'/mc':>7}{'peak GiB':>10}  host syncs"
+    head = (f"{'model':<10}{'s':>3} {'system':<26}{'step ms':>9}{'/mc':>7}{'peak GiB':>10}{'host ms':>9}"
+            f"{'aten ops':>9}{'kernels':>8}  host syncs")
     rows = []
     for name in args.models:
         layers, hidden, seq, batch = MODELS[name]
@@ -115,23 +145,26 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         batches = [tuple(t.to(device) for t in lm_batch(cfg, batch, gen)) for _ in range(args.warmup + args.steps)]
         for s in args.micro_batches:
-            print(f"{name} ({n / 1e6:.0f}M params, {layers} layers h={hidden} seq {seq}, {batch} samples), s={s}",
-                  flush=True)
+            print(f"{name} ({n / 1e6:.0f}M params, {layers} layers h={hidden} seq {seq}, {batch} samples), s={s}; "
+                  f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated before building", flush=True)
             steps, peaks = built(systems, model, s, batches[0], device, args.codegen)
             times = {k: statistics.median(v) for k, v in interleaved_times_s(steps, batches, args.warmup).items()}
             syncs = host_syncs(steps["micscompile p=1"], batches[-1])
             ours = times["micscompile p=1"]
             for system, t in times.items():
-                rows.append(f"{name:<10}{s:>3} {system:<22}{t * 1e3:>9.1f}{t / ours:>6.2f}x"
-                            f"{peaks[system] / 2**30:>10.2f}  "
+                host, ops, launches = host_side(steps[system], batches[-5:])
+                rows.append(f"{name:<10}{s:>3} {system:<26}{t * 1e3:>9.1f}{t / ours:>6.2f}x"
+                            f"{peaks[system] / 2**30:>10.2f}{host * 1e3:>9.1f}{ops:>9}{launches:>8}  "
                             + (syncs if system.startswith("micscompile") else ""))
             del steps
+            gc.collect()  # a step's reference cycles would keep its GPU memory into the next (model, s)
             torch.cuda.empty_cache()
     print(head)
     print("-" * len(head))
     print("\n".join(rows))
     print("/mc > 1: the system is slower than micscompile. peak GiB: the system's bytes at the peak of its first "
-          "step, parameters, optimizer states and buffers included.")
+          "step, parameters, optimizer states and buffers included. host ms: until the step returns, "
+          "its kernels queued; aten ops and kernels: dispatched and launched per step.")
     dist.destroy_process_group()
 
 

@@ -30,6 +30,12 @@ from micscompile.cost_model.specs import Cluster, GpuSpec, Link
 
 COLLECTIVE_SIZES_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256, 256))
+"""(m, k, n) of the matmuls timed on a CPU rank: a bench-sized model's."""
+GPU_MATMUL_SHAPES = ((8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096), (4096, 4096, 4096))
+"""On a GPU: a transformer's at hidden 4096 over 8192 tokens. The CPU's shapes run in microseconds
+there and time the launches: 13.9 TFLOP/s bf16 on an H100 (docs/gpu.md)."""
+BANDWIDTH_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+"""fp32 elements per operand of the timed ``add``: on a GPU 3 x 256 MiB, past its L2 cache."""
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Measured peaks, keyed like ``GpuSpec.peak_flops``: a bf16 plan is priced at the bf16 peak."""
 
@@ -104,12 +110,17 @@ def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: 
                                 for _ in range(repeats)])
 
 
+def matmul_shapes(device: torch.device) -> tuple[tuple[int, int, int], ...]:
+    """The matmuls timed on ``device``: GPU_MATMUL_SHAPES on CUDA, else MATMUL_SHAPES."""
+    return GPU_MATMUL_SHAPES if device.type == "cuda" else MATMUL_SHAPES
+
+
 def _matmul_peaks(device: torch.device, repeats: int) -> dict[str, float]:
-    """Per dtype of MATMUL_DTYPES (by name), the median matmul FLOP/s over MATMUL_SHAPES."""
+    """Per dtype of MATMUL_DTYPES (by name), the median matmul FLOP/s over ``matmul_shapes(device)``."""
     peaks = {}
     for dtype in MATMUL_DTYPES:
         rates = []
-        for m, k, n in MATMUL_SHAPES:
+        for m, k, n in matmul_shapes(device):
             a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
             rates.append(2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), repeats, device))
         peaks[str(dtype).removeprefix("torch.")] = statistics.median(rates)
@@ -239,7 +250,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
 
     # compute: matmul throughput per dtype, memory bandwidth, per-op overhead
     peaks = _matmul_peaks(device, repeats)
-    x, y, z = (torch.randn(1 << 22, device=device) for _ in range(3))
+    x, y, z = (torch.randn(BANDWIDTH_ELEMENTS.get(device.type, 1 << 22), device=device) for _ in range(3))
     bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats, device)
     tiny = torch.ones(8, device=device)
     op_overhead = _timed(lambda: tiny.add(tiny), repeats, device)
