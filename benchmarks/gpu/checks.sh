@@ -1,0 +1,31 @@
+#!/bin/bash
+# The one-GPU checks of docs/gpu.md in one call (about 4.5 min on an H100): the GPU tests, what
+# calibrate measures, and micscompile against eager PyTorch, DDP and FSDP2 (bench_gpu.py) on the
+# small GPT and the 303M one. Run from the repository root on a machine with one CUDA GPU:
+#     bash benchmarks/gpu/checks.sh 2>&1 | tee gpu_checks.log
+# Each step has its own time limit, so one that hangs leaves the others their time.
+export PYTHONPATH="$PWD/benchmarks/gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+step() { echo "=== $(date +%T) $*"; }
+step machine
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step "GPU tests"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_target_device.py \
+    tests/test_host_sync.py 2>&1 | tail -6
+step "calibrate (one rank)"
+timeout 90 python3 - <<'PY' 2>&1 | grep -v Warning
+import datetime, os
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="29555")
+from micscompile.core.launch import init_distributed
+from micscompile.cost_model.calibrate import calibrate
+init_distributed(timeout=datetime.timedelta(seconds=60))
+calibrate(repeats=3, log=print)
+PY
+step "bench_gpu.py, the small GPT (host-bound)"
+timeout 170 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models small --steps 15 --inductor \
+    2>&1 | grep -v Warning | tail -16
+step "bench_gpu.py, the 303M GPT (TF32)"
+timeout 230 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models gpt-350m --steps 8 --warmup 2 \
+    --tf32 --inductor 2>&1 | grep -v Warning | tail -14
+step done
