@@ -106,8 +106,9 @@ def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster
     home = "world" if only_world_fits or (gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN and (world_fits or not part_fits)) \
         else "partition"
     why = ("only it fits" if only_world_fits else
-           f"{gain:.2f}x partition's {t_part.step_time_s * 1e3:.3f} ms" if home == "world" else
-           f"world's {t_world.step_time_s * 1e3:.3f} ms is {gain:.2f}x, under {1 + OPTIMIZER_WORLD_MIN_GAIN:.2f}x")
+           f"{gain:.2f}x faster than over the partition group ({t_part.step_time_s * 1e3:.3f} ms)" if home == "world"
+           else f"over the world {gain:.2f}x faster ({t_world.step_time_s * 1e3:.3f} ms), under "
+                f"{1 + OPTIMIZER_WORLD_MIN_GAIN:.2f}x")
     chosen = lower(trace, plan_of(home), cluster, groups, rank, **kw)
     line = (f"optimizer states over the {'world' if home == 'world' else 'partition group'} (auto, priced on "
             f"{cluster.name}): {why}")
