@@ -8,7 +8,8 @@ compute, on the device it is built for. Same GPT, same batches (on the GPU befor
 (``--tf32``: TF32 matmuls) for all; micscompile steps AdamW by torch's fused kernel (``core.optim.prefer_fused``),
 the peers by torch's default (foreach on CUDA), "eager" by the fused kernel as micscompile does (the
 floor: no wrapper, no collective). Every system is built first and then timed in alternation
-(``timing.interleaved_times_s``: each round times every system once on the same batch), each
+(``timing.interleaved_times_s``: each round times every system once on the same batch; ``--alone``:
+each system built, timed and freed in turn, no other system's memory or streams in the process), each
 step from an idle device to its end (synchronized). Per (model, s): the median step, its ratio to
 micscompile's, the system's GPU memory at the peak of its first step, and, for micscompile, whether a step makes the host
 wait for the GPU (``torch.cuda.set_sync_debug_mode("error")`` around whole steps after warm-up).
@@ -124,6 +125,8 @@ def main() -> None:
                     help="Plan.codegen of the micscompile row")
     ap.add_argument("--tf32", action="store_true", help="fp32 matmuls in TF32 (PyTorch's default: off)")
     ap.add_argument("--inductor", action="store_true", help="also a micscompile row with codegen='inductor'")
+    ap.add_argument("--alone", action="store_true",
+                    help="build, time and free each system in turn (default: all built, timed in alternation)")
     args = ap.parse_args()
     systems = SYSTEMS[:1] + ["micscompile p=1, Inductor"] * args.inductor + SYSTEMS[1:]
     device = init_distributed(timeout=datetime.timedelta(seconds=300))
@@ -132,7 +135,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dist.get_backend()}, "
           f"{'TF32' if args.tf32 else 'fp32'} matmuls, "
-          f"AdamW; step = median of {args.steps} steps, systems timed in alternation", flush=True)
+          f"AdamW; step = median of {args.steps} steps, systems timed "
+          f"{'alone, one after another' if args.alone else 'in alternation'}", flush=True)
     head = (f"{'model':<10}{'s':>3} {'system':<26}{'step ms':>9}{'/mc':>7}{'peak GiB':>10}{'host ms':>9}"
             f"{'aten ops':>9}{'kernels':>8}  host syncs")
     rows = []
@@ -147,18 +151,23 @@ def main() -> None:
         for s in args.micro_batches:
             print(f"{name} ({n / 1e6:.0f}M params, {layers} layers h={hidden} seq {seq}, {batch} samples), s={s}; "
                   f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated before building", flush=True)
-            steps, peaks = built(systems, model, s, batches[0], device, args.codegen)
-            times = {k: statistics.median(v) for k, v in interleaved_times_s(steps, batches, args.warmup).items()}
-            syncs = host_syncs(steps["micscompile p=1"], batches[-1])
-            ours = times["micscompile p=1"]
-            for system, t in times.items():
-                host, ops, launches = host_side(steps[system], batches[-5:])
+            # interleaved: all built, then timed in alternation; alone: each built, timed and freed in turn
+            groups = [[system] for system in systems] if args.alone else [systems]
+            measured = {}  # system -> (median step s, peak bytes, host s, aten ops, kernels, host syncs)
+            for group in groups:
+                steps, peaks = built(group, model, s, batches[0], device, args.codegen)
+                times = interleaved_times_s(steps, batches, args.warmup)
+                for system in group:
+                    syncs = host_syncs(steps[system], batches[-1]) if system.startswith("micscompile") else ""
+                    measured[system] = (statistics.median(times[system]), peaks[system],
+                                        *host_side(steps[system], batches[-5:]), syncs)
+                del steps
+                gc.collect()  # a step's reference cycles would keep its GPU memory into the next one
+                torch.cuda.empty_cache()
+            ours = measured["micscompile p=1"][0]
+            for system, (t, peak, host, ops, launches, syncs) in measured.items():
                 rows.append(f"{name:<10}{s:>3} {system:<26}{t * 1e3:>9.1f}{t / ours:>6.2f}x"
-                            f"{peaks[system] / 2**30:>10.2f}{host * 1e3:>9.1f}{ops:>9}{launches:>8}  "
-                            + (syncs if system.startswith("micscompile") else ""))
-            del steps
-            gc.collect()  # a step's reference cycles would keep its GPU memory into the next (model, s)
-            torch.cuda.empty_cache()
+                            f"{peak / 2**30:>10.2f}{host * 1e3:>9.1f}{ops:>9}{launches:>8}  {syncs}")
     print(head)
     print("-" * len(head))
     print("\n".join(rows))

@@ -1,7 +1,7 @@
 #!/bin/bash
-# The one-GPU checks of docs/gpu.md in one call (about 4.5 min on an H100): the GPU tests, what
+# The one-GPU checks of docs/gpu.md in one call (about 6 min on an H100): the GPU tests, what
 # calibrate measures, and micscompile against eager PyTorch, DDP and FSDP2 (bench_gpu.py) on the
-# small GPT and the 303M one. Run from the repository root on a machine with one CUDA GPU:
+# small GPT and the 303M one, the latter at s=4 once more with each system alone in the process. Run from the repository root on a machine with one CUDA GPU:
 #     bash benchmarks/gpu/checks.sh 2>&1 | tee gpu_checks.log
 # Each step has its own time limit, so one that hangs leaves the others their time.
 export PYTHONPATH="$PWD/benchmarks/gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -28,4 +28,7 @@ timeout 170 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --m
 step "bench_gpu.py, the 303M GPT (TF32)"
 timeout 230 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models gpt-350m --steps 8 --warmup 2 \
     --tf32 --inductor 2>&1 | grep -v Warning | tail -14
+step "bench_gpu.py, the 303M GPT at s=4, each system alone (is the spread between launches the others'?)"
+timeout 200 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models gpt-350m --micro-batches 4 \
+    --steps 8 --warmup 2 --tf32 --inductor --alone 2>&1 | grep -v Warning | tail -9
 step done
