@@ -1,7 +1,8 @@
 #!/bin/bash
 # The one-GPU checks of docs/gpu.md in one call (about 6 min on an H100): the GPU tests, what
 # calibrate measures, and micscompile against eager PyTorch, DDP and FSDP2 (bench_gpu.py) on the
-# small GPT and the 303M one, the latter at s=4 once more with each system alone in the process. Run from the repository root on a machine with one CUDA GPU:
+# small GPT and the 303M one, the latter at s=4 once more with each system alone in the process.
+# Run from the repository root on a machine with one CUDA GPU:
 #     bash benchmarks/gpu/checks.sh 2>&1 | tee gpu_checks.log
 # Each step has its own time limit, so one that hangs leaves the others their time.
 export PYTHONPATH="$PWD/benchmarks/gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4

@@ -34,8 +34,10 @@ MATMUL_SHAPES = ((512, 256, 768), (512, 1024, 256), (512, 256, 256), (2048, 256,
 GPU_MATMUL_SHAPES = ((8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096), (4096, 4096, 4096))
 """On a GPU: a transformer's at hidden 4096 over 8192 tokens. The CPU's shapes run in microseconds
 there and time the launches: 13.9 TFLOP/s bf16 on an H100 (docs/gpu.md)."""
-BANDWIDTH_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
-"""fp32 elements per operand of the timed ``add``: on a GPU 3 x 256 MiB, past its L2 cache."""
+BANDWIDTH_ELEMENTS = 1 << 22
+"""fp32 elements per operand of the ``add`` timed on a CPU rank."""
+GPU_BANDWIDTH_ELEMENTS = 1 << 26
+"""On a GPU: 3 x 256 MiB, past its L2 cache (the CPU's 3 x 16 MiB sit in an H100's 50 MB L2)."""
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Measured peaks, keyed like ``GpuSpec.peak_flops``: a bf16 plan is priced at the bf16 peak."""
 
@@ -113,6 +115,12 @@ def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: 
 def matmul_shapes(device: torch.device) -> tuple[tuple[int, int, int], ...]:
     """The matmuls timed on ``device``: GPU_MATMUL_SHAPES on CUDA, else MATMUL_SHAPES."""
     return GPU_MATMUL_SHAPES if device.type == "cuda" else MATMUL_SHAPES
+
+
+def bandwidth_elements(device: torch.device) -> int:
+    """The operands' length of the ``add`` timed on ``device``: GPU_BANDWIDTH_ELEMENTS on CUDA, else
+    BANDWIDTH_ELEMENTS."""
+    return GPU_BANDWIDTH_ELEMENTS if device.type == "cuda" else BANDWIDTH_ELEMENTS
 
 
 def _matmul_peaks(device: torch.device, repeats: int) -> dict[str, float]:
@@ -250,7 +258,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
 
     # compute: matmul throughput per dtype, memory bandwidth, per-op overhead
     peaks = _matmul_peaks(device, repeats)
-    x, y, z = (torch.randn(BANDWIDTH_ELEMENTS.get(device.type, 1 << 22), device=device) for _ in range(3))
+    x, y, z = (torch.randn(bandwidth_elements(device), device=device) for _ in range(3))
     bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats, device)
     tiny = torch.ones(8, device=device)
     op_overhead = _timed(lambda: tiny.add(tiny), repeats, device)

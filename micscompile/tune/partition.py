@@ -93,6 +93,11 @@ def candidate_sizes(plan: Plan, cluster: Cluster) -> list[int]:
     return sorted(sizes)
 
 
+def _fitting(priced: list[PricedSize], cluster: Cluster, size: int) -> PricedSize | None:
+    """The row of ``size`` if it was priced and fits, else None."""
+    return next((r for r in priced if r.partition_size == size and r.fits(cluster)), None)
+
+
 def pick(priced: list[PricedSize], cluster: Cluster, default: int, tie: float = PARTITION_TIE) -> PricedSize | None:
     """One node (``default``) unless a size that fits is predicted at least ``tie`` faster (or it does
     not fit); then the smallest size within ``tie`` of the fastest. None if none fits."""
@@ -100,7 +105,7 @@ def pick(priced: list[PricedSize], cluster: Cluster, default: int, tie: float = 
     if not fitting:
         return None
     best = min(r.prediction.step_time_s for r in fitting)
-    node = next((r for r in fitting if r.partition_size == default), None)
+    node = _fitting(priced, cluster, default)
     if node is not None and node.prediction.step_time_s < best * (1 + tie):
         return node
     return min((r for r in fitting if r.prediction.step_time_s <= best * (1 + tie)), key=lambda r: r.partition_size)
@@ -133,7 +138,7 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
     default = one_node(plan, cluster)
     chosen = pick(priced, cluster, default)
     p = chosen.partition_size if chosen else default
-    node = next((r for r in priced if r.partition_size == default and r.fits(cluster)), None)
+    node = _fitting(priced, cluster, default)
     if chosen is None:
         why = f"none of {len(priced)} sizes fits {cluster.gpu.name}; one node ({default})"
     elif node is None:
