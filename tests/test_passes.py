@@ -274,6 +274,51 @@ def test_fold_transposes_drops_transposes_of_transposes_and_keeps_values():
     gm.recompile()
     assert all(torch.equal(a, b) for a, b in zip(gm(*args), want))
     eager = mc.Plan(codegen="eager")
-    assert [n for n, _ in runtime_pass_list(eager, False)] == ["fold_transposes"]
-    assert [n for n, _ in runtime_pass_list(eager, True)] == ["fold_transposes", "out_variants"]
+    assert [n for n, _ in runtime_pass_list(eager, False)] == ["fold_transposes", "accumulate_in_matmuls"]
+    assert [n for n, _ in runtime_pass_list(eager, True)] == ["fold_transposes", "accumulate_in_matmuls", "out_variants"]
     assert runtime_pass_list(mc.Plan(codegen="inductor"), True) == []
+
+
+def test_at_p1_weight_gradients_are_computed_into_their_accumulators():
+    """At p = 1 each linear weight's gradient ``mm`` becomes ``accumulate_mm`` into its accumulator slot
+    (``passes.accumulate_in_matmuls``), and ``accumulate_local`` leaves those slots to it: over three
+    micro-steps the accumulator holds what copying and adding every gradient gave. A gradient of
+    another dtype than the accumulator's (bf16 compute) or of another op stays as it was; at p = 2 the
+    gradients are reduce-scattered and nothing changes."""
+    import types
+
+    from micscompile.core.sharding import build_layouts, flat_view
+    from micscompile.passes.accumulate_in_matmuls import accumulate_in_matmuls_pass
+    from micscompile.passes.fold_transposes import fold_transposes_pass
+
+    mm = torch.ops.aten.mm.default
+    graph, ctx = rewrite(lm_trace(), 1)
+    graph = accumulate_in_matmuls_pass(fold_transposes_pass(graph, ctx), ctx)
+    acc = next(n for n in graph.nodes if n.target is C.accumulate_local)
+    fused = [n for n in graph.nodes if n.target is C.accumulate_mm]
+    names = [ctx.layouts[0].slots[i].name for i in acc.kwargs["written"]]
+    assert sorted(names) == sorted(f"blocks.{b}.{fc}.weight" for b in (0, 1) for fc in ("fc1", "fc2")), names
+    assert sorted(n.args[2] for n in fused) == sorted(acc.kwargs["written"])
+    assert all(acc.args[3 + i] is None for i in acc.kwargs["written"])
+    assert not any(n.target is mm and acc in n.users for n in graph.nodes)  # the tied head's sum stays
+    bf16 = mc.trace(TiedLM().to("meta"), (torch.zeros(4, 6, dtype=torch.long),) * 2, lm_loss, param_dtype=torch.bfloat16)
+    g16, c16 = rewrite(bf16, 1, param_dtype=torch.bfloat16)
+    assert not any(n.target is C.accumulate_mm for n in accumulate_in_matmuls_pass(g16, c16).nodes)
+    g2, c2 = rewrite(lm_trace(), 2)
+    assert not any(n.target is C.accumulate_mm for n in accumulate_in_matmuls_pass(g2, c2).nodes)
+
+    # the ops themselves: a slot written by its matmul, one added, one without a gradient, padding
+    shapes = {"w": (3, 4), "b": (4,), "unused": (2,)}
+    layout = build_layouts([("all", list(shapes))], shapes, partition_size=1, row_multiple=8)[0]
+    assert layout.padded_numel > layout.numel
+    comm = types.SimpleNamespace(layouts=[layout], grads=[torch.full((layout.padded_numel,), float("nan"))])
+    gen = torch.Generator().manual_seed(0)
+    a, b, g = [torch.randn(3, 5, generator=gen) for _ in range(3)], [torch.randn(5, 4, generator=gen) for _ in range(3)], \
+        [torch.randn(4, generator=gen) for _ in range(3)]
+    for comm.micro_step in range(3):
+        C.accumulate_mm(comm, 0, 0, a[comm.micro_step], b[comm.micro_step])
+        C.accumulate_local(comm, 0, None, None, g[comm.micro_step], None, written=(0,))
+    want = torch.zeros(layout.padded_numel)
+    flat_view(want, 0, 12, (3, 4)).copy_(sum(x @ y for x, y in zip(a, b)))
+    flat_view(want, 12, 4, (4,)).copy_(sum(g))
+    torch.testing.assert_close(comm.grads[0], want)

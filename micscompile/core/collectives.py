@@ -413,18 +413,33 @@ def accumulate(comm: Comm, bucket: int, grad: torch.Tensor) -> None:
     acc.copy_(grad) if comm.micro_step == 0 else acc.add_(grad)
 
 
-def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None) -> torch.Tensor:
+def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.Tensor | None,
+                     written: tuple[int, ...] = ()) -> torch.Tensor:
     """p = 1: the bucket's gradients added (and cast) straight into their slots of its
     fp32 accumulator, the first micro-step packing them in (``pack_grads``): no pack buffer, no
-    extra copy. Returns the accumulator."""
+    extra copy. The slots in ``written`` their matmuls already accumulated (``accumulate_mm``).
+    Returns the accumulator."""
     layout, acc = comm.layouts[bucket], comm.grads[bucket]
     if comm.micro_step == 0:
-        return pack_grads(layout, grads, acc)
-    pairs = [(flat_view(acc, slot.offset, slot.numel, tuple(g.shape)), g) for slot, g in zip(layout.slots, grads)
-             if g is not None]
+        return pack_grads(layout, grads, acc, written)
+    pairs = [(flat_view(acc, slot.offset, slot.numel, tuple(g.shape)), g)
+             for i, (slot, g) in enumerate(zip(layout.slots, grads)) if g is not None and i not in written]
     if pairs:
         torch._foreach_add_(*map(list, zip(*pairs)))  # one dispatch (one kernel per dtype group on a GPU)
     return acc
+
+
+def accumulate_mm(comm: Comm, bucket: int, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """p = 1: a weight's gradient ``a @ b`` computed straight into its slot of the bucket's
+    accumulator (``passes.accumulate_in_matmuls``): the first micro-step's matmul writes the slot,
+    later ones add to it inside the GEMM (``addmm_``, beta 1). No gradient buffer, and no pass over
+    it to copy or add it (``accumulate_local`` leaves the slot to this)."""
+    s = comm.layouts[bucket].slots[slot]
+    view = flat_view(comm.grads[bucket], s.offset, s.numel, s.shape)
+    if comm.micro_step == 0:
+        torch.mm(a, b, out=view)
+    else:
+        view.addmm_(a, b)
 
 
 def second_hop(comm: Comm, bucket: int, dtype: torch.dtype) -> None:

@@ -193,11 +193,15 @@ def unpack_param(gathered: torch.Tensor, offset: int, numel: int, shape: tuple[i
     return flat_view(gathered, offset, numel, shape)
 
 
-def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> torch.Tensor:
+def pack_grads(layout: BucketLayout, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor,
+               written: tuple[int, ...] = ()) -> torch.Tensor:
     """Full gradients -> the bucket's flat ``[padded_numel]`` buffer ``out`` (in ``grad_dtype``; None =
-    zero): each gradient copied, and cast, into its slot, whatever its strides; the padding zeroed."""
+    zero): each gradient copied, and cast, into its slot, whatever its strides; the padding zeroed.
+    The slots in ``written`` are left as they are (their matmuls wrote them: ``collectives.accumulate_mm``)."""
     pairs = []
-    for slot, g in zip(layout.slots, grads):
+    for i, (slot, g) in enumerate(zip(layout.slots, grads)):
+        if i in written:
+            continue
         if g is None:
             flat_view(out, slot.offset, slot.numel, (slot.numel,)).zero_()
         else:

@@ -69,7 +69,7 @@ def on_device(buffers: list[Buffer]) -> list[Buffer]:
 _GATHERS = (C.all_gather_issue, C.all_gather_carried, C.all_gather_next)
 _GRAD_SYNCS = (C.reduce_scatter_issue, C.all_reduce_issue)
 _NO_ALLOC = (C.collective_wait, C.release, reload_wait, offload_done, *_GATHERS, *_GRAD_SYNCS,
-             C.accumulate, C.accumulate_local, C.second_hop)  # (the last two write the accumulators)
+             C.accumulate, C.accumulate_local, C.accumulate_mm, C.second_hop)  # (these write the accumulators)
 
 
 @dataclass

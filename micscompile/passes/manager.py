@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from micscompile.core.plan import Plan
+from micscompile.passes.accumulate_in_matmuls import accumulate_in_matmuls_pass
 from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.context import PassContext
 from micscompile.passes.fold_transposes import fold_transposes_pass
@@ -61,10 +62,12 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
 def runtime_pass_list(plan: Plan, arena: bool) -> list[tuple[str, PassFn]]:
     """The runtime's rewrites of the chosen graph, none when Inductor generates the compute
     (``Plan.codegen``: its kernels fold views and allocate their own outputs): transposes of
-    transposes dropped, and, with an arena, ops with an ``out=`` overload write into it."""
+    transposes dropped, at p = 1 weight gradients computed into their accumulators, and, with an
+    arena, ops with an ``out=`` overload write into it."""
     if plan.codegen == "inductor":
         return []
-    return [("fold_transposes", fold_transposes_pass)] + ([("out_variants", out_variants_pass)] if arena else [])
+    passes = [("fold_transposes", fold_transposes_pass), ("accumulate_in_matmuls", accumulate_in_matmuls_pass)]
+    return passes + ([("out_variants", out_variants_pass)] if arena else [])
 
 
 def run_passes(
