@@ -158,7 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
     inter = sum(r.inter_node_bytes for r in comm.rows.values())
     _say(f"per step: {fmt_bytes(intra)} intra-node, {fmt_bytes(inter)} inter-node (through this node's NICs)\n")
     _say(f"predicted: {pred}\n")
-    fits = "fits" if pred.peak_memory_bytes <= cluster.gpu.memory_bytes else \
+    fits = "fits" if pred.fits(cluster) else \
         "does NOT fit (try --checkpoint, a larger -p, or `micscompile autotune`)"
     _say(f"peak memory {fmt_bytes(pred.peak_memory_bytes)} of {fmt_bytes(cluster.gpu.memory_bytes)}: {fits}")
     sp, ca = memory.step_plan, memory.caching_allocator

@@ -103,6 +103,10 @@ class Prediction:
     """Of ``compute_s``: what collectives cost the compute stream itself (their exposed share where
     communication shares the compute's cores or engines, ``Cluster.overlap`` < 1 or calibrated)."""
 
+    def fits(self, cluster) -> bool:
+        """Its peak memory fits ``cluster``'s device."""
+        return self.peak_memory_bytes <= cluster.gpu.memory_bytes
+
     def interval(self) -> str:
         """``"+-14%"``, or ``"(no held-out error for this cluster)"``."""
         return f"+-{self.uncertainty:.0%}" if self.uncertainty else "(no held-out error for this cluster)"

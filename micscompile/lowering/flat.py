@@ -314,7 +314,7 @@ def lower_flat(
             fits = cand.peak_gathered_bytes <= budget
         else:  # the device's capacity: what keeps more gathered than the first choice must fit in it
             fits = (best is None or pred is None or cand.peak_gathered_bytes <= best[0].peak_gathered_bytes
-                    or pred.peak_memory_bytes <= cluster.gpu.memory_bytes)
+                    or pred.fits(cluster))
         better = fits and (best is None or pred is None or pred.step_time_s < best[0].step_time_s)
         if better:
             best = (cand, program)

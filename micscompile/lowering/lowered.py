@@ -99,8 +99,7 @@ def _choose_optimizer_home(trace: TrainGraph, rp: ResolvedPlan, cluster: Cluster
     costs = kw.get("costs") or {}
     t_part, t_world = (lower(trace, plan_of(home), cluster, prefetch=kw.get("prefetch"), costs=costs,
                              need_graph=False).predict(cluster, **costs) for home in ("partition", "world"))
-    capacity = cluster.gpu.memory_bytes
-    world_fits, part_fits = t_world.peak_memory_bytes <= capacity, t_part.peak_memory_bytes <= capacity
+    world_fits, part_fits = t_world.fits(cluster), t_part.fits(cluster)
     gain = t_part.step_time_s / t_world.step_time_s
     only_world_fits = world_fits and not part_fits
     home = "world" if only_world_fits or (gain >= 1 + OPTIMIZER_WORLD_MIN_GAIN and (world_fits or not part_fits)) \

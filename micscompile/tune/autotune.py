@@ -229,7 +229,7 @@ def autotune(
                 continue
             pred = pricer.predict(plan, cfg.micro_batch, pf)
             pred.flops_per_step = per_sample * global_batch_size / n
-            feasible = pred.peak_memory_bytes <= capacity
+            feasible = pred.fits(cluster)
             reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
                                           f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
             out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))

@@ -51,7 +51,7 @@ def _row(trace: TrainGraph, nodes: int, cluster: Cluster, system: str, plan: Pla
     """``plan`` priced as ``system`` ("fsdp2-hsdp": FSDP2's model at the plan's partition size)."""
     row = PeerRow(nodes, cluster.world_size, system, plan.partition_size, plan.hierarchical)
     row.prediction = simulate(trace, plan, cluster, scaling=False, system=system.removesuffix("-hsdp"))
-    row.fits = row.prediction.peak_memory_bytes <= cluster.gpu.memory_bytes
+    row.fits = row.prediction.fits(cluster)
     return row
 
 

@@ -47,7 +47,7 @@ class PricedSize:
     skipped: str = ""
 
     def fits(self, cluster: Cluster) -> bool:
-        return self.prediction is not None and self.prediction.peak_memory_bytes <= cluster.gpu.memory_bytes
+        return self.prediction is not None and self.prediction.fits(cluster)
 
 
 @dataclass
