@@ -164,8 +164,8 @@ def test_plan_without_a_partition_size_prices_them_and_lowers_the_one_it_takes(t
     rows = [line.split() for line in table.splitlines()[2:] if line.split()[:1] and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128], out
     cluster = mc.Cluster.preset("p4d.24xlarge", nodes=16)
-    priced = [PricedSize(int(r[0]), SimpleNamespace(step_time_s=float(r[2]) / 1e3, peak_memory_bytes=0 if r[4] == "yes"
-                                                    else 2 * cluster.gpu.memory_bytes)) for r in rows]
+    priced = [PricedSize(int(r[0]), SimpleNamespace(step_time_s=float(r[2]) / 1e3, fits=lambda _, ok=r[4] == "yes": ok))
+              for r in rows]
     want = pick(priced, cluster, default=8).partition_size
     assert want != 8, out  # gpt:tiny at one micro-batch: one node is not the choice, so the plan line tells
     assert [int(r[0]) for r in rows if r[-1] == "<-"] == [want], out
