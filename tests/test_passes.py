@@ -300,12 +300,30 @@ def test_at_p1_weight_gradients_are_computed_into_their_accumulators():
     assert sorted(names) == sorted(f"blocks.{b}.{fc}.weight" for b in (0, 1) for fc in ("fc1", "fc2")), names
     assert sorted(n.args[2] for n in fused) == sorted(acc.kwargs["written"])
     assert all(acc.args[3 + i] is None for i in acc.kwargs["written"])
-    assert not any(n.target is mm and acc in n.users for n in graph.nodes)  # the tied head's sum stays
+    assert not any(n.target is mm and acc in n.users for n in graph.nodes)
+    emb = [s.name for s in ctx.layouts[0].slots].index("emb.weight")  # the tied head's mm + embedding's: kept
+    assert acc.args[3 + emb].target is torch.ops.aten.add.Tensor
+
+    def rewritten(tg, p, **plan):
+        g, c = rewrite(tg, p, **plan)
+        return [n for n in accumulate_in_matmuls_pass(fold_transposes_pass(g, c), c).nodes
+                if n.target is C.accumulate_mm]
+
     bf16 = mc.trace(TiedLM().to("meta"), (torch.zeros(4, 6, dtype=torch.long),) * 2, lm_loss, param_dtype=torch.bfloat16)
-    g16, c16 = rewrite(bf16, 1, param_dtype=torch.bfloat16)
-    assert not any(n.target is C.accumulate_mm for n in accumulate_in_matmuls_pass(g16, c16).nodes)
-    g2, c2 = rewrite(lm_trace(), 2)
-    assert not any(n.target is C.accumulate_mm for n in accumulate_in_matmuls_pass(g2, c2).nodes)
+    assert rewritten(bf16, 1, param_dtype=torch.bfloat16) == []  # bf16 gradients, fp32 accumulators
+    assert rewritten(lm_trace(), 2) == []
+
+    class Summed(torch.nn.Module):  # one mm is the gradient of two slots: both left to accumulate_local
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            return x @ (self.w1 + self.w2).t()
+
+    with torch.device("meta"):
+        summed = Summed()
+    assert rewritten(mc.trace(summed, (torch.zeros(2, 4), torch.zeros(2, 3)), torch.nn.functional.mse_loss), 1) == []
 
     # the ops themselves: a slot written by its matmul, one added, one without a gradient, padding
     shapes = {"w": (3, 4), "b": (4,), "unused": (2,)}

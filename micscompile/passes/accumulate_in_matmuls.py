@@ -10,10 +10,11 @@ of its 3.3M parameters, 10.4 -> 8.1 ms per micro-step on one core of this machin
 (``mm`` into a buffer plus ``_foreach_add_``, against ``addmm_``). DDP and eager PyTorch pay that
 pass (autograd's ``AccumulateGrad``).
 
-Only a ``mm`` of the accumulator's dtype and its slot's shape, read by nothing else, qualifies
-(a mixed-precision gradient is cast as it is added and stays as it was). Runs on the graph the
-runtime executes, after lowering (it never changes the Program: the simulator still prices the
-matmul and the add), before ``out_variants`` and unless Inductor generates the compute.
+Only a ``mm`` of the accumulator's dtype and its slot's shape, read by nothing else and the gradient
+of no other slot, qualifies (a mixed-precision gradient is cast as it is added and stays as it
+was). Runs on the graph the runtime executes, after lowering (it never changes the Program: the
+simulator still prices the matmul and the add, so its p = 1 peak errs high by the gradients'
+buffers), before ``out_variants`` and unless Inductor generates the compute.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def accumulate_in_matmuls_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch
         layout = ctx.layouts[bucket]
         args, written = list(acc.args), list(acc.kwargs.get("written", ()))
         for i, slot in enumerate(layout.slots):
-            mm = args[_GRADS_FROM + i]
-            if not (isinstance(mm, torch.fx.Node) and mm.target is _MM and len(mm.users) == 1):
+            mm = args[_GRADS_FROM + i]  # (read by nothing else, and the gradient of this slot only)
+            if not (isinstance(mm, torch.fx.Node) and mm.target is _MM and len(mm.users) == 1
+                    and args.count(mm) == 1):
                 continue
             val = mm.meta.get("val")
             if not (isinstance(val, torch.Tensor) and val.dtype == layout.dtype and tuple(val.shape) == slot.shape):
