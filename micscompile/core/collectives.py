@@ -417,13 +417,13 @@ def accumulate_local(comm: Comm, bucket: int, like: torch.Tensor, *grads: torch.
                      written: tuple[int, ...] = ()) -> torch.Tensor:
     """p = 1: the bucket's gradients added (and cast) straight into their slots of its
     fp32 accumulator, the first micro-step packing them in (``pack_grads``): no pack buffer, no
-    extra copy. The slots in ``written`` their matmuls already accumulated (``accumulate_mm``).
-    Returns the accumulator."""
+    extra copy. The slots in ``written`` (their gradients None here) their matmuls accumulate
+    (``accumulate_mm``): the first micro-step must not zero them. Returns the accumulator."""
     layout, acc = comm.layouts[bucket], comm.grads[bucket]
     if comm.micro_step == 0:
         return pack_grads(layout, grads, acc, written)
-    pairs = [(flat_view(acc, slot.offset, slot.numel, tuple(g.shape)), g)
-             for i, (slot, g) in enumerate(zip(layout.slots, grads)) if g is not None and i not in written]
+    pairs = [(flat_view(acc, slot.offset, slot.numel, tuple(g.shape)), g) for slot, g in zip(layout.slots, grads)
+             if g is not None]
     if pairs:
         torch._foreach_add_(*map(list, zip(*pairs)))  # one dispatch (one kernel per dtype group on a GPU)
     return acc
