@@ -10,7 +10,9 @@ calibrated roofline instead. ``--collective-waits``: then, per configuration, wh
 costs its rank inside the step (issue to the end of its wait, by kind and group) against
 what the calibrated model prices it alone; with ``--prefetch 0`` a gather is waited at once, so
 that is its in-step cost (a reduce-scatter's or a second hop's span includes the compute before
-its wait).
+its wait); a gather issued while a reduce-scatter of its group is issued and not yet waited is
+counted apart ("a reduce-scatter in flight"). ``--models``: a subset. On 2 ranks (``--nproc-per-node
+2``: one per core here) p = 1 and 2 run, in about 2 minutes.
 """
 
 from __future__ import annotations
@@ -50,16 +52,18 @@ def collective_waits(cluster: mc.Cluster):
     gather waited at once: its in-step duration), seconds the calibrated model prices them alone]."""
     seen: dict[tuple[str, tuple[int, ...]], list] = defaultdict(lambda: [0, 0.0, 0.0, []])
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+    unwaited: dict[tuple[int, ...], set] = defaultdict(set)  # a group's reduce-scatters issued, not yet waited
 
     class Timed:
-        def __init__(self, work, row, t0):
-            self.work, self.row, self.t0 = work, row, t0
+        def __init__(self, work, row, t0, ranks):
+            self.work, self.row, self.t0, self.ranks = work, row, t0, ranks
 
         def wait(self, *args, **kwargs):
             try:
                 return self.work.wait(*args, **kwargs)
             finally:
                 done = time.perf_counter()
+                unwaited[self.ranks].discard(self)
                 self.row[1] += done - self.t0
                 self.row[3].append((self.t0, done))
 
@@ -72,7 +76,8 @@ def collective_waits(cluster: mc.Cluster):
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
                 tuple(range(dist.get_world_size()))
             full = out if kind != "reduce_scatter" else args[0]  # the full buffer the model prices
-            row = seen[(kind, ranks)]  # (a partition group apart from a replication group of its size)
+            beside = " (a reduce-scatter in flight)" if kind == "all_gather" and unwaited[ranks] else ""
+            row = seen[(kind + beside, ranks)]  # (a partition group apart from a replication group of its size)
             row[0] += 1
             row[2] += collective_time_s(kind, full.numel() * full.element_size(), ranks, cluster)
             t0 = time.perf_counter()
@@ -82,7 +87,10 @@ def collective_waits(cluster: mc.Cluster):
                 row[1] += done - t0
                 row[3].append((t0, done))
                 return None
-            return Timed(work, row, t0)
+            timed = Timed(work, row, t0, ranks)
+            if kind == "reduce_scatter":
+                unwaited[ranks].add(timed)
+            return timed
         return issue
 
     for name, fn in originals.items():
@@ -120,6 +128,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run and price this prefetch distance instead of the schedule's choice (0: every gather "
                          "at its use, nothing overlapped: the collectives' own cost)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--collective-waits", action="store_true",
                     help="also time each collective inside the step against its calibrated price alone")
@@ -136,7 +145,8 @@ def main() -> None:
     say(f"calibrated in {time.perf_counter() - t0:.1f} s\n")
 
     rows = []
-    for name, cfg in MODELS.items():
+    for name in args.models:
+        cfg = MODELS[name]
         torch.manual_seed(0)
         model = GPT(cfg)
         gen = torch.Generator().manual_seed(rank)
@@ -147,7 +157,7 @@ def main() -> None:
                 meta_model = GPT(cfg)
             trace = mc.trace(meta_model, tuple(t[: args.batch_per_rank // s] for t in batches[0]), lm_loss,
                              device="cpu")  # the gloo ranks' kernels, which profile_trace times on the CPU
-            for p in (1, 2, 4):
+            for p in (p for p in (1, 2, 4) if world % p == 0):  # (2 ranks: p = 1, 2)
                 plan = mc.Plan(partition_size=p, micro_batches=s)
                 if args.profile:  # every rank at once (each measures its share), just before the run:
                     profile_trace(trace, micro_batches=s)  # a shared machine's speed drifts by minutes
