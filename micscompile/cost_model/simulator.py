@@ -287,8 +287,8 @@ def simulate_program(
             else:
                 finish_s = reorder + intra
         stream = f"comm:{a.group}"
-        if cost is not None and any(c.group == a.group for queue in pending.values() for c in queue):
-            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one not waited for
+        if cost is not None and any(c.group == a.group and c.end_s > t for queue in pending.values() for c in queue):
+            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one still running
         flight = _InFlight(enqueue(stream, duration, a, t), a.group, frees_bytes, finish_s=finish_s)
         if duration <= 0:
             return flight
