@@ -11,14 +11,18 @@ costs its rank inside the step (issue to the end of its wait, by kind and group)
 what the calibrated model prices it alone; with ``--prefetch 0`` a gather is waited at once, so
 that is its in-step cost (a reduce-scatter's or a second hop's span includes the compute before
 its wait); a gather issued while a reduce-scatter of its group is issued and not yet waited is
-counted apart ("a reduce-scatter in flight"). ``--models``: a subset. On 2 ranks (``--nproc-per-node
-2``: one per core here) p = 1 and 2 run, in about 2 minutes.
+counted apart ("a reduce-scatter in flight"). ``--split-local``: then, per configuration, the same
+step run again with every collective's communication taken out (``local_copies``) and priced with every
+collective free, which splits the error into the step's local work and its communication.
+``--models``: a subset. On 2 ranks (``--nproc-per-node 2``: one per core here) p = 1 and 2 run, in
+about 2 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
@@ -102,6 +106,45 @@ def collective_waits(cluster: mc.Cluster):
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def local_copies():
+    """The collectives the runtime issues with their communication taken out: a gather writes this
+    rank's input into every chunk of its output, a reduce-scatter copies its own chunk of the input,
+    an all-reduce leaves its buffer; each returns a finished handle. The step's local work (compute,
+    packing, accumulation, the runtime's host code) runs as before, on wrong numbers: for timing only.
+    Yields [seconds spent in the copies], to be taken out of the step's time (the real collectives'
+    time includes writing their outputs)."""
+    spent = [0.0]
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+
+    class Done:
+        def wait(self, *args, **kwargs):
+            return True
+
+    def timed(fn):
+        def call(*args, async_op=False, **kwargs):
+            t0 = time.perf_counter()
+            fn(*args)
+            spent[0] += time.perf_counter() - t0
+            return Done() if async_op else None
+        return call
+
+    dist.all_gather_single = timed(lambda out, inp, *_: out.view(-1, inp.numel()).copy_(inp.view(1, -1)))
+    dist.reduce_scatter_single = timed(lambda out, inp, *_: out.copy_(inp.view(-1, out.numel())[0]))
+    dist.all_reduce = timed(lambda t, *_: None)
+    try:
+        yield spent
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def free_collectives(cluster: mc.Cluster) -> mc.Cluster:
+    """``cluster`` with every collective priced at zero (a calibrated one: its fits and interference)."""
+    return dataclasses.replace(cluster, collective_interference={},
+                               collective_fits={k: {"alpha_s": 0.0, "beta_s_per_byte": 0.0} for k in cluster.collective_fits})
+
+
 def arrival_split(seen) -> dict[tuple[str, tuple[int, ...]], tuple[float, float]]:
     """Per (kind, group): of a call's time from issue to the end of its wait, the mean seconds spent
     waiting for the group's last rank to issue it, and the mean after that; from every rank's issue
@@ -132,6 +175,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--collective-waits", action="store_true",
                     help="also time each collective inside the step against its calibrated price alone")
+    ap.add_argument("--split-local", action="store_true",
+                    help="also run and price each step with its communication taken out: the error's local part")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="price ops with the calibrated roofline instead of timing them (profile mode)")
     args = ap.parse_args()
@@ -186,8 +231,20 @@ def main() -> None:
                         f"{split[(kind, ranks)][1] * 1e3:.2f} after (alone {alone / calls * 1e3:.2f})"
                         for (kind, ranks), (calls, spent, alone, _) in sorted(seen.items())))
                 err = (pred.step_time_s - measured) / measured
-                rows.append({"model": name, "p": p, "s": s, "measured_s": measured,
-                             "predicted_s": pred.step_time_s, "error": err})
+                row = {"model": name, "p": p, "s": s, "measured_s": measured, "predicted_s": pred.step_time_s,
+                       "error": err}
+                if args.split_local:
+                    with local_copies() as copies:
+                        local, _ = median_step_s(step, batches, args.warmup)
+                    spent = [None] * world
+                    dist.all_gather_object(spent, copies[0] / (args.warmup + args.steps))
+                    row["local_measured_s"] = local - max(spent)  # (the copies are the collectives' own work)
+                    row["local_predicted_s"] = mc.simulate(trace, plan, free_collectives(cluster),
+                                                           prefetch=(priced,)).step_time_s
+                    inside += (f"\n  communication taken out: measured {row['local_measured_s'] * 1e3:.1f} ms "
+                               f"(copies {max(spent) * 1e3:.1f} ms taken out), predicted "
+                               f"{row['local_predicted_s'] * 1e3:.1f} ms")
+                rows.append(row)
                 profiled = sum(n.meta.get(META_TIME_S, 0) for n in trace.gm.graph.nodes)
                 say(f"{name:<11} p={p} s={s}: measured {measured * 1e3:7.1f} ms  predicted "
                     f"{pred.step_time_s * 1e3:7.1f} ms  error {err:+6.1%}   (micro-step graph {profiled * 1e3:.0f} ms; "
@@ -202,6 +259,15 @@ def main() -> None:
                   f"{r['predicted_s'] * 1e3:8.1f}ms {r['error']:>+8.1%}")
         print(f"median |error| {statistics.median(errs):.1%}, worst {errs[-1]:.1%} over {len(rows)} configurations "
               f"({world} gloo ranks, {args.batch_per_rank} samples/rank)")
+        if args.split_local:
+            print(f"\nthe error split (ms): local work = the step with its communication taken out; "
+                  f"communication = the rest\n{'model':<11} {'p':>2} {'s':>2} {'local: measured':>16} {'predicted':>10} "
+                  f"{'comm: measured':>15} {'predicted':>10} {'error: local':>13} {'comm':>7}")
+            for r in rows:
+                lm, lp = r["local_measured_s"], r["local_predicted_s"]
+                cm, cp = r["measured_s"] - lm, r["predicted_s"] - lp
+                print(f"{r['model']:<11} {r['p']:>2} {r['s']:>2} {lm * 1e3:16.1f} {lp * 1e3:10.1f} {cm * 1e3:15.1f} "
+                      f"{cp * 1e3:10.1f} {(lp - lm) * 1e3:+13.1f} {(cp - cm) * 1e3:+7.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)

@@ -122,6 +122,8 @@ def test_demo_trains_against_eager_and_calibrate_writes_a_cluster(tmp_path):
     ok(run("calibrate", "--nproc", "2", "--repeats", "1", "--out", str(tmp_path / "c.json"), timeout=300))
     cluster = Cluster.load(tmp_path / "c.json")
     assert cluster.world_size == 2 and cluster.gpu.peak_flops["float32"] > 0
+    arrival = cluster.collective_interference["2"]  # how long a rank waits for the other after compute
+    assert arrival["arrival_wait_s"] > 0 and 0 <= arrival["arrival_exponent"] <= 1
 
 
 def _tiny():

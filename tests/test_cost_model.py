@@ -466,3 +466,64 @@ def test_program_names_the_schedules_choice_and_gain(lm_trace):
     assert first.startswith(f"schedule: {program.prefetch}, chosen of ") and "priced on p4d.24xlarge" in first
     given = lower_flat(lm_trace, rp, None, planned_groups(rp), prefetch=[1]).program
     assert "schedule: prefetch 1 (given; no cluster to price candidates on)" in str(given)
+
+
+def test_a_collective_starts_when_its_groups_last_rank_arrives(lm_trace):
+    """A calibrated ``arrival_wait_s`` delays a collective's start by k * (c / 1 ms) ** e, c the compute
+    since its group's previous collective ended (ranks run the same ops in different times: the
+    first to issue waits for the last). With every gather waited at its use (prefetch 0) and
+    everything charged at issue, the delays are exposed: e = 0 adds up to k per collective, and
+    at least k for each gather (waited at once, after compute)."""
+    import dataclasses
+
+    base = dataclasses.replace(Cluster.preset("p4d.24xlarge"), gpus_per_node=4)
+    plan = mc.Plan(partition_size=2, micro_batches=2)
+
+    def run(k, e=0.0):
+        cost = {"2": {"exposed_fraction": 1.0, "slowdown": 0.0, "max_slowdown_s": 0.0, "queued_fraction": 1.0,
+                      "arrival_wait_s": k, "arrival_exponent": e}}
+        return mc.simulate(lm_trace, plan, dataclasses.replace(base, collective_interference=cost), scaling=False,
+                           prefetch=(0,))
+
+    none, late = run(0.0), run(1e-3)
+    added = (late.step_time_s - none.step_time_s) / 1e-3
+    collectives = [e for e in none.events if e.track.startswith("comm:") and e.end_s > e.start_s]
+    gathers = sum(1 for e in collectives if e.name.startswith("AG"))
+    assert gathers <= added <= len(collectives)
+    assert late.exposed_comm_s - none.exposed_comm_s == pytest.approx(added * 1e-3)
+    assert run(1e-3, 0.5).step_time_s != pytest.approx(late.step_time_s)  # grows with the compute since
+    linear = run(1e-3, 1.0)  # a wait as long as the compute since the group's last collective: those
+    # stretches do not overlap within a group, so two groups (shard, replicate) add at most twice the step
+    assert none.step_time_s < linear.step_time_s <= 3 * none.step_time_s
+
+
+def test_profile_totals_are_a_typical_ranks_time_not_the_slowests(monkeypatch, lm_trace):
+    """Profile mode scales its op times to the ranks' mean whole-graph time (median over samples):
+    the wait for the slowest rank is priced where the step pays it, at each collective (the arrival
+    wait), not smeared over every op as well (on 4 ranks over 2 cores the slowest rank's time was
+    10-32% above the mean, docs/cost-model.md). Two ranks, faked: one samples 1, 2, 3 s, the other 3, 2, 1."""
+    import copy
+
+    import torch.distributed as dist
+
+    from micscompile.cost_model import calibrate
+    from micscompile.cost_model.node_cost import META_TIME_S
+    from micscompile.tune import profile
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, **kwargs):
+        other = torch.tensor([3.0, 2.0, 1.0], dtype=t.dtype)[: t.numel()] if t.numel() == 3 else t.clone()
+        t.copy_(torch.maximum(t, other) if op == dist.ReduceOp.MAX else t + other)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    for module in (calibrate, profile):
+        monkeypatch.setattr(module, "collective_device", lambda group=None: torch.device("cpu"))
+    assert calibrate.mean_rank_median([1.0, 2.0, 3.0]) == pytest.approx(2.0)  # (the slowest's: 3)
+    assert calibrate.slowest_rank_median([1.0, 2.0, 3.0]) == pytest.approx(3.0)
+    seen = []
+    monkeypatch.setattr(profile, "mean_rank_median", lambda times: seen.append(times) or 0.5)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: None)
+    trace = profile.profile_trace(copy.deepcopy(lm_trace), "cpu", repeats=1)
+    assert seen and sum(n.meta.get(META_TIME_S, 0.0) for n in trace.gm.graph.nodes) == pytest.approx(0.5)

@@ -70,6 +70,7 @@ def _measure_top_one_candidate():
 
 SITES = {
     "calibrate.slowest_rank_times": lambda trace: calibrate.slowest_rank_times([0.1, 0.2]),
+    "calibrate.mean_rank_median": lambda trace: calibrate.mean_rank_median([0.1, 0.2]),
     "calibrate._inner_count": lambda trace: calibrate._inner_count(lambda: None, torch.device("cpu")),
     "profile.profile_trace count": lambda trace: profile.profile_trace(trace, "cpu", repeats=1),
     "autotune.measure_top elapsed": lambda trace: _measure_top_one_candidate(),

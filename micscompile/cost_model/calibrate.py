@@ -15,6 +15,7 @@ Run it as ``python -m micscompile calibrate --nproc 4`` (writes local_cluster.js
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -38,6 +39,10 @@ BANDWIDTH_ELEMENTS = 1 << 22
 """fp32 elements per operand of the ``add`` timed on a CPU rank."""
 GPU_BANDWIDTH_ELEMENTS = 1 << 26
 """On a GPU: 3 x 256 MiB, past its L2 cache (the CPU's 3 x 16 MiB sit in an H100's 50 MB L2)."""
+ARRIVAL_STRETCH_OPS = ((4, 40), (16, 30), (64, 16), (256, 8), (1024, 6))
+"""(small ops in a stretch of compute, repeats): the stretches, ~0.3-80 ms on a CPU rank (from a
+layer's backward to a small model's whole step: the compute a step runs between two collectives of a
+group), after which calibration times how long a rank waits for its group's last one (``_arrival_waits``)."""
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Measured peaks, keyed like ``GpuSpec.peak_flops``: a bf16 plan is priced at the bf16 peak."""
 
@@ -72,6 +77,17 @@ def slowest_rank_median(times: list[float]) -> float:
     slowest rank, and which rank is slowest changes from step to step, so the median of
     per-sample maxima exceeds the slowest median."""
     return statistics.median(slowest_rank_times(times))
+
+
+def mean_rank_median(times: list[float]) -> float:
+    """The median over aligned samples of the ranks' mean time in each (every rank must call it with as
+    many samples): what a typical rank takes; what it then waits for the slowest one at a collective
+    is the calibrated arrival wait (``_arrival_waits``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return statistics.median(times)
+    t = torch.tensor(times, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t)
+    return statistics.median((t / dist.get_world_size()).tolist())
 
 
 def _inner_count(fn: Callable[[], object], device: torch.device) -> int:
@@ -249,6 +265,62 @@ def _matmuls(a: torch.Tensor, b: torch.Tensor, chunks: int) -> Callable[[], None
     return run
 
 
+def _stretch(ops: int, device: torch.device) -> Callable[[], None]:
+    """``ops`` small layers (a 64 x 128 by 128 x 128 matmul, gelu, add): a step's kind of compute,
+    many short ops with Python between them."""
+    x, w = torch.randn(64, 128, device=device), torch.randn(128, 128, device=device) * 0.05
+
+    def run() -> None:
+        y = x
+        for _ in range(ops):
+            y = torch.nn.functional.gelu(y @ w) + y
+
+    return run
+
+
+def _arrival_waits(sizes: list[int], per_node: int, device: torch.device) -> dict[int, dict[str, float]]:
+    """Per group size g (consecutive ranks inside one node), how long a rank waits for its group's last
+    rank after a stretch of compute all started together (a barrier): its ranks run the same ops, but
+    not in the same time (scheduling, caches, the other ranks on the cores). The mean wait over ranks,
+    groups and repeats, from every rank's end on the node's one monotonic clock
+    (``time.perf_counter``), at each ARRIVAL_STRETCH_OPS length, fitted as wait = k * (c / 1 ms) ** e
+    (least squares in log-log; e in [0, 1]): {"arrival_wait_s": k, "arrival_exponent": e}. A step pays
+    it at every collective that synchronizes a group, for the compute since the group's last one
+    (``simulator``)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [g for g in sizes if g <= per_node]  # (no clock is shared across nodes)
+    if not sizes:
+        return {}
+    points: dict[int, list[tuple[float, float]]] = {g: [] for g in sizes}
+    for ops, repeats in ARRIVAL_STRETCH_OPS:
+        run = _stretch(ops, device)
+        run()
+        spans, waits = [], {g: [] for g in sizes}
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            t1 = time.perf_counter()
+            ends = torch.zeros(world, dtype=torch.float64, device=collective_device())
+            ends[rank] = t1
+            dist.all_reduce(ends)  # every rank's end
+            ends = ends.tolist()
+            spans.append(t1 - t0)
+            for g in sizes:
+                waits[g].append(statistics.mean(max(ends[f:f + g]) - e for f in range(0, world, g) for e in ends[f:f + g]))
+        span = slowest_rank_median(spans)
+        for g in sizes:
+            points[g].append((span, max(statistics.mean(waits[g]), 1e-7)))
+    fits = {}
+    for g, pts in points.items():
+        xs, ys = [math.log(c / 1e-3) for c, _ in pts], [math.log(w) for _, w in pts]
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+        e = min(max(slope, 0.0), 1.0)
+        fits[g] = {"arrival_wait_s": math.exp(my - e * mx), "arrival_exponent": e, "points": pts}
+    return fits
+
+
 def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Cluster:
     """Measure this machine; every rank must call it. Returns the same Cluster on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -327,6 +399,16 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
             + ", ".join(shown) + f" -> {interference[str(g)]['exposed_fraction']:.0%} of its duration exposed, "
             f"compute alongside {phi:.0%} slower; a second gather in flight adds "
             f"{interference[str(g)]['queued_fraction']:.0%} of its duration")
+
+    # arrival: how long a rank waits for its group's last one after a stretch of compute (CPU ranks:
+    # on a GPU the device's queue absorbs the host's jitter)
+    if device.type == "cpu" and groups:
+        for g, fit in _arrival_waits(list(groups), per_node, device).items():
+            points = fit.pop("points")
+            interference[str(g)].update(fit)
+            say(f"arrival, g={g}: a rank waits for its group's last one " + ", ".join(
+                f"{w * 1e3:.2f} ms after {c * 1e3:.1f}" for c, w in points)
+                + f" ms of compute -> {fit['arrival_wait_s'] * 1e3:.3f} ms x (c / 1 ms) ^ {fit['arrival_exponent']:.2f}")
 
     intra, inter = _links(fits, world, per_node)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu rank (1/{per_node} of this machine)"

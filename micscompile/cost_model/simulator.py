@@ -19,7 +19,9 @@ duration, charged at issue, and a slowdown of the compute that runs while it is 
 (until its wait), up to a maximum (measured on 4 gloo ranks over 2 cores: ~all of a
 gather's duration is exposed and compute beside it runs 10-50% slower); a collective
 issued while another of its group is in flight takes ``queued_fraction`` of its duration
-(gloo runs a group's collectives on two threads).
+(gloo runs a group's collectives on two threads); and it starts once the group's last rank has
+issued it, ``arrival_wait_s * (c / 1 ms) ** arrival_exponent`` later, c being the compute since the
+group's previous collective ended (its ranks do not run the same ops in the same time).
 
 Memory per rank: static (parameter shard + gradient shard + optimizer state:
 ``state_bytes_per_param`` per shard element, 16 for fp32 Adam, of which Adam's m and v, 8, over 1/d of
@@ -236,6 +238,7 @@ def simulate_program(
     t = 0.0
     busy: dict[str, float] = defaultdict(float)
     stream_free: dict[str, float] = defaultdict(float)
+    aligned: dict[str, float] = defaultdict(float)  # group -> when its ranks were last together
     pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
     events: list[Event] = []
     memory: list[tuple[float, int]] = []
@@ -289,7 +292,10 @@ def simulate_program(
         stream = f"comm:{a.group}"
         if cost is not None and any(c.group == a.group and c.end_s > t for queue in pending.values() for c in queue):
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one still running
-        flight = _InFlight(enqueue(stream, duration, a, t), a.group, frees_bytes, finish_s=finish_s)
+        flight = _InFlight(enqueue(stream, duration, a, t + arrival_wait_s(cost, t - aligned[a.group])), a.group,
+                           frees_bytes, finish_s=finish_s)
+        if duration > 0:
+            aligned[a.group] = flight.end_s
         if duration <= 0:
             return flight
         if charge_exposed(cost, duration, a) is None:
@@ -297,6 +303,13 @@ def simulate_program(
         flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
         slowing[0] += flight.slowdown > 0
         return flight
+
+    def arrival_wait_s(cost: dict[str, float] | None, since_s: float) -> float:
+        """How long the group's last rank is expected to arrive after this one, ``since_s`` of compute
+        after the group's ranks were last together (its previous collective's end): calibrated."""
+        if cost is None or since_s <= 0 or not cost.get("arrival_wait_s"):
+            return 0.0
+        return cost["arrival_wait_s"] * (since_s / 1e-3) ** cost.get("arrival_exponent", 0.5)
 
     def enqueue(stream: str, duration: float, what: object, ready_s: float) -> float:
         """Run ``duration`` on ``stream`` from ``ready_s`` or when the stream frees up; returns its end."""
@@ -365,7 +378,8 @@ def simulate_program(
                                      round(f.slowdown_left_s, 12)) for f in q))
                         for key, q in sorted(pending.items(), key=str) if q)
         streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(stream_free.items()))
-        return dynamic, activations, flights, streams
+        together = tuple((k, round(v - t, 12)) for k, v in sorted(aligned.items()))
+        return dynamic, activations, flights, streams, together
 
     def fast_forward(steps: int, before: tuple) -> None:
         """Every middle micro-step repeats the one just simulated (it started in the same relative
@@ -379,6 +393,8 @@ def simulate_program(
             busy[k] += steps * (busy[k] - busy0.get(k, 0.0))
         for k in stream_free:
             stream_free[k] += steps * period
+        for k in aligned:
+            aligned[k] += steps * period
         for queue in pending.values():
             for f in queue:
                 f.end_s += steps * period

@@ -104,8 +104,10 @@ class Cluster:
     {"exposed_fraction": of its duration, paid at issue; "slowdown": fraction by which compute
     alongside it (until it ends) runs slower, at most "max_slowdown_s"; "queued_fraction": of its
     duration a collective adds when issued while another of its group is in flight (1: they
-    run one after the other, as on one NCCL stream)} (calibration). Where present it replaces
-    ``(1 - overlap) * duration + collective_overhead_s``."""
+    run one after the other, as on one NCCL stream); on CPU ranks "arrival_wait_s" and
+    "arrival_exponent": a collective starts once the group's last rank issues it, k * (c / 1 ms) ** e
+    after this one, c the compute since the group's previous collective ended} (calibration). Where
+    present it replaces ``(1 - overlap) * duration + collective_overhead_s``."""
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
 

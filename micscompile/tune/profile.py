@@ -5,7 +5,8 @@ tensors of the traced shapes, timing each node (median over ``repeats`` runs), t
 scales those times so they add up to the measured time of a straight run of the
 whole graph (timing op by op misses the cost between ops, ~15% on a busy CPU), and
 records them in ``node.meta[META_TIME_S]``. Inside a process group, every rank must
-call it: runs are barrier-aligned and the whole-graph time is the slowest rank's. The passes copy node meta, so the
+call it: runs are barrier-aligned and the whole-graph time is the ranks' mean (what a rank then waits for
+its group's slowest one at a collective is the calibrated cluster's arrival wait). The passes copy node meta, so the
 Program's COMPUTE actions then carry measured times (``Action.measured_s``) and the
 simulator prefers them to the roofline estimate. When several ranks share a
 machine, profile on all of them at once: each then measures its fair share.
@@ -28,7 +29,7 @@ import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.core.launch import collective_device
-from micscompile.cost_model.calibrate import device_sync, slowest_rank_median
+from micscompile.cost_model.calibrate import device_sync, mean_rank_median
 from micscompile.cost_model.node_cost import META_TIME_S
 from micscompile.trace import TrainGraph
 
@@ -109,7 +110,9 @@ def profile_trace(
             sync()
             whole.append((time.perf_counter() - t0) / micro_batches)
     per_node = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
-    total = slowest_rank_median(whole)  # every rank runs the graph in a step; a step waits for the slowest
+    # a typical rank's time: at each collective a step waits for its group's slowest rank, which the
+    # calibrated cluster prices as the arrival wait for the compute since the group's last collective
+    total = mean_rank_median(whole)
     # timing node by node (with syncs) misses what happens between ops in a straight run:
     # keep the per-node split, scale it to the measured time of the whole graph
     scale = total / max(sum(per_node.values()), 1e-12)
