@@ -239,6 +239,8 @@ def simulate_program(
     busy: dict[str, float] = defaultdict(float)
     stream_free: dict[str, float] = defaultdict(float)
     aligned: dict[str, float] = defaultdict(float)  # group -> when its ranks were last together
+    waits_for_arrival = {name for name, g in groups.items()  # (only these groups' ``aligned`` matters)
+                         if cluster.collective_interference.get(str(g.size), {}).get("arrival_wait_s")}
     pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
     events: list[Event] = []
     memory: list[tuple[float, int]] = []
@@ -378,7 +380,7 @@ def simulate_program(
                                      round(f.slowdown_left_s, 12)) for f in q))
                         for key, q in sorted(pending.items(), key=str) if q)
         streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(stream_free.items()))
-        together = tuple((k, round(v - t, 12)) for k, v in sorted(aligned.items()))
+        together = tuple((k, round(v - t, 12)) for k, v in sorted(aligned.items()) if k in waits_for_arrival)
         return dynamic, activations, flights, streams, together
 
     def fast_forward(steps: int, before: tuple) -> None:
