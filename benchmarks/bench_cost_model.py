@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,6 @@ def local_copies():
     Yields [seconds spent in the copies], to be taken out of the step's time (the real collectives'
     time includes writing their outputs)."""
     spent = [0.0]
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
 
     class Done:
         def wait(self, *args, **kwargs):
@@ -129,14 +129,13 @@ def local_copies():
             return Done() if async_op else None
         return call
 
-    dist.all_gather_single = timed(lambda out, inp, *_: out.view(-1, inp.numel()).copy_(inp.view(1, -1)))
-    dist.reduce_scatter_single = timed(lambda out, inp, *_: out.copy_(inp.view(-1, out.numel())[0]))
-    dist.all_reduce = timed(lambda t, *_: None)
-    try:
+    with mock.patch.multiple(
+        dist,
+        all_gather_single=timed(lambda out, inp, *_: out.view(-1, inp.numel()).copy_(inp.view(1, -1))),
+        reduce_scatter_single=timed(lambda out, inp, *_: out.copy_(inp.view(-1, out.numel())[0])),
+        all_reduce=timed(lambda t, *_: None),
+    ):
         yield spent
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def free_collectives(cluster: mc.Cluster) -> mc.Cluster:

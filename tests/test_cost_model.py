@@ -502,8 +502,8 @@ def test_a_collective_starts_when_its_groups_last_rank_arrives(lm_trace):
     cost = {"2": {"exposed_fraction": 1.0, "slowdown": 0.0, "max_slowdown_s": 0.0, "queued_fraction": 1.0,
                   "arrival_wait_s": 1e-3, "arrival_exponent": 0.5}}
     cluster = dataclasses.replace(base, collective_interference=cost)
-    program = lower(lm_trace, mc.Plan(partition_size=2, micro_batches=9).resolve(4, 4), cluster,
-                    planned_groups(mc.Plan(partition_size=2, micro_batches=9).resolve(4, 4)), need_graph=False).program
+    rp = mc.Plan(partition_size=2, micro_batches=9).resolve(4, 4)
+    program = lower(lm_trace, rp, cluster, planned_groups(rp), need_graph=False).program
     full, skipped = simulate_program(program, cluster), simulate_program(program, cluster, record=False)
     assert skipped.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
 

@@ -63,13 +63,19 @@ def device_sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def slowest_rank_times(times: list[float]) -> list[float]:
-    """Per aligned sample, the slowest rank's time (every rank must call it with as many samples)."""
+def _over_ranks(times: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+    """Per aligned sample, ``times`` reduced over the ranks with ``op`` (every rank must call it with as
+    many samples); the samples themselves outside a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return list(times)
     t = torch.tensor(times, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def slowest_rank_times(times: list[float]) -> list[float]:
+    """Per aligned sample, the slowest rank's time (every rank must call it with as many samples)."""
+    return _over_ranks(times, dist.ReduceOp.MAX)
 
 
 def slowest_rank_median(times: list[float]) -> float:
@@ -83,11 +89,9 @@ def mean_rank_median(times: list[float]) -> float:
     """The median over aligned samples of the ranks' mean time in each (every rank must call it with as
     many samples): what a typical rank takes; what it then waits for the slowest one at a collective
     is the calibrated arrival wait (``_arrival_waits``)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return statistics.median(times)
-    t = torch.tensor(times, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t)
-    return statistics.median((t / dist.get_world_size()).tolist())
+    totals = _over_ranks(times, dist.ReduceOp.SUM)
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return statistics.median(total / ranks for total in totals)
 
 
 def _inner_count(fn: Callable[[], object], device: torch.device) -> int:
@@ -278,15 +282,16 @@ def _stretch(ops: int, device: torch.device) -> Callable[[], None]:
     return run
 
 
-def _arrival_waits(sizes: list[int], per_node: int, device: torch.device) -> dict[int, dict[str, float]]:
+def _arrival_waits(sizes: list[int], per_node: int,
+                   device: torch.device) -> dict[int, tuple[dict[str, float], list[tuple[float, float]]]]:
     """Per group size g (consecutive ranks inside one node), how long a rank waits for its group's last
     rank after a stretch of compute all started together (a barrier): its ranks run the same ops, but
     not in the same time (scheduling, caches, the other ranks on the cores). The mean wait over ranks,
     groups and repeats, from every rank's end on the node's one monotonic clock
     (``time.perf_counter``), at each ARRIVAL_STRETCH_OPS length, fitted as wait = k * (c / 1 ms) ** e
-    (least squares in log-log; e in [0, 1]): {"arrival_wait_s": k, "arrival_exponent": e}. A step pays
-    it at every collective that synchronizes a group, for the compute since the group's last one
-    (``simulator``)."""
+    (least squares in log-log; e in [0, 1]): ({"arrival_wait_s": k, "arrival_exponent": e}, the measured
+    (stretch, wait) points). A step pays it at every collective that synchronizes a group, for the
+    compute since the group's last one (``simulator``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = [g for g in sizes if g <= per_node]  # (no clock is shared across nodes)
     if not sizes:
@@ -314,10 +319,9 @@ def _arrival_waits(sizes: list[int], per_node: int, device: torch.device) -> dic
     fits = {}
     for g, pts in points.items():
         xs, ys = [math.log(c / 1e-3) for c, _ in pts], [math.log(w) for _, w in pts]
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
-        e = min(max(slope, 0.0), 1.0)
-        fits[g] = {"arrival_wait_s": math.exp(my - e * mx), "arrival_exponent": e, "points": pts}
+        e = min(max(statistics.linear_regression(xs, ys).slope, 0.0), 1.0)
+        fits[g] = ({"arrival_wait_s": math.exp(statistics.mean(ys) - e * statistics.mean(xs)),
+                    "arrival_exponent": e}, pts)
     return fits
 
 
@@ -403,8 +407,7 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     # arrival: how long a rank waits for its group's last one after a stretch of compute (CPU ranks:
     # on a GPU the device's queue absorbs the host's jitter)
     if device.type == "cpu" and groups:
-        for g, fit in _arrival_waits(list(groups), per_node, device).items():
-            points = fit.pop("points")
+        for g, (fit, points) in _arrival_waits(list(groups), per_node, device).items():
             interference[str(g)].update(fit)
             say(f"arrival, g={g}: a rank waits for its group's last one " + ", ".join(
                 f"{w * 1e3:.2f} ms after {c * 1e3:.1f}" for c, w in points)

@@ -296,10 +296,9 @@ def simulate_program(
             duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one still running
         flight = _InFlight(enqueue(stream, duration, a, t + arrival_wait_s(cost, t - aligned[a.group])), a.group,
                            frees_bytes, finish_s=finish_s)
-        if duration > 0:
-            aligned[a.group] = flight.end_s
         if duration <= 0:
             return flight
+        aligned[a.group] = flight.end_s
         if charge_exposed(cost, duration, a) is None:
             return flight
         flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
