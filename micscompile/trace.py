@@ -509,19 +509,29 @@ def trace(
     bar = tqdm(total=len(blocks), desc="trace forward", unit="block", disable=not progress, leave=False)
     block_set = set(blocks)
 
-    def enter(fqn: str) -> None:
+    callers: list[nn.Module | None] = []
+
+    def enter(fqn: str, module: nn.Module | None = None) -> None:
+        # a module reached under several names (a block reused, a Linear shared by two blocks) is named by
+        # the path it was called through, so each use's nodes belong to the block that calls it
+        caller = callers[-1] if callers else None
+        child = next((n for n, c in caller.named_children() if c is module), None) if caller is not None else None
+        if child is not None:  # (the canonical name, unless the caller was reached under another)
+            fqn = f"{stack[-1]}.{child}" if stack[-1] else child
         stack.append(fqn)
+        callers.append(module)
         fwd_marks.append((node_count(), fqn))
         if fqn in block_set:
             bar.update()
 
     def leave() -> None:
         stack.pop()
+        callers.pop()
         fwd_marks.append((node_count(), stack[-1] if stack else ""))
 
     handles = []
     for fqn, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(fqn)))
+        handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(fqn, m)))
         # no always_call: on an exception the stack must still name the failing module
         handles.append(mod.register_forward_hook(lambda m, a, o: leave()))
 

@@ -61,6 +61,8 @@ CASES = [
     PipeCase(2, 2, 4, "gpipe"),
     PipeCase(2, 2, 3, model="convnet", opt="adamw"),  # buffers; m not a multiple of S
     PipeCase(2, 2, 2, meta=True),
+    # a rank holds two chunks that are not contiguous in the model: each module still initialised once (issue 52)
+    PipeCase(2, 1, 4, "interleaved", 2, opt="adamw", meta=True),
     PipeCase(2, 2, 4, checkpoint=True), PipeCase(2, 1, 4, "interleaved", 2, checkpoint=True),
     PipeCase(2, 2, 2, param_dtype=torch.bfloat16), PipeCase(2, 1, 4, "interleaved", 2, param_dtype=torch.bfloat16),
     PipeCase(2, 2, 3, model="convnet", param_dtype=torch.float16),

@@ -11,6 +11,7 @@ import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import MODELS, meta_lm_trace
+from torch import nn
 
 import micscompile as mc
 from micscompile.cost_model.pipeline import halves
@@ -186,14 +187,65 @@ def test_each_chunk_keeps_its_own_micro_batches_in_flight():
     assert [per_chunk[r] + per_chunk[r + 4] for r in range(4)] >= interleaved_1f1b(4, 8, 2).max_in_flight()
 
 
-def test_a_tied_weight_sharded_differently_in_its_chunks_is_refused_before_any_collective():
-    """bucket_bytes merges the embedding with its neighbours: with the first blocks in chunk 0, with the
-    final norm in the last chunk; its pieces would not line up for the boundary sum."""
+def _tied_buckets(lowered, sp_tied) -> dict[str, set[tuple]]:
+    """For each tied parameter: the set of (its bucket's slots, partition size) over the chunks holding it."""
+    return {name: {(tuple((s.name, s.numel) for s in ly.slots), ly.partition_size)
+                   for c in holders for ly in lowered.chunks[c].program.layouts if name in {s.name for s in ly.slots}}
+            for name, holders in sp_tied.items()}
+
+
+def test_a_tied_weight_has_a_bucket_of_its_own_in_every_chunk_under_bucket_bytes():
+    """bucket_bytes merges blocks into larger buckets; the embedding, tied to the head, must not merge (its
+    partial gradients are summed piece by piece between its chunks): it was refused, now it stays alone."""
     tg = meta_lm_trace(vocab=29, h=8, layers=2, batch=2, seq=4)
     rp = mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=2, bucket_bytes=1 << 20).resolve(4, 4)
-    with pytest.raises(mc.PlanError, match="tied parameter emb.weight is sharded differently in chunks"):
-        lower_pipeline(tg, rp, None, planned_groups(rp))
-    lower_pipeline(tg, dataclasses.replace(rp, plan=rp.plan.replace(bucket_bytes=None)), None, planned_groups(rp))
+    lowered = lower_pipeline(tg, rp, None, planned_groups(rp))
+    assert _tied_buckets(lowered, lowered.split.tied) == {"emb.weight": {((("emb.weight", 29 * 8),), 2)}}
+    assert any(len(ly.slots) > 1 for ly in lowered.chunks[0].program.layouts)  # the others did merge
+
+
+class _BiasedEmbedding(nn.Module):
+    def __init__(self, vocab: int, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, h))
+        self.bias = nn.Parameter(torch.randn(h))
+
+    def forward(self, idx):
+        return torch.nn.functional.embedding(idx, self.weight) + self.bias
+
+
+def test_a_tied_weight_whose_modules_other_parameter_is_not_tied_has_a_bucket_of_its_own():
+    """The embedding's weight is the head's, its bias is not: the tied module was made a block, so the first
+    chunk packed weight and bias together, the last the weight alone, and the plan was refused with advice
+    that did not apply ("leave bucket_bytes unset"; the covering fuzzer's row 0 found the pattern)."""
+    model = MODELS["tied_lm"][0](layers=2)
+    model.emb = _BiasedEmbedding(29, 10)
+    model.head.weight = model.emb.weight
+    x, y = MODELS["tied_lm"][2](1, 4)[0]
+    tg = mc.trace(model, (x, y), MODELS["tied_lm"][1](model))
+    rp = mc.Plan(pipeline_stages=2, partition_size=2, micro_batches=2).resolve(4, 4)
+    lowered = lower_pipeline(tg, rp, None, planned_groups(rp))
+    assert lowered.split.tied == {"emb.weight": (0, 1)}
+    assert _tied_buckets(lowered, lowered.split.tied) == {"emb.weight": {((("emb.weight", 290),), 2)}}
+
+
+def test_a_module_shared_by_two_blocks_is_run_by_the_chunk_of_each_caller():
+    """Block 1 calls block 0's Linear. Its second use belongs to block 1's chunk, which holds the Linear
+    too (tied); nothing computed from the weight alone (its transpose) is sent through the pipeline. The
+    trace had named both uses by the Linear's first name, so chunk 0 computed W^T for chunk 1 and sent it,
+    with the release of W's gathered bucket placed after the graph's output (found by the covering fuzzer)."""
+    model = MODELS["tied_lm"][0](layers=2)
+    model.blocks[1].fc1 = model.blocks[0].fc1
+    x, y = MODELS["tied_lm"][2](1, 4)[0]
+    tg = mc.trace(model, (x, y), MODELS["tied_lm"][1](model))
+    rp = mc.Plan(pipeline_stages=2, partition_size=1, micro_batches=2).resolve(2, 2)
+    sp = split(tg, rp, starts=(0, 2))  # chunk 0: emb, blocks.0; chunk 1: blocks.1, ln, head
+    assert sp.tied == {"emb.weight": (0, 1), "blocks.0.fc1.weight": (0, 1), "blocks.0.fc1.bias": (0, 1)}
+    sent = [t.name for t in sp.stages[0].send_act]
+    assert len(sent) == 1, sent  # the residual stream alone
+    for rank in (0, 1):  # each rank's rewritten chunk ends with its output (no release after it)
+        graph = lower_pipeline(tg, rp, None, planned_groups(rp, rank), rank, starts=(0, 2)).chunks[rank].graph
+        assert list(graph.nodes)[-1].op == "output"
 
 
 def test_micro_batches_in_flight_cost_only_what_their_forward_keeps():

@@ -160,18 +160,18 @@ def test_cuda_target_records_the_cuda_kernels_without_a_gpu():
 # ---- meta models are initialised on the CPU, whatever the device ---------------------------------
 
 def _meta_state(device, init_fn=None):
-    """local_state of a meta TiedLM + Normalize buffers for one rank of one, from seed 0."""
+    """local_states of a meta TiedLM + Normalize buffers for one rank of one, from seed 0."""
     from models import Normalize, TiedLM
 
     from micscompile.core.sharding import build_layouts
-    from micscompile.runtime.materialize import local_state
+    from micscompile.runtime.materialize import local_states
 
     with torch.device("meta"):
         model = nn.Sequential(TiedLM(), Normalize(3))
     shapes = {n: p.shape for n, p in model.named_parameters()}
     layouts = build_layouts([("all", list(shapes))], shapes, 1)
     torch.manual_seed(0)
-    return local_state(model, tuple(layouts), 0, torch.device(device), init_fn)
+    return local_states(model, [tuple(layouts)], 0, torch.device(device), init_fn)[0]
 
 
 def test_meta_model_is_initialised_on_the_cpu_for_any_device():

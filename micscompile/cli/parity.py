@@ -82,6 +82,7 @@ def train_reference_mixed(
     reduce_dtype: torch.dtype = torch.float32,
     micro_batches: int = 1,
     partition_size: int | None = None,
+    compiled: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -105,9 +106,12 @@ def train_reference_mixed(
     them (the second hop). Each reduction is exact, then rounded to ``reduce_dtype`` once: it overflows where the true
     sum does, whatever order a collective adds it in (a sequential fp16 sum can overflow in one order
     and not another).
+    ``compiled``: each slice's forward and backward run through ``torch.compile`` (Inductor), rounding as
+    fused kernels do: the yardstick of how far Inductor's rounding alone moves a value.
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
+    run = torch.compile(low) if compiled else low
     masters = list(model.parameters())
     opt = optimizer(masters)
     loss_low = make_loss(low)
@@ -122,7 +126,7 @@ def train_reference_mixed(
         loss_sum, count = 0.0, None
         for index, piece in enumerate(zip(*(x.chunk(chunks) for x in batch))):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
-            loss = loss_low(low(*piece[:num_model_inputs]), *piece[num_model_inputs:])
+            loss = loss_low(run(*piece[:num_model_inputs]), *piece[num_model_inputs:])
             if isinstance(loss, tuple):  # (loss_sum, count)
                 loss, n = loss
                 count = (count or 0) + int(n)

@@ -175,5 +175,5 @@ def _check_tied_layouts(sp: PipelineSplit, chunks: list[LoweredFlat]) -> None:
             rows = layout.optimizer_layout(chunks[c].plan.optimizer_shards)  # (the optimizer's pieces, too)
             spans.add(tuple(lay.local_range(slot, r) for lay in (layout, rows) for r in range(lay.partition_size)))
         if len(spans) > 1:
-            raise PlanError(f"tied parameter {name} is sharded differently in chunks {list(holders)} (it shares "
-                            "a bucket with other parameters); leave bucket_bytes unset so that it has a bucket of its own")
+            raise PlanError(f"tied parameter {name} is sharded differently in chunks {list(holders)}: each chunk "
+                            "should hold it in a bucket of its own (pipeline_split); a micscompile bug, please report it")

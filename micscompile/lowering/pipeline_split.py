@@ -345,9 +345,10 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
         if name not in holders:
             holders[name] = {chunk_of_block.get(block_of(name.rpartition(".")[0], tg.blocks), chunks - 1)}
     tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
-    # a tied parameter's module is a block of its own in every chunk: its bucket then holds it
-    # alone and is sharded alike wherever it is (its gradient is summed piece by piece)
-    blocks = [*tg.blocks, *(n.rpartition(".")[0] for n in tied if n.rpartition(".")[0] not in tg.blocks)]
+    # a tied parameter is a block of its own in every chunk: its bucket then holds it alone and is
+    # sharded alike wherever it is (its gradient is summed piece by piece), also where its module's
+    # other parameters are read by one chunk only (passes.buckets.assign_buckets)
+    blocks = [*tg.blocks, *tied]
 
     def transfers(values: set) -> tuple[Transfer, ...]:
         return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE])

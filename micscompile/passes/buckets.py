@@ -50,19 +50,23 @@ def assign_buckets(
 
     One bucket per block that owns parameters, ordered by the block's first use in the
     graph (``first_use``: param -> node index; unused parameters sort last). With
-    ``bucket_bytes``, consecutive blocks merge while the bucket stays within it.
+    ``bucket_bytes``, consecutive blocks merge while the bucket stays within it. A block
+    named as a parameter (a pipeline's tied parameter: ``lowering.pipeline_split``) holds
+    that parameter alone and never merges, so it is sharded alike in every chunk.
     Returns ([(bucket name, [param names])], {block: bucket index}).
     """
     by_block: dict[str, list[str]] = {}
+    alone = set(param_names).intersection(blocks)
     for name in param_names:
-        by_block.setdefault(block_of(name.rpartition(".")[0], blocks), []).append(name)
+        by_block.setdefault(name if name in alone else block_of(name.rpartition(".")[0], blocks), []).append(name)
     never = len(first_use) + 10**9
     order = sorted(by_block, key=lambda b: min(first_use.get(n, never) for n in by_block[b]))
     buckets: list[tuple[list[str], list[str]]] = []  # (blocks, params)
     size = 0
     for block in order:
         nbytes = sum(param_bytes[n] for n in by_block[block])
-        if buckets and bucket_bytes is not None and size + nbytes <= bucket_bytes:
+        merge = not ({block, *buckets[-1][0]} & alone) if buckets else False
+        if merge and bucket_bytes is not None and size + nbytes <= bucket_bytes:
             buckets[-1][0].append(block)
             buckets[-1][1].extend(by_block[block])
             size += nbytes

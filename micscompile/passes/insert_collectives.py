@@ -250,6 +250,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 iv.unpacked[slot.name].meta["val"] = torch.empty(
                     slot.shape, dtype=lay.gather_dtype if gathers else lay.dtype, device="meta")
         if gathers:
+            if iv.last.op == "output":  # a view of the gathered bucket would leave the graph (sent on, freed)
+                raise PlanError(f"a value computed from the parameters {sorted(iv.params)} alone leaves the graph "
+                                "(a pipeline chunk would send it); each chunk that reads it must compute it from "
+                                "parameters it holds: a micscompile bug, please report it")
             with graph.inserting_after(iv.last):
                 rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
             _tag(rel, iv.last, iv.bucket)

@@ -25,6 +25,7 @@ from micscompile.lowering.flat import LoweredFlat, lower_evaluation
 from micscompile.memory.arena import Arena
 from micscompile.passes.manager import PassRecord
 from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.runtime.materialize import local_states
 from micscompile.runtime.meshes import flat_groups
 from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields
 from micscompile.trace import TrainGraph
@@ -39,8 +40,10 @@ class TrainStep(Step):
         pass_records: list[PassRecord], device: torch.device, step_buffers=(),
         timeout: datetime.timedelta | None = None, codegen: CodegenReport | None = None,
     ) -> None:
-        part = Part(0, **part_fields(comm, program, graph, model, groups["shard"].rank, device, init_fn,
-                                     graph.unused_params, own_buffers=False))
+        shard_rank = groups["shard"].rank
+        [state] = local_states(model, [comm.layouts], shard_rank, device, init_fn)
+        part = Part(0, **part_fields(comm, program, graph, state, shard_rank, device, graph.unused_params,
+                                     own_buffers=False))
         plan = program.plan
         super().__init__(program=program, graph=graph, parts=[part], groups=groups, stats=comm.stats, arena=comm.arena,
                          optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,

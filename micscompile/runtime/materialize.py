@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,29 +63,38 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def local_state(
+def local_states(
     model: nn.Module,
-    layouts: tuple[BucketLayout, ...],
+    parts: Sequence[tuple[BucketLayout, ...]],
     shard_rank: int,
     device: torch.device,
     init_fn: Callable[[nn.Module], None] | None = None,
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """(one flat shard per bucket, {buffer name: tensor}) for partition-group rank ``shard_rank``."""
-    shards = [torch.zeros(lay.row_numel, dtype=lay.dtype, device=device) for lay in layouts]
-    slots = {slot.name: (lay, slot) for lay in layouts for slot in lay.slots}
+) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """For each part this rank holds (the layouts of a flat plan, or of each of its pipeline chunks):
+    (one flat shard per bucket, {buffer name: tensor}) for partition-group rank ``shard_rank``.
+
+    A meta model is initialised once for all of them, so a parameter's values never depend on
+    which chunks a rank holds (an interleaved rank's chunks are not contiguous in the model)."""
+    shards = [[torch.zeros(lay.row_numel, dtype=lay.dtype, device=device) for lay in layouts] for layouts in parts]
+    slots: dict[str, list] = {}
+    for i, layouts in enumerate(parts):
+        for lay in layouts:
+            for slot in lay.slots:
+                slots.setdefault(slot.name, []).append((i, lay, slot))
 
     def place(name: str, full: torch.Tensor) -> None:
-        if name not in slots:
-            return  # a pipeline chunk holds only its own parameters
-        lay, slot = slots[name]
-        lo, hi = lay.local_range(slot, shard_rank)
-        local_piece(lay, slot, shards[lay.index], shard_rank).copy_(full.detach().reshape(-1)[lo:hi])
+        for i, lay, slot in slots.get(name, ()):  # a pipeline chunk holds only its own parameters
+            lo, hi = lay.local_range(slot, shard_rank)
+            local_piece(lay, slot, shards[i][lay.index], shard_rank).copy_(full.detach().reshape(-1)[lo:hi])
+
+    def buffers_per_part(named_buffers: dict[str, torch.Tensor]) -> list:
+        return [(s, {n: b.detach().to(device, copy=True) for n, b in named_buffers.items()}) for s in shards]
 
     is_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if not is_meta:
         for name, p in model.named_parameters():
             place(name, p)
-        return shards, {n: b.detach().to(device, copy=True) for n, b in model.named_buffers()}
+        return buffers_per_part(dict(model.named_buffers()))
 
     init_fn = init_fn or default_init
     model = copy.deepcopy(model)  # never touch the caller's module; meta copies are free
@@ -119,8 +128,7 @@ def local_state(
             if isinstance(t, nn.Parameter) and owners[id(t)] == 0:
                 place(canonical[id(t)], real.pop(id(t)))
                 store[key] = t  # back to meta: the full tensor is freed
-    buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
-    return shards, buffers
+    return buffers_per_part(dict(model.named_buffers()))
 
 
 def initialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:

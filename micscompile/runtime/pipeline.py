@@ -43,6 +43,7 @@ from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.lowering.pipeline_split import split
 from micscompile.memory.arena import Arena
 from micscompile.runtime.codegen import CodegenReport, compile_regions
+from micscompile.runtime.materialize import local_states
 from micscompile.runtime.meshes import mesh_cache, pipeline_groups
 from micscompile.runtime.step import Part, Step, part_fields
 from micscompile.trace import TrainGraph
@@ -139,13 +140,16 @@ class PipelineStep(Step):
         stats = CommStats()
         planned_arena = None if arena_offsets is None else Arena(*arena_offsets, device)
         chunks = []
-        for c in pp.my_chunks():
+        shard_rank = groups["shard"].rank
+        # every chunk this rank holds materialised in one pass over the model (a meta model initialised once)
+        states = local_states(model, [pp.chunks[c].ctx.layouts for c in pp.my_chunks()], shard_rank, device, init_fn)
+        for c, state in zip(pp.my_chunks(), states):
             st, sched = pp.split.stages[c], pp.chunks[c]
             comm = Comm(sched.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], stats=stats,
                         arena=planned_arena, optimizer_shards=rp.optimizer_shards, micro_steps=rp.micro_batches)
             phases = chunk_phases[c]
-            chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, model, groups["shard"].rank, device,
-                                                  init_fn, graph.unused_params, own_buffers=True),
+            chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, state, shard_rank, device,
+                                                  graph.unused_params, own_buffers=True),
                                  phases=phases, batch_inputs=st.batch_inputs, n_send_act=len(st.send_act),
                                  fwd_used=_used(phases.forward), bwd_used=_used(phases.backward)))
         self._tied = _tied_groups(pp, pp.rank, cache)

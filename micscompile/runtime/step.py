@@ -41,7 +41,6 @@ from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
 from micscompile.runtime.loss_scale import LossScaler
-from micscompile.runtime.materialize import local_state
 from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home
 from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch, trace
@@ -88,11 +87,11 @@ class Part:
     among the d replicas (the shard rank itself with d = 1)."""
 
 
-def part_fields(comm: Comm, program: Program, graph: TrainGraph, model: nn.Module, shard_rank: int,
-                device: torch.device, init_fn, unused: set[str], own_buffers: bool) -> dict:
-    """A Part's fields, this rank's shards and buffers materialized from ``model``
-    (``own_buffers``: save and export only the graph's buffers, not all of the model's)."""
-    shards, buffers = local_state(model, comm.layouts, shard_rank, device, init_fn)
+def part_fields(comm: Comm, program: Program, graph: TrainGraph, state: tuple[list[torch.Tensor], dict],
+                shard_rank: int, device: torch.device, unused: set[str], own_buffers: bool) -> dict:
+    """A Part's fields from ``state``, this rank's shards and buffers of the part
+    (``materialize.local_states``; ``own_buffers``: save and export only the graph's buffers, not all of the model's)."""
+    shards, buffers = state
     if LOSS_SCALE in graph.buffer_names:  # fp16: the step writes its loss scale here before each step
         buffers[LOSS_SCALE] = torch.ones((), dtype=torch.float32, device=device)
     grads = [torch.zeros_like(s) for s in shards]
