@@ -6,7 +6,7 @@ Parity metric (docs/design.md), per tensor: max|a - b| / max(max|b|, 1e-2) <= 1e
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -83,6 +83,7 @@ def train_reference_mixed(
     micro_batches: int = 1,
     partition_size: int | None = None,
     compiled: bool = False,
+    skip_steps: Collection[int] = (),
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -107,7 +108,9 @@ def train_reference_mixed(
     sum does, whatever order a collective adds it in (a sequential fp16 sum can overflow in one order
     and not another).
     ``compiled``: each slice's forward and backward run through ``torch.compile`` (Inductor), rounding as
-    fused kernels do: the yardstick of how far Inductor's rounding alone moves a value.
+    fused kernels do: the yardstick of how far Inductor's rounding alone moves a value. ``skip_steps``: the
+    optimizer does not step on these (0-based) steps whatever their gradients (an fp16 run's skipped steps,
+    so that a reference in another dtype steps alike).
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
@@ -117,7 +120,7 @@ def train_reference_mixed(
     loss_low = make_loss(low)
     scaler = (loss_scaler or LossScaler()) if param_dtype == torch.float16 else None  # fp16, as the step
     losses = []
-    for batch in global_batches:
+    for step_index, batch in enumerate(global_batches):
         with torch.no_grad():
             for lp, mp in zip(low.parameters(), masters):
                 lp.copy_(mp)
@@ -160,7 +163,7 @@ def train_reference_mixed(
         if finite and max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_([mp for mp in masters if mp.grad is not None], max_grad_norm)
             finite = bool(torch.isfinite(norm))
-        if finite or (scaler is None and max_grad_norm is None):
+        if (finite or (scaler is None and max_grad_norm is None)) and step_index not in skip_steps:
             opt.step()
         losses.append(loss_sum / divisor)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
