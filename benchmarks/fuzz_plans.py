@@ -67,6 +67,8 @@ docs/design.md's tolerance): the larger of how far the reference moves when summ
 micro-batch order (the order floor) and when computed in float64 (the rounding floor)."""
 MICSCOMPILE = str(Path(mc.__file__).resolve().parent)
 FAMILIES = ("tied_lm", "convnet", "quirky", "random", "hf")
+INTERNAL = ("ProgramError:",)
+"""Errors of micscompile's own consistency checks: never a refusal of bad input (the judge calls them failures)."""
 HF_FAMILIES = ("gpt2", "llama", "bert")
 HF_SEQ, HF_BATCH = 8, 4
 
@@ -510,6 +512,7 @@ def judge(values: list[dict]) -> tuple[str, str]:
     if errors:
         first = errors[0]
         disagree = any(hint in first["error"] for hint in AGREEMENT_HINTS.values())  # (every rank had the same input)
+        disagree = disagree or first["error"].startswith(INTERNAL)  # a check of micscompile's own consistency
         if not disagree and len(errors) == len(values) and all(
                 e["error"] == first["error"] and e["stage"] in ("plan", "compile") and e["ours"] for e in errors):
             return "refused", first["error"][:300]

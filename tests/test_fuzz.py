@@ -64,6 +64,9 @@ def test_the_judge_classes_parity_refusals_and_failures():
     # ranks given the same input that compile different programs: micscompile's inconsistency, not bad input
     disagree = {**refusal, "error": "RuntimeError: ranks compiled different programs (model, plan or batch differ)"}
     assert judge([disagree] * 4)[0] == "failed"
+    # an internal consistency check (seed 300018's "the lowered graph's collectives differ"): a failure too
+    internal = {**refusal, "error": "ProgramError: the lowered graph's collectives differ from those the search chose"}
+    assert judge([internal] * 4)[0] == "failed"
 
 
 # ---- the covering design (issue 52) ----------------------------------------------------------------------

@@ -236,3 +236,24 @@ def test_second_hop_runs_under_the_last_backward(tmp_path):
                        and e["name"].startswith("bwd"))
     hops = [e for e in events if e.get("tid") == tid["comm:replicate"] and e["ph"] == "X"]
     assert len(hops) == len(program.layouts) and sum(e["ts"] < backward_end for e in hops) >= len(hops) - 2
+
+
+@pytest.mark.hf
+def test_two_buckets_whose_forward_ends_in_one_matmul_keep_live_as_the_search_chose():
+    """BERT's MLM decoder reads the tied word embedding (bucket 0) and the head's bias in one addmm: both
+    buckets' last forward use is that node. The search kept the one whose release the Program puts last, the
+    pass the other, and compile refused a valid plan ("the lowered graph's collectives differ"; plan fuzzer
+    seed 300018). Mutation: ordering the pass's candidates by their last node alone fails (keep=1)."""
+    from micscompile.zoo import hf_models
+
+    torch.manual_seed(0)
+    model = hf_models.build("bert", seq_len=8)
+    x, y = hf_models.lm_batch(model, 2, 8, torch.Generator().manual_seed(1))
+    tg = mc.trace(model, (x, y), hf_models.lm_loss)
+    rp = mc.Plan(partition_size=2, micro_batches=2).resolve(4)
+    base = lower_flat(tg, rp, None, planned_groups(rp), prefetch=(0,)).program
+    for keep in (1, 2):
+        lowered = lower_flat(tg, rp, None, planned_groups(rp), prefetch=(mc.Prefetch(0, keep),))  # raised
+        derived = with_keep_live(base, keep).micro_step
+        assert [a for a in derived if a.kind is not Kind.COMPUTE] == \
+               [a for a in lowered.program.micro_step if a.kind is not Kind.COMPUTE], keep

@@ -148,7 +148,9 @@ def _keep_live(
         nxt = next((j for j in range(i + 1, len(intervals)) if intervals[j].bucket == b), None)
         if nxt is not None:
             pairs[b] = (i, nxt)
-    last_forward = {b: order[intervals[i].last] for b, (i, _) in pairs.items()}
+    # where each ends, as the Program orders their releases (lowering.flat.with_keep_live): after the same
+    # last use (a tied weight and the head's bias read by one matmul), a release inserted earlier lands later
+    last_forward = {b: (order[intervals[i].last], -i) for b, (i, _) in pairs.items()}
     merged = {}
     for b in keep_live_choice(last_forward, pairs, keep):
         i, j = pairs[b]
