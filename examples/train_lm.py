@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         return sum(float(step.evaluate(*local(val, s))) for s in val_seeds) / len(val_seeds)
 
     bar = tqdm(total=args.steps, initial=step.steps, desc="train", unit="step",
-               disable=rank != 0 or args.no_progress, dynamic_ncols=True)
+               disable=True if rank != 0 or args.no_progress else None, dynamic_ncols=True)  # None: a terminal only
     last_val = None
     while step.steps < args.steps:
         x, y = local(train, step.steps + 1)  # the batch is a function of the step: a resumed run continues the curve

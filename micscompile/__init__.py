@@ -10,7 +10,7 @@ from micscompile.core.collectives import CollectiveError, CommStats
 from micscompile.core.plan import Plan, PlanError, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction
-from micscompile.cost_model.specs import Cluster, GpuSpec, Link
+from micscompile.cost_model.specs import Cluster, ClusterError, GpuSpec, Link
 from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
 from micscompile.lowering.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
 from micscompile.memory.planner import Buffer, MemoryPlan, MemoryPlanError, plan_memory
@@ -24,8 +24,8 @@ from micscompile.tune.autotune import Candidate, autotune
 
 __all__ = [
     "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
-    "MiCSBackend", "autotune", "backend", "Cluster", "CollectiveError", "CommStats", "GpuSpec", "Kind", "Link", "MemoryPlan",
-    "MemoryPlanError",
+    "MiCSBackend", "autotune", "backend", "Cluster", "ClusterError", "CollectiveError", "CommStats", "GpuSpec", "Kind",
+    "Link", "MemoryPlan", "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "ShardParams", "TraceError",
     "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile",
     "decay_groups", "plan_memory", "simulate", "step_memory", "trace",

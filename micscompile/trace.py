@@ -506,7 +506,8 @@ def trace(
         return get_proxy_mode().tracer.graph._root._prev
 
     blocks = find_blocks(model)
-    bar = tqdm(total=len(blocks), desc="trace forward", unit="block", disable=not progress, leave=False)
+    bar = tqdm(total=len(blocks), desc="trace forward", unit="block", disable=None if progress else True,
+               leave=False)  # (None: off where stderr is no terminal, e.g. a log file: no carriage returns)
     block_set = set(blocks)
 
     callers: list[nn.Module | None] = []

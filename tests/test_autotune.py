@@ -164,7 +164,7 @@ def test_autotune_rejects_an_impossible_batch(symbolic):
                     micro_batch_sizes=(2,), verbose=False, progress=False)
     # "auto" chooses inside one candidate; autotune prices each home as a candidate of its own
     with pytest.raises(ValueError, match="'partition' and/or 'world'"):
-        mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2), global_batch_size=8,
+        mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2), global_batch_size=16,
                     optimizer_sharding=("auto",), verbose=False, progress=False)
 
 

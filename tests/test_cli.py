@@ -102,7 +102,7 @@ def test_a_user_function_is_a_model_spec(tmp_path):
     (["plan", "gpt:tiny", "--cluster", "cray-1"], "unknown cluster preset 'cray-1'"),
     (["simulate", "gpt:tiny", "--cluster", "missing.json"], "missing.json not found"),
     (["plan", "gpt:tiny", "--nodes", "2", "4"], "several are for `simulate --compare-peers`"),
-    (["simulate", "gpt:tiny", "--compare-peers", "--nodes", "2", "0"], "positive cluster sizes"),
+    (["simulate", "gpt:tiny", "--compare-peers", "--nodes", "2", "0"], "--nodes: expected 1 to 65,536, got 0"),
 ], ids=["preset", "module", "plan", "cluster", "json", "nodes", "compare-nodes"])
 def test_bad_input_exits_2_with_one_line(args, says, capsys, tmp_path, monkeypatch):
     """In process (``main`` is what the entry point exits with; a subprocess would cost each case

@@ -37,8 +37,11 @@ def test_presets_cover_the_thesis_clusters():
     p4d = Cluster.preset("p4d.24xlarge", nodes=16)
     # fitted on nccl-tests on 3 and 4 p4d nodes (NVIDIA/nccl#527): 0.71 of the 50 GB/s line rate over 2 nodes
     assert p4d.world_size == 128 and p4d.node_bandwidth_bps == pytest.approx(0.71 * 4 * 100e9 / 8)
-    with pytest.raises(KeyError, match="known: dgx-a100"):
+    with pytest.raises(mc.ClusterError, match="known: dgx-a100"):
         Cluster.preset("tpu-v9")
+    for nodes in (0, -1, 1.5):
+        with pytest.raises(mc.ClusterError, match="positive number of nodes"):
+            Cluster.preset("p4d.24xlarge", nodes=nodes)
 
 
 def test_cluster_round_trips_through_json(tmp_path):

@@ -75,3 +75,22 @@ def test_pipeline_topology_follows_the_mesh_layout():
         mc.Plan(pipeline_stages=3).resolve(8, 8)
     with pytest.raises(mc.PlanError, match="stays inside a node"):
         mc.Plan(partition_size=4, pipeline_stages=2).resolve(16, 2)
+
+
+def test_resolve_refuses_a_world_without_ranks():
+    """Issue 53: `micscompile plan --nodes 0` reached ``n % k`` and raised ZeroDivisionError."""
+    for n in (0, -8):
+        with pytest.raises(mc.PlanError, match="the world size must be a positive number of ranks"):
+            mc.Plan().resolve(n)
+    with pytest.raises(mc.PlanError, match="interleaves the chunks of a pipeline: set pipeline_stages > 1"):
+        mc.Plan(pipeline_chunks=2, pipeline_schedule="interleaved")
+    with pytest.raises(mc.PlanError, match=r"multiple of stages=2, got 3: use micro_batches in \[2, 4\]"):
+        mc.Plan(pipeline_stages=2, pipeline_chunks=2, pipeline_schedule="interleaved", micro_batches=3).resolve(4)
+
+
+def test_divisors_are_every_divisor_in_order():
+    from micscompile.core.plan import divisors
+
+    for n in (1, 2, 12, 36, 97, 1024, 5040):
+        assert divisors(n) == [q for q in range(1, n + 1) if n % q == 0]
+    assert divisors(0) == [] and len(divisors(2**40)) == 41

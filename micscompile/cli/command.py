@@ -25,6 +25,35 @@ from pathlib import Path
 
 DEMO_DEFAULTS = ["--partition-size", "2", "--micro-batches", "4", "--steps", "5", "--check"]
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_NODES = 65536
+"""Nodes a command prices (524,288 GPUs of 8): beyond any cluster built; the search's divisors stay fast."""
+MAX_SEQ = 1 << 24
+"""Tokens per sample: beyond any context length trained."""
+MAX_STAGES, MAX_MICRO_BATCHES = 1024, 4096
+"""A pipeline's schedule lists every rank's actions: S * m of them per chunk."""
+MAX_BATCH = 1 << 16
+"""Samples per micro-batch (``-b``) and per step (``--global-batch-size``, whose pipelines' m follows from it)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument ends in one line on stderr and status 2, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+def _count(what: str, most: int, least: int = 1):
+    """An argparse type: an integer from ``least`` to ``most``, refused with the range in the message."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {least} to {most:,}, got {text!r}") from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected {least} to {most:,}, got {value:,}")
+        return value
+    parse.__name__ = what
+    return parse
 
 
 def _say(msg: str) -> None:
@@ -212,21 +241,28 @@ def _simulate(args: argparse.Namespace) -> int:
     for plan in plans:
         pred = mc.simulate(tg, plan, cluster)
         _say(f"{plan.partition_size:>5}{plan.pipeline_stages:>4}{plan.micro_batches:>5}{pred.step_time_s * 1e3:>12.1f}"
-             f"{pred.tflops_per_gpu:>9.1f}{pred.exposed_comm_s * 1e3:>12.1f}{pred.peak_memory_bytes / 2**30:>10.2f}"
+             f"{pred.tflops_per_gpu:>9.3g}{pred.exposed_comm_s * 1e3:>12.1f}{pred.peak_memory_bytes / 2**30:>10.2f}"
              f"{'yes' if pred.peak_memory_bytes <= cap else 'no':>6}")
     return 0
 
 
 def _autotune(args: argparse.Namespace) -> int:
     import micscompile as mc
+    from micscompile.tune.search_space import check_global_batch
 
     cluster = _cluster(args)
+    check_global_batch(cluster.world_size, args.global_batch_size)  # before the trace
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding)
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
-    return 0 if ranked and ranked[0].feasible else 1
+    if not ranked[0].feasible:
+        from micscompile.core.plan import PlanError
+
+        raise PlanError(f"none of the {len(ranked)} plans fits a {cluster.gpu.name} ({ranked[0].reason}); try more "
+                        "--nodes, a smaller -b or --seq, or a device with more memory")
+    return 0
 
 
 # ---- argument parsing --------------------------------------------------------------------------
@@ -237,27 +273,31 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", metavar="MODEL_SPEC",
                     help="a preset (gpt:1.3b, gpt:13b, gpt:175b, bert:10b, bert:52b, bert:104b, hf:llama-7b, ...; "
                          "see micscompile.cli.model_specs) or module:function returning (model, example_inputs, loss_fn)")
-    sp.add_argument("--seq", type=int, default=None, help="sequence length of a preset (default: the preset's)")
-    sp.add_argument("-b", "--micro-batch-size", type=int, default=1, help="samples per micro-batch of a preset")
+    sp.add_argument("--seq", type=_count("--seq", MAX_SEQ), default=None,
+                    help="sequence length of a preset (default: the preset's)")
+    sp.add_argument("-b", "--micro-batch-size", type=_count("-b", MAX_BATCH), default=1,
+                    help="samples per micro-batch of a preset")
     sp.add_argument("--param-dtype", choices=DTYPES, default=None,
                     help="dtype of gathers and compute, fp32 master weights (default: bfloat16 where the "
                          "device has it, else float16)")
     sp.add_argument("--cluster", default="p4d.24xlarge",
                     help=f"a preset ({', '.join(sorted(PRESETS))}) or a calibrated cluster .json")
-    sp.add_argument("--nodes", type=int, nargs="+", default=[1],
+    sp.add_argument("--nodes", type=_count("--nodes", MAX_NODES), nargs="+", default=[1],
                     help="nodes of the cluster (several: simulate --compare-peers, one column each)")
 
 
 def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
-    sp.add_argument("-p", "--partition-size", type=int, nargs="+" if several else None, default=None,
+    sp.add_argument("-p", "--partition-size", type=_count("-p", MAX_NODES * 64), nargs="+" if several else None,
+                    default=None,
                     help="ranks sharding one replica (t inside a stage); default: "
                          + ("one node; several: one row each" if several else
                             "priced: one node unless a power of two that fits is 5%% faster"))
-    sp.add_argument("-S", "--pipeline-stages", type=int, default=1, help="MiCS-Pipe stages S")
-    sp.add_argument("-m", "--micro-batches", type=int, default=1,
+    sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
+    sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")
     sp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
-    sp.add_argument("--chunks", type=int, default=1, help="interleaved 1F1B with this many chunks per rank (v)")
+    sp.add_argument("--chunks", type=_count("--chunks", 64), default=1,
+                    help="interleaved 1F1B with this many chunks per rank (v)")
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
     sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")
@@ -267,14 +307,14 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="micscompile", description=__doc__.split("\n\n")[0],
+    ap = _Parser(prog="micscompile", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n\n")[1].splitlines()))
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small GPT on 4 local gloo ranks against eager PyTorch",
                           description="Launch micscompile.cli.demo under torchrun; arguments after `--` go to it "
                                       f"(default: {' '.join(DEMO_DEFAULTS)}; see python -m micscompile.cli.demo -h).")
-    demo.add_argument("--nproc", type=int, default=4, help="local ranks")
+    demo.add_argument("--nproc", type=_count("--nproc", 1024), default=4, help="local ranks")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for micscompile.cli.demo")
     plan = sub.add_parser("plan", help="trace on meta, lower one plan, print its Program summary, write pictures")
     _model_args(plan)
@@ -290,17 +330,18 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--png", default="compare-peers.png", help="--compare-peers: where to write the picture")
     tune = sub.add_parser("autotune", help="search partition size, stages, micro-batch size and memory options")
     _model_args(tune)
-    tune.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
-    tune.add_argument("--top", type=int, default=10, help="rows of the printed table")
+    tune.add_argument("--global-batch-size", type=_count("--global-batch-size", MAX_BATCH), required=True,
+                      help="samples per optimizer step")
+    tune.add_argument("--top", type=_count("--top", 10_000), default=10, help="rows of the printed table")
     tune.add_argument("--optimizer-sharding", nargs="+", choices=("partition", "world"), default=["partition", "world"],
                       help="where the optimizer states may live: over the partition group, over all p*d ranks")
     tune.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=True,
                       help="search pipeline stages too")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
-    cal.add_argument("--nproc", type=int, default=4, help="ranks to measure with (when not under torchrun)")
+    cal.add_argument("--nproc", type=_count("--nproc", 1024), default=4, help="ranks to measure with (when not under torchrun)")
     cal.add_argument("--out", default=None, help="where to write the calibrated cluster (default: ./local_cluster.json "
                      "and ~/.cache/micscompile/local_cluster.json, which mc.compile's default schedule reads)")
-    cal.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
+    cal.add_argument("--repeats", type=_count("--repeats", 1000), default=7, help="timed repeats per measurement (median)")
     return ap
 
 
@@ -308,18 +349,21 @@ COMMANDS = {"demo": _demo, "plan": _plan, "simulate": _simulate, "autotune": _au
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # -h (0), or a bad argument (2: one line on stderr, _Parser.error)
+        return exc.code if isinstance(exc.code, int) else 2
     if args.command == "demo" and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
     from micscompile.cli.model_specs import SpecError
     from micscompile.core.plan import PlanError
+    from micscompile.cost_model.specs import ClusterError
     from micscompile.trace import TraceError
 
     try:
         return COMMANDS[args.command](args)
-    except (SpecError, PlanError, TraceError, KeyError, FileNotFoundError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"micscompile {args.command}: error: {msg}", file=sys.stderr)
+    except (SpecError, PlanError, ClusterError, TraceError, FileNotFoundError) as exc:
+        print(f"micscompile {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 

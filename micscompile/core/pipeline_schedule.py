@@ -49,9 +49,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, product
 
+from micscompile.core.plan import PlanError
 
-class ScheduleError(ValueError):
-    """A schedule that is malformed, inconsistent, or would deadlock."""
+
+class ScheduleError(PlanError):
+    """A schedule that is malformed, inconsistent, or would deadlock, or that a plan's (S, m, v) cannot have."""
 
 
 class Op(enum.Enum):
@@ -512,10 +514,7 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
     activations alive for the same bubble.
     """
     S, v, total = stages, chunks, micro_batches * chunks
-    if v > 1 and micro_batches % S:
-        ok = [k * S for k in range(max(1, micro_batches // S), micro_batches // S + 2)]
-        raise ScheduleError(f"interleaved 1F1B with chunks={v} needs micro_batches to be a multiple of "
-                            f"stages={S}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
+    check_schedule("interleaved", S, micro_batches, v)
 
     def order(r: int) -> list[tuple[Op, int, int]]:
         warmup = min(total, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)
@@ -527,13 +526,23 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
     return _build("interleaved", stages, micro_batches, chunks, order)
 
 
+def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
+    """Raise ScheduleError unless the named schedule exists for (S, m, v), without building it
+    (``Plan.resolve`` asks before anything is traced; ``make_schedule`` before it builds)."""
+    if kind not in ("gpipe", "1f1b", "interleaved"):
+        raise ScheduleError(f"unknown pipeline schedule {kind!r}: valid kinds are gpipe, 1f1b, interleaved")
+    if kind != "interleaved" and chunks != 1:
+        raise ScheduleError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind 'interleaved'")
+    if chunks > 1 and micro_batches % stages:
+        ok = [k * stages for k in range(max(1, micro_batches // stages), micro_batches // stages + 2)]
+        raise ScheduleError(f"interleaved 1F1B with chunks={chunks} needs micro_batches to be a multiple of "
+                            f"stages={stages}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
+
+
 @functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
     """The named schedule; only "interleaved" takes chunks > 1 (cached: schedules are immutable)."""
+    check_schedule(kind, stages, micro_batches, chunks)
     if kind == "interleaved":
         return interleaved_1f1b(stages, micro_batches, chunks)
-    if kind not in ("gpipe", "1f1b"):
-        raise ValueError(f"unknown pipeline schedule {kind!r}: valid kinds are gpipe, 1f1b, interleaved")
-    if chunks != 1:
-        raise ValueError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind 'interleaved'")
     return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)

@@ -13,6 +13,7 @@ with a clear message instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,9 @@ class PlanError(ValueError):
 
 
 def divisors(n: int) -> list[int]:
-    return [q for q in range(1, n + 1) if n % q == 0]
+    """The positive divisors of ``n``, ascending (in O(sqrt n): worlds of millions of ranks are priced)."""
+    small = [q for q in range(1, math.isqrt(n) + 1) if n % q == 0] if n > 0 else []
+    return small + [n // q for q in reversed(small) if q * q != n]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +117,9 @@ class Plan:
         if (self.pipeline_schedule == "interleaved") != (self.pipeline_chunks > 1):
             raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} with pipeline_chunks="
                             f"{self.pipeline_chunks}: 'interleaved' runs v > 1 chunks per rank, the others one")
+        if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
+            raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
+                            "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")
         if self.pipeline_stages > 1 and self.grad_sync != "2hop":
             raise PlanError("pipeline_stages > 1 syncs gradients in two hops (grad_sync='2hop'): "
                             "reduce-scatter inside the stage, all-reduce across replicas at the boundary")
@@ -161,6 +167,8 @@ class Plan:
     def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedPlan:
         """Concrete group sizes for ``world_size`` ranks; raises PlanError if impossible."""
         n = world_size
+        if not isinstance(n, int) or n < 1:
+            raise PlanError(f"the world size must be a positive number of ranks, got {n!r}")
         k = self.gpus_per_node or local_world_size or n
         if k > n:
             k = n
@@ -189,6 +197,10 @@ class Plan:
         if S > 1 and p > k:
             raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
                             f"(partition_size <= gpus_per_node={k}), got {p}")
+        if S > 1:
+            from micscompile.core.pipeline_schedule import check_schedule  # (it imports PlanError from here)
+
+            check_schedule(self.pipeline_schedule, S, self.micro_batches, self.pipeline_chunks)
         return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
 
 

@@ -120,12 +120,12 @@ class Prediction:
     def __str__(self) -> str:
         busy = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self.stream_busy_s.items()))
         eff = f", scaling efficiency {self.scaling_efficiency:.1%}" if self.scaling_efficiency is not None else ""
-        eff += f", pipeline bubble {self.bubble_fraction:.1%}" if self.bubble_fraction is not None else ""
+        eff += f", pipeline bubble {self.bubble_fraction:.1%} of the compute" if self.bubble_fraction is not None else ""
         return (
             f"step {self.step_time_s * 1e3:.2f} ms {self.interval()} on {self.world_size} ranks: "
             f"compute {self.compute_s * 1e3:.2f} ms, "
             f"exposed comm {self.exposed_comm_s * 1e3:.2f} ms ({self.exposed_boundary_s * 1e3:.2f} ms of it at the "
-            f"boundary), {self.tflops_per_gpu:.2f} TFLOP/s per GPU, "
+            f"boundary), {self.tflops_per_gpu:.3g} TFLOP/s per GPU, "
             f"peak memory {fmt_bytes(self.peak_memory_bytes)} (static {fmt_bytes(self.static_memory_bytes)}){eff}\n"
             f"stream busy: {busy}{self._bound()}"
         )

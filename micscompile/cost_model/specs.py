@@ -63,6 +63,10 @@ class Link:
     latency_s: float
 
 
+class ClusterError(ValueError):
+    """A cluster that cannot be: an unknown preset, an unreadable file, no nodes; the message says what would."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Nodes of identical devices; intra-node links per device, inter-node NICs per node."""
@@ -111,6 +115,12 @@ class Cluster:
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
 
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ClusterError(f"a cluster needs a positive number of {name.replace('_', ' ')}, got {value!r}")
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -130,7 +140,8 @@ class Cluster:
         if name == "local":
             return Cluster.load(Path("local_cluster.json")).with_nodes(nodes)
         if name not in PRESETS:
-            raise KeyError(f"unknown cluster preset {name!r}; known: {', '.join(sorted(PRESETS))}, local")
+            raise ClusterError(f"unknown cluster preset {name!r}; known: {', '.join(sorted(PRESETS))}, local, "
+                               "or a calibrated cluster .json")
         return PRESETS[name].with_nodes(nodes)
 
     def to_json(self) -> str:
@@ -144,13 +155,17 @@ class Cluster:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: run `python -m micscompile calibrate` first")
-        raw = json.loads(path.read_text())
-        gpu = raw["gpu"]  # calibrated before device_type was recorded: a CPU machine names itself "cpu rank ..."
-        gpu.setdefault("device_type", "cpu" if gpu["name"].startswith("cpu") else "cuda")
-        return Cluster(
-            **{k: v for k, v in raw.items() if k not in ("gpu", "intra", "inter")},
-            gpu=GpuSpec(**gpu), intra=Link(**raw["intra"]), inter=Link(**raw["inter"]),
-        )
+        try:
+            raw = json.loads(path.read_text())
+            gpu = raw["gpu"]  # calibrated before device_type was recorded: a CPU machine names itself "cpu rank ..."
+            gpu.setdefault("device_type", "cpu" if gpu["name"].startswith("cpu") else "cuda")
+            return Cluster(
+                **{k: v for k, v in raw.items() if k not in ("gpu", "intra", "inter")},
+                gpu=GpuSpec(**gpu), intra=Link(**raw["intra"]), inter=Link(**raw["inter"]),
+            )
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ClusterError(f"{path} is not a cluster file ({type(exc).__name__}: {exc}); "
+                               "`micscompile calibrate` writes one") from exc
 
 
 GIB = 1 << 30

@@ -37,7 +37,15 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.runtime.compile import compile as compile_step
 from micscompile.trace import TrainGraph
 from micscompile.tune.repricing import Pricer
-from micscompile.tune.search_space import OPTIMIZER_SHARDING, configs, prefetches, state_floor_bytes
+from micscompile.tune.search_space import (
+    MAX_MICRO_BATCH,
+    OPTIMIZER_SHARDING,
+    check_global_batch,
+    configs,
+    prefetches,
+    smallest_batch,
+    state_floor_bytes,
+)
 
 
 @dataclass
@@ -96,7 +104,7 @@ class Candidate:
         pred = self.prediction
         tie = ", a tie with the best" if self.tie else ""
         return (f"{self.label()}: {pred.step_time_s:.3f} s/step {pred.interval()}{tie}, "
-                f"{pred.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                f"{pred.tflops_per_gpu:.3g} TFLOP/s per GPU, "
                 f"peak {fmt_bytes(pred.peak_memory_bytes)}, exposed comm {pred.exposed_comm_s:.3f} s")
 
 
@@ -149,7 +157,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
                 f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} "
-                f"{pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.1f} "
+                f"{pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.3g} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
         line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
         print(line, file=file)
@@ -189,8 +197,7 @@ def autotune(
     recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    check_global_batch(cluster.world_size, global_batch_size)
     unknown = [o for o in optimizer_sharding if o not in OPTIMIZER_SHARDING]
     if unknown:
         raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
@@ -199,21 +206,25 @@ def autotune(
     base = base_plan or Plan(param_dtype=trace.compute_dtype or torch.float32)
     base = dataclasses.replace(base, gpus_per_node=k)
     sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
-    space = configs(n, k, global_batch_size, len(trace.blocks), partition_sizes=partition_sizes,
-                    pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint,
-                    offload=offload, hierarchical=hierarchical, chunks=pipeline_chunks,
-                    optimizer_sharding=optimizer_sharding)
+    narrowed = dict(gpus_per_node=k, units=len(trace.blocks), partition_sizes=partition_sizes,
+                    pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint, offload=offload,
+                    hierarchical=hierarchical, chunks=pipeline_chunks, optimizer_sharding=optimizer_sharding)
+    space = configs(n, global_batch=global_batch_size, **narrowed)
     if not space:
-        raise PlanError(f"no plan splits a global batch of {global_batch_size} over {n} ranks with micro-batch sizes "
-                        f"{list(sizes or [])  or 'up to 32'}: choose a global batch divisible by n / S for some "
-                        "pipeline depth S")
+        smallest = smallest_batch(n, global_batch_size, **narrowed)
+        raise PlanError(f"no plan splits a global batch of {global_batch_size} over {n} ranks (micro-batch sizes "
+                        f"{_sizes(sizes)}; a pipeline of S stages at least S micro-batches): every rank of a stage "
+                        f"trains on samples of its own, so a batch needs b * n / S | batch and batch >= b * n; "
+                        + (f"the smallest that works here is {smallest}" if smallest else
+                           "none works with these choices: widen them (pipeline stages, micro-batch sizes)"))
     pricer = Pricer(trace, cluster, sorted({c.micro_batch for c in space}))
     num_params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
     capacity = cluster.gpu.memory_bytes
     out: list[Candidate] = []
     # one structure at a time: its lowering is shared by all its candidates
     space.sort(key=lambda c: (str(c.structure), c.partition, str(c.hierarchical), c.micro_batch))
-    bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan", disable=not progress,
+    bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan",
+               disable=None if progress else True,  # (None: off where stderr is no terminal)
                leave=False)
     for cfg in space:
         plan = cfg.plan(base)
@@ -244,6 +255,11 @@ def autotune(
               f"alone), {good} feasible")
         print_table(ranked, top)
     return ranked
+
+
+def _sizes(sizes) -> str:
+    return f"{min(sizes)}-{max(sizes)}" if sizes and len(sizes) > 1 and list(sizes) == list(
+        range(min(sizes), max(sizes) + 1)) else ", ".join(map(str, sizes)) if sizes else f"1-{MAX_MICRO_BATCH}"
 
 
 def rank(cands: list[Candidate], key: Callable[[Candidate], float] = lambda c: c.step_time_s) -> list[Candidate]:

@@ -112,7 +112,7 @@ def format_table(rows: Sequence[PeerRow]) -> str:
             else:
                 across = r.partition_size > r.gpus // r.nodes
                 p = f"p={r.partition_size}{' flat' if across and not r.hierarchical else ''} " if s == "micscompile" else ""
-                cells.append(f"{p + f'{r.tflops_per_gpu:.1f}' + ('' if r.fits else '*'):>28}")
+                cells.append(f"{p + f'{r.tflops_per_gpu:.3g}' + ('' if r.fits else '*'):>28}")
         ours = mine["micscompile"]
         peers = [r for s, r in mine.items() if s != "micscompile" and r.fits]
         ratio = "-"

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from micscompile.core.plan import Plan, divisors
+from micscompile.core.plan import Plan, PlanError, divisors
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.simulator import OPTIMIZER_STATE_BYTES_PER_PARAM
 
@@ -71,9 +71,12 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
     such size up to MAX_MICRO_BATCH), a stage's partition group inside one node, at least two of the
     ``units`` blocks per chunk, interleaving (v > 1) where m is a multiple of S, offload only with
     checkpointing, hierarchical variants only where a partition group spans whole nodes, the optimizer
-    states over the world only where d > 1. Fewer
-    micro-batches than stages is allowed (the pipeline never fills; its bubble prices it)."""
-    stages = pipeline_stages or [s for s in divisors(world) if 2 * s <= units]
+    states over the world only where d > 1, and a pipeline fed at least as many micro-batches as it has
+    stages: with fewer it never fills, its bubble ((S - 1) / m of its work) exceeds its work, and the
+    same batch leaves most of the ranks idle most of the step (issue 53: 7 samples on 16 ranks were
+    ranked as 16-stage pipelines idle 13 times as long as they computed). So every plan needs a global
+    batch of at least n * b: one sample per rank, in each stage's data-parallel ranks (``smallest_batch``)."""
+    stages = pipeline_stages or default_stages(world, units)
     out = []
     for S in stages:
         if world % S:
@@ -87,6 +90,8 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                 if global_batch % (b * ways):
                     continue
                 s = global_batch // (b * ways)
+                if s < S:  # the pipeline would never fill
+                    continue
                 vs = [v for v in chunks if v == 1 or (S > 1 and s % S == 0 and 2 * S * v <= units)]
                 d = ways // p
                 homes = [o for o in optimizer_sharding if o == "partition" or d > 1] or ["partition"]
@@ -96,6 +101,34 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                     for hier in (hierarchical if spans else hierarchical[:1]):
                         out.append(Config(S, p, b, s, ck, off, hier, v, opt, d))
     return out
+
+
+def check_global_batch(world: int, global_batch: int) -> None:
+    """Refuse, before anything is traced, a global batch no plan can split: every plan needs one sample per
+    rank at least (``configs``: b * n <= batch), and ``world`` samples always work (flat, b = 1)."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise PlanError(f"global_batch_size must be a positive number of samples, got {global_batch!r}")
+    if global_batch < world:
+        raise PlanError(f"a global batch of {global_batch} cannot keep {world} ranks busy: every plan trains at least "
+                        f"one sample per rank (a pipeline of S stages at least S micro-batches); the smallest that "
+                        f"works is {world}, or use fewer ranks")
+
+
+def default_stages(world: int, units: int) -> list[int]:
+    """The pipeline depths searched by default: every S dividing the world with at least two blocks a stage."""
+    return [s for s in divisors(world) if 2 * s <= units]
+
+
+def smallest_batch(world: int, global_batch: int, units: int, *, pipeline_stages: Sequence[int] | None = None,
+                   micro_batch_sizes: Sequence[int] | None = None, **narrowed) -> int | None:
+    """The smallest global batch of at least ``global_batch`` that some point of ``configs``' space (the same
+    arguments) splits over ``world`` ranks, or None if none does: of the batches divisible by b * n / S and at
+    least b * n, for each (S, b) the space allows, the first that some point takes."""
+    stages, sizes = pipeline_stages or default_stages(world, units), micro_batch_sizes or range(1, MAX_MICRO_BATCH + 1)
+    tried = sorted({max(global_batch, b * world) + (-max(global_batch, b * world)) % (b * world // S)
+                    for S in stages if world % S == 0 for b in sizes})
+    return next((g for g in tried if configs(world, global_batch=g, units=units, pipeline_stages=stages,
+                                              micro_batch_sizes=sizes, **narrowed)), None)
 
 
 def prefetches(cfg: Config) -> tuple[Prefetch, ...]:
