@@ -17,8 +17,11 @@ from micscompile.cost_model.specs import Cluster
 def halves(program: Program) -> tuple[Program, Program, Program]:
     """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone. The
     backward half holds the second hops (2-hop over d > 1 replicas) that the chunk's last backward
-    starts; the boundary does not wait for them (``simulate_pipeline`` places them)."""
-    one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(micro_batches=1))
+    starts; the boundary does not wait for them (``simulate_pipeline`` places them). Each half is one
+    micro-batch of one chunk: its plan says so (m = 1, one chunk), which the pipeline's own schedule
+    may not allow (interleaved needs m % S == 0), so the half's plan is a plain 1F1B one."""
+    one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(
+        micro_batches=1, pipeline_chunks=1, pipeline_schedule="1f1b"))
     acts = program.micro_step
     cut = backward_start(acts)
     cut = len(acts) if cut is None else cut
