@@ -158,6 +158,11 @@ class TrainGraph:
     counted_loss: bool = False
     """``loss_fn`` returned ``(loss_sum, count)``: the graph's first output is ``[loss_sum, count]``
     (float32), its gradients those of ``loss_sum``; the step divides by the global count."""
+    tensor_parallel: int = 1
+    """The tensor ranks this graph is one of (``lowering.tensor_split``): its parameters' shapes are a
+    tensor rank's pieces, and it calls the tensor collectives."""
+    tensor_placements: dict = dataclasses.field(default_factory=dict)
+    """Parameter -> its split (``core.tensor_layout.Placement``) among the tensor ranks; absent: replicated."""
 
     @property
     def batch_size(self) -> int:
@@ -347,7 +352,7 @@ def _user_frame(exc: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown location"
 
 
-def _tensor_meta(node: torch.fx.Node, shape_env: ShapeEnv | None = None) -> None:
+def tensor_meta(node: torch.fx.Node, shape_env: ShapeEnv | None = None) -> None:
     """The node's shape, dtype, bytes and FLOPs; with ``shape_env`` (symbolic batch) their values at
     the example batch, and the sympy expressions of those that depend on it (META_BATCH_EXPR)."""
     val = node.meta.get("val")
@@ -732,7 +737,7 @@ def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: torch.f
         while fi < len(fwd_marks) and fwd_marks[fi][0] <= i:
             fqn = fwd_marks[fi][1]
             fi += 1
-        _tensor_meta(node, shape_env)
+        tensor_meta(node, shape_env)
         if i < bwd_start:
             node.meta[META_REGION] = REGION_FWD
             node.meta[META_FQN] = fqn

@@ -165,6 +165,8 @@ class Comm:
     this rank's local index, one per node ..."""
     intra: GroupInfo | None = None
     """... and the group's ranks on this rank's node."""
+    tensor: GroupInfo | None = None
+    """The tensor-parallel group (consecutive ranks in one node), with ``Plan.tensor_parallel_size`` > 1."""
     stats: CommStats = field(default_factory=CommStats)
     micro_step: int = 0
     micro_steps: int = 1
@@ -564,3 +566,53 @@ def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.T
     work = dist.reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=inter.group, async_op=True)
     comm.stats.record(REDUCE_SCATTER, inter, partial.numel() * partial.element_size(), parallel_rings=k)
     return Pending(work, out, what=f"hierarchical {_what(REDUCE_SCATTER, layout.index, inter)}")
+
+
+# ---- tensor parallelism (lowering.tensor_split): collectives over the "tensor" group ----------------
+# Blocking: a tensor-parallel collective sits on the compute's critical path (its result is the next
+# op's input). ``comm`` is None while the split propagates shapes: each then returns a value of its
+# result's shape alone. Bytes are counted as for every collective (ring_wire_bytes over the group).
+
+TENSOR_ALL_REDUCE = "tensor_all_reduce"
+TENSOR_ALL_GATHER = "tensor_all_gather"
+
+
+def tensor_all_reduce(comm: Comm | None, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """A partial value summed (or its maximum taken, ``op="max"``) over the tensor-parallel ranks."""
+    if comm is None:
+        return x.clone()
+    out = x.contiguous().clone()
+    with guarded(f"{op} all_reduce over {comm.tensor.label()}"):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=comm.tensor.group)
+    comm.stats.record(ALL_REDUCE, comm.tensor, out.numel() * out.element_size())
+    return out
+
+
+def tensor_all_gather(comm: Comm | None, x: torch.Tensor, dim: int, segments: int, tp: int) -> torch.Tensor:
+    """A value split along ``dim`` (in ``segments``, ``core.tensor_layout``) made whole on every tensor rank."""
+    from micscompile.core.tensor_layout import S, assemble
+
+    if comm is None:
+        return assemble([x] * tp, S(dim, segments))
+    pieces = [torch.empty_like(x) for _ in range(tp)]
+    with guarded(f"all_gather over {comm.tensor.label()}"):
+        dist.all_gather(pieces, x.contiguous(), group=comm.tensor.group)
+    full = assemble(pieces, S(dim, segments))
+    comm.stats.record(ALL_GATHER, comm.tensor, full.numel() * full.element_size())
+    return full
+
+
+def tensor_slice(comm: Comm | None, x: torch.Tensor, dim: int, segments: int, tp: int) -> torch.Tensor:
+    """This tensor rank's piece of a replicated value (no communication)."""
+    from micscompile.core.tensor_layout import S, local_piece
+
+    return local_piece(x, S(dim, segments), 0 if comm is None else comm.tensor.rank, tp).contiguous()
+
+
+def tensor_shard_start(comm: Comm | None, size: int) -> int:
+    """Where this tensor rank's piece of a dim split into pieces of ``size`` starts (its first vocabulary id)."""
+    return 0 if comm is None else comm.tensor.rank * size
+
+
+TENSOR_OPS = (tensor_all_reduce, tensor_all_gather, tensor_slice, tensor_shard_start)
+"""The tensor-parallel ops a split graph calls (``insert_collectives`` binds their ``comm``)."""

@@ -38,7 +38,12 @@ class Plan:
     """A MiCS partitioning plan for one training step."""
 
     partition_size: int | None = None
-    """p: ranks that together hold one model replica (1 = data parallel, n = ZeRO-3); None = one node."""
+    """p: ranks that together hold one model replica (1 = data parallel, n = ZeRO-3); None = one node.
+    With ``tensor_parallel_size`` tp > 1, p counts tensor-parallel groups: each partition group shards
+    the pieces of one tensor rank (FSDP2 over TP, in 2D)."""
+    tensor_parallel_size: int = 1
+    """tp: consecutive ranks inside one node that split each layer's compute (Megatron-LM's tensor
+    parallelism, ``lowering.tensor_split``); the world is S * d * p * tp, tensor ranks innermost."""
     micro_batches: int = 1
     """s: micro-batches (gradient-accumulation steps) per optimizer step."""
     pipeline_stages: int = 1
@@ -108,6 +113,7 @@ class Plan:
                 raise PlanError(f"Plan.{name} must be a positive int, got {value!r}")
 
         positive("partition_size", self.partition_size, optional=True)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("micro_batches", self.micro_batches)
         positive("pipeline_stages", self.pipeline_stages)
         positive("pipeline_chunks", self.pipeline_chunks)
@@ -176,11 +182,17 @@ class Plan:
             raise PlanError(
                 f"gpus_per_node={k} does not divide world size {n}; valid: {', '.join(map(str, divisors(n)))}"
             )
+        tp = self.tensor_parallel_size
+        if tp > 1 and k % tp:
+            raise PlanError(f"tensor_parallel_size={tp} must divide the {k} ranks of a node (tensor groups stay "
+                            f"inside one); valid: {', '.join(map(str, divisors(k)))}")
         S = self.pipeline_stages
-        if n % S:
-            raise PlanError(f"pipeline_stages={S} does not divide world size {n}; "
-                            f"valid: {', '.join(map(str, divisors(n)))}")
-        per_stage = n // S  # t * d ranks hold each stage
+        if n % (S * tp):
+            what = f"pipeline_stages={S} x tensor_parallel_size={tp}" if tp > 1 else f"pipeline_stages={S}"
+            raise PlanError(f"{what} does not divide world size {n}; valid pipeline_stages: "
+                            f"{', '.join(map(str, divisors(n // tp) if n % tp == 0 else []))}")
+        n, k = n // tp, k // tp  # below: in tensor groups (tp = 1: ranks)
+        per_stage = n // S  # t * d groups hold each stage
         p = self.partition_size if self.partition_size is not None else min(k, per_stage)
         if p > per_stage or per_stage % p:
             what = "partition_size" if S == 1 else f"partition_size (t) with pipeline_stages={S}: S * t * d = n"
@@ -201,7 +213,8 @@ class Plan:
             from micscompile.core.pipeline_schedule import check_schedule  # (it imports PlanError from here)
 
             check_schedule(self.pipeline_schedule, S, self.micro_batches, self.pipeline_chunks)
-        return ResolvedPlan(plan=self, world_size=n, gpus_per_node=k, partition_size=p, replicas=n // (S * p), stages=S)
+        return ResolvedPlan(plan=self, world_size=n * tp, gpus_per_node=k * tp, partition_size=p,
+                            replicas=n // (S * p), stages=S, tensor=tp)
 
 
 P1_BUCKET_BYTES = 25 << 20
@@ -225,6 +238,8 @@ class ResolvedPlan:
     """d = n / (S * p): ranks per replication group."""
     stages: int = 1
     """S: pipeline stages; each rank holds one stage (v chunks of the model with interleaving)."""
+    tensor: int = 1
+    """tp: ranks per tensor-parallel group (consecutive, inside a node); p, d and S count such groups."""
 
     @property
     def micro_batches(self) -> int:
@@ -256,43 +271,67 @@ class ResolvedPlan:
         mixed = "" if plan.param_dtype == plan.reduce_dtype == torch.float32 else \
             f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"
         opt = " optimizer_sharding=world" if self.optimizer_shards > 1 else ""
-        return (f"n={self.world_size} k={self.gpus_per_node} p={self.partition_size} d={self.replicas}{pipe} "
+        tp = f" tp={self.tensor}" if self.tensor > 1 else ""
+        return (f"n={self.world_size} k={self.gpus_per_node}{tp} p={self.partition_size} d={self.replicas}{pipe} "
                 f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}{opt}")
+
+    # ---- ranks: p, d and S count tensor groups (tp consecutive ranks); a group's ranks "b" below ----
+    @property
+    def groups_per_node(self) -> int:
+        """k / tp: the tensor groups of one node."""
+        return self.gpus_per_node // self.tensor
+
+    def _ranks(self, groups, rank: int) -> tuple[int, ...]:
+        """The ranks with ``rank``'s tensor index in tensor groups ``groups``."""
+        return tuple(g * self.tensor + rank % self.tensor for g in groups)
 
     @property
     def spans_nodes(self) -> bool:
         """The partition group spans whole nodes: hierarchical collectives apply."""
-        return self.partition_size > self.gpus_per_node and self.partition_size % self.gpus_per_node == 0
+        k = self.groups_per_node
+        return self.partition_size > k and self.partition_size % k == 0
 
     def inter_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s partition group with its local index, one per node (stage 1)."""
-        first, k = rank - rank % self.partition_size, self.gpus_per_node
-        return tuple(range(first + rank % k, first + self.partition_size, k))
+        b, k, p = rank // self.tensor, self.groups_per_node, self.partition_size
+        first = b - b % p
+        return self._ranks(range(first + b % k, first + p, k), rank)
 
     def intra_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s partition group on its node (stage 3)."""
-        first = rank - rank % self.gpus_per_node
-        return tuple(range(first, first + self.gpus_per_node))
+        b, k = rank // self.tensor, self.groups_per_node
+        return self._ranks(range(b - b % k, b - b % k + k), rank)
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
     def partition_ranks(self, rank: int) -> tuple[int, ...]:
-        """The p consecutive ranks that hold one replica together with ``rank``."""
-        first = rank - rank % self.partition_size
-        return tuple(range(first, first + self.partition_size))
+        """The p ranks (consecutive tensor groups, this rank's tensor index) that hold one replica."""
+        b, p = rank // self.tensor, self.partition_size
+        return self._ranks(range(b - b % p, b - b % p + p), rank)
 
     def replication_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks with the same local index in every partition group (of the same stage)."""
         span = self.stages * self.partition_size
-        return tuple(range(rank % span, self.world_size, span))
+        return self._ranks(range(rank // self.tensor % span, self.world_size // self.tensor, span), rank)
 
     def stage_of(self, rank: int) -> int:
         """The pipeline stage ``rank`` runs (0 without pipelining)."""
-        return rank % (self.stages * self.partition_size) // self.partition_size
+        return rank // self.tensor % (self.stages * self.partition_size) // self.partition_size
 
     def pipe_ranks(self, rank: int) -> tuple[int, ...]:
         """The S ranks, one per stage, that carry ``rank``'s micro-batches through the pipeline."""
-        span = self.stages * self.partition_size
-        first = rank - rank % span + rank % self.partition_size
-        return tuple(range(first, first + span, self.partition_size))
+        b, p = rank // self.tensor, self.partition_size
+        span = self.stages * p
+        first = b - b % span + b % p
+        return self._ranks(range(first, first + span, p), rank)
+
+    def tensor_ranks(self, rank: int) -> tuple[int, ...]:
+        """The tp consecutive ranks that split each layer's compute with ``rank``."""
+        return tuple(range(rank - rank % self.tensor, rank - rank % self.tensor + self.tensor))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks' distinct batches: n / (S * tp) (the tensor ranks of a group, and the stages of a pipe,
+        share one)."""
+        return self.world_size // (self.stages * self.tensor)

@@ -19,6 +19,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.flat import LoweredFlat, lower_flat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import LoweredPipeline, lower_pipeline
+from micscompile.lowering.tensor_split import tensor_split
 from micscompile.memory.planner import Buffer
 from micscompile.passes.context import CPU
 from micscompile.trace import TrainGraph
@@ -67,6 +68,7 @@ def lower(
     (``lower_pipeline``); otherwise the prefetch search picks the flat Program (``lower_flat``).
     ``need_graph=False``: a flat plan's Program alone (a pipeline always rewrites its rank's chunks)."""
     groups = planned_groups(rp, rank) if groups is None else groups
+    trace = tensor_split(trace, rp.tensor)  # (a trace already split for it: as it is)
     if rp.plan.optimizer_sharding == "auto":
         return _choose_optimizer_home(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
                                       need_graph=need_graph, disable=disable, log=log)

@@ -202,6 +202,9 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     with graph.inserting_before(placeholders[0]):
         comm = graph.placeholder("comm")
         shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
+    for n in graph.nodes:  # the tensor-parallel split's collectives (lowering.tensor_split) run on this Comm too
+        if n.target in C.TENSOR_OPS:
+            n.args = (comm, *n.args[1:])
 
     # ---- gathers, unpacks, releases ----------------------------------------------------
     distance = ctx.prefetch.distance

@@ -32,6 +32,7 @@ from micscompile.lowering.flat import LoweredFlat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
 from micscompile.lowering.pipeline import LoweredPipeline
+from micscompile.lowering.tensor_split import tensor_split
 from micscompile.memory.lifetimes import arena_offsets
 from micscompile.runtime.codegen import choose_codegen
 from micscompile.runtime.flat import TrainStep
@@ -217,6 +218,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                    device=device, loss_scale=plan.loss_scaled)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
+        tg = tensor_split(tg, rp.tensor)  # what each tensor rank runs (tp = 1: the trace)
         check_kernels(tg, device)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)

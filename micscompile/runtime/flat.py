@@ -27,7 +27,7 @@ from micscompile.passes.manager import PassRecord
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.materialize import local_states
 from micscompile.runtime.meshes import flat_groups
-from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields
+from micscompile.runtime.step import OptimizerFactory, Part, Step, part_fields, tensor_pieces
 from micscompile.trace import TrainGraph
 
 
@@ -41,13 +41,13 @@ class TrainStep(Step):
         timeout: datetime.timedelta | None = None, codegen: CodegenReport | None = None,
     ) -> None:
         shard_rank = groups["shard"].rank
-        [state] = local_states(model, [comm.layouts], shard_rank, device, init_fn)
+        [state] = local_states(model, [comm.layouts], shard_rank, device, init_fn, tensor_pieces(graph, groups))
         part = Part(0, **part_fields(comm, program, graph, state, shard_rank, device, graph.unused_params,
                                      own_buffers=False))
         plan = program.plan
         super().__init__(program=program, graph=graph, parts=[part], groups=groups, stats=comm.stats, arena=comm.arena,
                          optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,
-                         step_buffers=step_buffers, scale=1.0 / (plan.world_size * plan.micro_batches),
+                         step_buffers=step_buffers, scale=1.0 / (plan.data_parallel_size * plan.micro_batches),
                          timeout=timeout, codegen=codegen)
         self.gm = gm
         self.pass_records = pass_records
@@ -66,7 +66,8 @@ class TrainStep(Step):
         """After the ranks agreed: the DeviceMesh's groups, the communicator and its arena, the step."""
         groups = flat_groups(lowered.plan, lowered.rank, device)
         comm = Comm(lowered.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"),
-                    groups.get("intra"), arena=None if arena_offsets is None else Arena(*arena_offsets, device),
+                    groups.get("intra"), tensor=groups.get("tensor"),
+                    arena=None if arena_offsets is None else Arena(*arena_offsets, device),
                     optimizer_shards=lowered.plan.optimizer_shards)
         return cls(gm=prepared["gm"], program=dataclasses.replace(lowered.program, groups=groups), comm=comm,
                    groups=groups, pass_records=lowered.records, device=device, codegen=prepared["codegen"], **kwargs)
@@ -81,7 +82,7 @@ class TrainStep(Step):
         gm = torch.fx.GraphModule(etg.gm, graph)
         g = self._groups
         comm = Comm(self.layouts, g["shard"], g["replicate"], g["world"], g.get("inter"), g.get("intra"),
-                    stats=self.eval_stats)
+                    tensor=g.get("tensor"), stats=self.eval_stats)
         part = self._parts[0]
         buffers = [part.buffer_state[n] for n in etg.buffer_names]  # by name: no loss-scale input here
 

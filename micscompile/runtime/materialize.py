@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from micscompile.core.sharding import BucketLayout, local_piece
+from micscompile.core.tensor_layout import R
+from micscompile.core.tensor_layout import local_piece as local_piece_of
 
 
 def default_init(module: nn.Module) -> None:
@@ -69,9 +71,12 @@ def local_states(
     shard_rank: int,
     device: torch.device,
     init_fn: Callable[[nn.Module], None] | None = None,
+    tensor: tuple[dict, int, int] | None = None,
 ) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
     """For each part this rank holds (the layouts of a flat plan, or of each of its pipeline chunks):
     (one flat shard per bucket, {buffer name: tensor}) for partition-group rank ``shard_rank``.
+    ``tensor``: (parameter -> placement, this tensor rank, tp): the layouts hold a tensor rank's pieces
+    (``lowering.tensor_split``), cut from each full parameter first (``core.tensor_layout``).
 
     A meta model is initialised once for all of them, so a parameter's values never depend on
     which chunks a rank holds (an interleaved rank's chunks are not contiguous in the model)."""
@@ -83,6 +88,9 @@ def local_states(
                 slots.setdefault(slot.name, []).append((i, lay, slot))
 
     def place(name: str, full: torch.Tensor) -> None:
+        if tensor is not None:
+            placements, rank, tp = tensor
+            full = local_piece_of(full.detach(), placements.get(name, R), rank, tp)
         for i, lay, slot in slots.get(name, ()):  # a pipeline chunk holds only its own parameters
             lo, hi = lay.local_range(slot, shard_rank)
             local_piece(lay, slot, shards[i][lay.index], shard_rank).copy_(full.detach().reshape(-1)[lo:hi])

@@ -1,6 +1,7 @@
 """The ProcessGroups of a step, built from DeviceMeshes and checked against the planned groups
 (``lowering.groups.planned_groups``): a flat plan's (d, p) or (d, p/k, k) mesh, a pipeline's
-(d, S, t) mesh. Built once per process and default group, reused by later compiles."""
+(d, S, t) mesh, each with a last "tensor" dimension of tp under tensor parallelism. Built once per
+process and default group, reused by later compiles."""
 
 from __future__ import annotations
 
@@ -32,19 +33,22 @@ def mesh_cache() -> dict:
 def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
     """Group name -> ProcessGroup: ("replicate", "shard") from a (d, p) DeviceMesh; when the partition
     group spans nodes, a (d, p/k, k) mesh ("replicate", "inter", "intra") whose last two dimensions,
-    flattened, are "shard"."""
+    flattened, are "shard"; with tensor parallelism a last dimension of tp, "tensor" (k counting the
+    node's tensor groups)."""
     mesh_cache()
-    d, p, k = rp.replicas, rp.partition_size, rp.gpus_per_node
-    key = (device_type, d, p, k if rp.spans_nodes else None)
+    d, p, k, tp = rp.replicas, rp.partition_size, rp.groups_per_node, rp.tensor
+    key = (device_type, d, p, k if rp.spans_nodes else None, tp)
     if key not in _MESHES:
+        extra, names = ((tp,), ("tensor",)) if tp > 1 else ((), ())
         if rp.spans_nodes:
-            mesh = init_device_mesh(device_type, (d, p // k, k), mesh_dim_names=("replicate", "inter", "intra"))
+            mesh = init_device_mesh(device_type, (d, p // k, k, *extra), mesh_dim_names=("replicate", "inter", "intra",
+                                                                                         *names))
             shard = mesh["inter", "intra"]._flatten("shard")
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra")}
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "inter", "intra", *names)}
             _MESHES[key]["shard"] = shard.get_group()
         else:
-            mesh = init_device_mesh(device_type, (d, p), mesh_dim_names=("replicate", "shard"))
-            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard")}
+            mesh = init_device_mesh(device_type, (d, p, *extra), mesh_dim_names=("replicate", "shard", *names))
+            _MESHES[key] = {name: mesh.get_group(name) for name in ("replicate", "shard", *names)}
     return _MESHES[key]
 
 
@@ -61,11 +65,12 @@ def flat_groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, 
 
 def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupInfo], cache: dict) -> None:
     """Attach ProcessGroups from a (d, S, t) DeviceMesh to the planned groups (in place)."""
-    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size)  # never a flat plan's (d, p, k) key
+    key = ("pipe", device_type, rp.replicas, rp.stages, rp.partition_size, rp.tensor)  # never a flat plan's key
     if key not in cache:
-        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size),
-                                mesh_dim_names=("replicate", "pipe", "shard"))
-        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard")}
+        extra, names = ((rp.tensor,), ("tensor",)) if rp.tensor > 1 else ((), ())
+        mesh = init_device_mesh(device_type, (rp.replicas, rp.stages, rp.partition_size, *extra),
+                                mesh_dim_names=("replicate", "pipe", "shard", *names))
+        cache[key] = {name: mesh.get_group(name) for name in ("replicate", "pipe", "shard", *names)}
     for name, pg in cache[key].items():
         actual = tuple(dist.get_process_group_ranks(pg))
         if actual != groups[name].ranks:

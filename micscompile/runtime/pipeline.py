@@ -45,7 +45,7 @@ from micscompile.memory.arena import Arena
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.materialize import local_states
 from micscompile.runtime.meshes import mesh_cache, pipeline_groups
-from micscompile.runtime.step import Part, Step, part_fields
+from micscompile.runtime.step import Part, Step, part_fields, tensor_pieces
 from micscompile.trace import TrainGraph
 
 
@@ -142,10 +142,12 @@ class PipelineStep(Step):
         chunks = []
         shard_rank = groups["shard"].rank
         # every chunk this rank holds materialised in one pass over the model (a meta model initialised once)
-        states = local_states(model, [pp.chunks[c].ctx.layouts for c in pp.my_chunks()], shard_rank, device, init_fn)
+        states = local_states(model, [pp.chunks[c].ctx.layouts for c in pp.my_chunks()], shard_rank, device, init_fn,
+                              tensor_pieces(graph, groups))
         for c, state in zip(pp.my_chunks(), states):
             st, sched = pp.split.stages[c], pp.chunks[c]
             comm = Comm(sched.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], stats=stats,
+                        tensor=groups.get("tensor"),
                         arena=planned_arena, optimizer_shards=rp.optimizer_shards, micro_steps=rp.micro_batches)
             phases = chunk_phases[c]
             chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, state, shard_rank, device,
@@ -155,7 +157,7 @@ class PipelineStep(Step):
         self._tied = _tied_groups(pp, pp.rank, cache)
         super().__init__(program=pp, graph=graph, parts=chunks, groups=groups, stats=stats, arena=planned_arena,
                          optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,
-                         step_buffers=step_buffers, scale=1.0 / (rp.partition_size * rp.replicas * rp.micro_batches),
+                         step_buffers=step_buffers, scale=1.0 / (rp.data_parallel_size * rp.micro_batches),
                          timeout=timeout, codegen=codegen, timeout_groups=self._tied.values())
         self._rp = rp
         self._stage = rp.stage_of(pp.rank)
@@ -293,7 +295,8 @@ class PipelineStep(Step):
         for c in lowered.my_chunks():
             st = sp.stages[c]
             graph, programs[c] = lower_evaluation(st.graph, rp, lowered.chunks[c], g, lowered.rank, device=self.device)
-            comm = Comm(lowered.chunks[c].ctx.layouts, g["shard"], g["replicate"], g["world"], stats=self.eval_stats)
+            comm = Comm(lowered.chunks[c].ctx.layouts, g["shard"], g["replicate"], g["world"], stats=self.eval_stats,
+                        tensor=g.get("tensor"))
             ch = self._chunks[c]
             buffers = [ch.buffer_state[n] for n in st.graph.buffer_names]
             runs[c] = (torch.fx.GraphModule(st.graph.gm, graph), comm, st, buffers)

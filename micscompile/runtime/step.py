@@ -37,6 +37,7 @@ from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
 from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
+from micscompile.core.tensor_layout import assemble
 from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
@@ -108,6 +109,13 @@ def part_fields(comm: Comm, program: Program, graph: TrainGraph, state: tuple[li
         params=dict(params), optimizer_rows=rows, step_grads=row_grads, optimizer_rank=shard_rank * d + q,
         update_buckets=[a.bucket for a in program.boundary if a.kind is Kind.UPDATE_GATHER],
     )
+
+
+def tensor_pieces(graph: TrainGraph, groups: dict[str, GroupInfo]) -> tuple[dict, int, int] | None:
+    """(parameter -> placement, this tensor rank, tp) of a tensor-parallel graph; None without."""
+    if graph.tensor_parallel == 1:
+        return None
+    return graph.tensor_placements, groups["tensor"].rank, graph.tensor_parallel
 
 
 def optimizer_layouts(comm: Comm) -> list:
@@ -264,8 +272,11 @@ class Step(Checkpointable):
         pieces = []
         if self._groups["replicate"].rank == 0 or self.program.plan.optimizer_shards > 1:
             tied = self._tied_parts()
+            tensor = self._groups.get("tensor")
+            split = self.graph.tensor_placements  # (a replicated parameter: every tensor rank holds it, count one)
             pieces = [p.grad for part in self._parts for name, p in part.params.items()
-                      if p.grad is not None and p.grad.numel() and part.index == min(tied.get(name, [part.index]))]
+                      if p.grad is not None and p.grad.numel() and part.index == min(tied.get(name, [part.index]))
+                      and (tensor is None or tensor.rank == 0 or name in split)]
         squares = torch.zeros(1, dtype=torch.float32, device=self.device)
         if pieces:
             norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
@@ -293,7 +304,7 @@ class Step(Checkpointable):
         try:
             with torch.no_grad(), probe:
                 run(micro, loss_sum)
-                loss_buf = loss_sum.reshape(-1)
+                loss_buf = self._one_per_tensor_group(loss_sum.reshape(-1))
                 C.collective_wait(None, C.all_reduce_start(self.eval_stats, self._groups["world"], loss_buf,
                                                            torch.float32))
         except C.CollectiveError as exc:
@@ -301,6 +312,13 @@ class Step(Checkpointable):
         if self.track_memory:
             self._eval_peak_bytes = max(self._eval_peak_bytes or 0, probe.peak_bytes)
         return (loss_buf[0] * self._mean_scale(loss_buf)).detach()
+
+    def _one_per_tensor_group(self, loss_buf: torch.Tensor) -> torch.Tensor:
+        """The tensor ranks of a group computed the same loss: only the first adds it to the world's sum."""
+        tensor = self._groups.get("tensor")
+        if tensor is not None and tensor.rank != 0:
+            loss_buf.zero_()
+        return loss_buf
 
     def _loss_accumulator(self) -> torch.Tensor:
         """The runtime's (not the graph's) sum of the micro-batches' losses: the loss, or
@@ -337,7 +355,7 @@ class Step(Checkpointable):
         works = [w for part in self._parts for w in part.comm.second_hops]
         for part in self._parts:
             part.comm.second_hops.clear()
-        loss_buf = loss_sum.reshape(-1)
+        loss_buf = self._one_per_tensor_group(loss_sum.reshape(-1))
         works.append(C.all_reduce_start(self._stats, self._groups["world"], loss_buf, torch.float32))
         for w in works:
             C.collective_wait(None, w)
@@ -426,6 +444,13 @@ class Step(Checkpointable):
         for part in self._parts:
             out.update(C.gather_full(part.comm.layouts, part.shards, self._groups["shard"], self.graph.param_aliases))
             out.update({n: b.detach().cpu().clone() for n, b in part.buffer_state.items()})
+        tensor = self._groups.get("tensor")
+        for name, placement in self.graph.tensor_placements.items():  # every tensor rank's piece, assembled
+            if name in out:
+                pieces = [torch.empty_like(out[name]) for _ in range(tensor.size)]
+                dist.all_gather(pieces, out[name], group=tensor.group)
+                for alias in self.graph.param_aliases[name]:
+                    out[alias] = assemble(pieces, placement)
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,71 @@
+"""Placements of a value on the tensor-parallel ranks, and the slicing they imply (issue 54).
+
+tp ranks (consecutive ranks inside one node: the "tensor" group) split each layer's compute. A
+value's placement on them is one of:
+
+* ``R``: replicated, every tensor rank holds all of it;
+* ``S(d, k)``: sharded along dim ``d``, which is ``k`` equal segments each cut into tp contiguous
+  pieces; tensor rank r holds piece r of every segment, in segment order (k > 1: a fused projection,
+  q|k|v or gate|up, whose every part is split alike);
+* ``P``: partial, every tensor rank holds a summand of it (a row-parallel matmul's output).
+
+A parameter's placement is R or S: ``local_piece``/``assemble`` go between its full value and a
+tensor rank's piece, the one rule the materialisation, the state dicts and the tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str
+    """"R", "S" or "P"."""
+    dim: int = 0
+    """S: the split dim (>= 0)."""
+    segments: int = 1
+    """S: the equal segments of ``dim``, each split across the tensor ranks."""
+
+    def __str__(self) -> str:
+        if self.kind == "S":
+            return f"S({self.dim})" if self.segments == 1 else f"S({self.dim}, x{self.segments})"
+        return self.kind
+
+    def moved(self, dim: int) -> Placement:
+        return Placement("S", dim, self.segments)
+
+
+R = Placement("R")
+P = Placement("P")
+
+
+def S(dim: int, segments: int = 1) -> Placement:  # noqa: N802 - the placement's name
+    return Placement("S", dim, segments)
+
+
+def local_size(size: int, placement: Placement, tp: int) -> int:
+    """The size a tensor rank holds of a dim of global ``size`` split by ``placement``."""
+    return size // tp
+
+
+def local_piece(full: torch.Tensor, placement: Placement, rank: int, tp: int) -> torch.Tensor:
+    """Tensor rank ``rank``'s piece of ``full`` (a view where the split allows it)."""
+    if placement.kind != "S" or tp == 1:
+        return full
+    d, k = placement.dim, placement.segments
+    shape = full.shape
+    split = full.reshape(*shape[:d], k, tp, shape[d] // (k * tp), *shape[d + 1:])
+    return split.select(d + 1, rank).reshape(*shape[:d], shape[d] // tp, *shape[d + 1:])
+
+
+def assemble(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
+    """The full value from every tensor rank's piece, in rank order (``local_piece``'s inverse)."""
+    if placement.kind != "S" or len(pieces) == 1:
+        return pieces[0]
+    d, k, tp = placement.dim, placement.segments, len(pieces)
+    shape = pieces[0].shape
+    split = [p.reshape(*shape[:d], k, shape[d] // k, *shape[d + 1:]) for p in pieces]
+    return torch.stack(split, d + 1).reshape(*shape[:d], shape[d] * tp, *shape[d + 1:])

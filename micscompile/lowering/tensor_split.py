@@ -1,0 +1,1035 @@
+"""tensor_split: Megatron-LM's tensor parallelism, found from the trace and applied to it (issue 54).
+
+Placements (R, S(d, k), P) are ``core.tensor_layout``'s. The analysis walks the joint graph, forward
+and backward alike, in order, and gives every value a placement:
+
+* a weight's placement is decided where a matmul first reads it: *column-parallel* (the dim that
+  becomes the output's last dim split, the output S) where the matmul's other operand is replicated,
+  *row-parallel* (the contraction dim split, the output P) where that operand is split along the
+  contraction. A fused projection whose output a view or an unbind cuts into k parts (q|k|v) is split
+  in k segments. An embedding's weight is split along the vocabulary. Every other parameter, and
+  every buffer and batch input, is replicated;
+* every op has a rule: its outputs' placements from its inputs', and the placements it needs of
+  them. Where an input's placement is not what the op needs, a conversion joins the graph: P -> R an
+  all-reduce over the tensor group, R -> S a local slice. Megatron's f and g are written nowhere:
+  they are where the rules put the all-reduces (g after a row-parallel matmul in forward, f's
+  conjugate where a column-parallel matmul's input gradient meets a layer norm in backward);
+* the vocabulary-parallel embedding (a masked lookup, P) and cross entropy (a max, the target logit
+  and a sum of exponentials all-reduced per token, no collective in backward but one sum) are rules
+  of their own.
+
+The rewrite emits the graph each tensor rank runs: local shapes (shape arguments of views, expands,
+... divided where their dim is split), the conversions as ``core.collectives`` tensor ops whose
+``comm`` argument ``insert_collectives`` binds. Every tensor rank runs the same graph; its rank enters
+through ``tensor_shard_start`` alone. What no rule covers is refused before any collective, naming
+the block, the op and the placements it met.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from micscompile.core import collectives as C
+from micscompile.core.plan import PlanError
+from micscompile.core.tensor_layout import P, Placement, R, S
+from micscompile.trace import META_FQN, META_REGION, TrainGraph
+
+aten = torch.ops.aten
+MAX_RESEGMENTS = 4
+"""How often one weight's segment count may be revised before the split gives up."""
+
+
+class TensorSplitError(PlanError):
+    """A graph the tensor-parallel split cannot place: the block, the op and the placements it met."""
+
+
+@dataclass(frozen=True)
+class _Undecided:
+    """A value computed from one parameter alone (through ``chain``) whose placement is not decided yet."""
+
+    param: str
+    chain: tuple[tuple, ...] = ()
+    """(op, args) from the parameter to this value: "t", ("transpose", d0, d1), ("permute", dims), "same"."""
+
+
+class _Resegment(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, param: str, segments: int) -> None:
+        super().__init__(param, segments)
+        self.param, self.segments = param, segments
+
+
+def _shape(node) -> tuple[int, ...]:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _ndim(node) -> int:
+    return len(_shape(node))
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# ---- view algebra ------------------------------------------------------------------------------
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Contiguous groups of ``src`` dims and ``dst`` dims with equal products (a view maps each group
+    to each); dims of size 1 join the group after them (or the last)."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj, pi, pj = [], [], 1, 1
+        while True:
+            if pi <= pj and i < len(src):
+                gi.append(i)
+                pi *= src[i]
+                i += 1
+            elif j < len(dst):
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
+            else:
+                break
+            if pi == pj and (i == len(src) or src[i] != 1) and (j == len(dst) or dst[j] != 1):
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def view_placement(src: tuple[int, ...], dst: tuple[int, ...], pl: Placement, tp: int) -> Placement | int:
+    """Where a view from ``src`` to ``dst`` puts ``pl``'s split: the placement, or the segment count the
+    input would need (an int) where the split cannot follow the view as it is."""
+    for gi, gj in view_groups(src, dst):
+        if pl.dim not in gi:
+            continue
+        outer = math.prod(src[d] for d in gi if d < pl.dim)
+        k = outer * pl.segments  # the group as one dim: k segments, each cut into tp pieces
+        for d in gj:
+            n = dst[d]
+            if n == 1:
+                continue
+            if n % k == 0 and (n // k) % tp == 0:
+                return S(d, k)
+            if k % n:
+                break
+            k //= n
+        return _needed_segments(src, dst, gi, gj, pl, tp)
+    raise AssertionError("a dim outside every view group")
+
+
+def _needed_segments(src, dst, gi, gj, pl: Placement, tp: int) -> int:
+    """The segments the input's split would need for the view to keep it: the output dims before the
+    first one that a whole tensor-rank piece can lie in."""
+    k = 1
+    for d in gj:
+        if dst[d] % tp == 0 and dst[d] > 1 and k % pl.segments == 0 and k > 1:
+            return k
+        k *= dst[d]
+    return 0
+
+
+# ---- the analysis ------------------------------------------------------------------------------
+
+
+@dataclass
+class Analysis:
+    """The placement of every value and of every parameter, for ``tp`` tensor ranks."""
+
+    tp: int
+    params: dict[str, Placement]
+    values: dict[torch.fx.Node, object]
+    """A Placement, or a tuple of them (an op of several outputs)."""
+    needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]]
+    """What each node needs of its inputs where it differs from what they have."""
+    origin: dict[torch.fx.Node, str]
+    row_addmm: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+    """addmm nodes whose product is partial: the rewrite all-reduces it, then adds the bias."""
+
+
+class _Propagation:
+    def __init__(self, tg: TrainGraph, tp: int, segments: dict[str, int]) -> None:
+        self.tg, self.tp, self.segments = tg, tp, segments
+        self.params: dict[str, Placement] = {}
+        self.values: dict[torch.fx.Node, object] = {}
+        self.needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]] = {}
+        self.origin: dict[torch.fx.Node, str] = {}
+        self.row_addmm: set[torch.fx.Node] = set()
+        placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+        self.param_of = dict(zip(placeholders, tg.param_names))
+
+    # ---- helpers ----
+    def fail(self, node: torch.fx.Node, why: str) -> TensorSplitError:
+        ins = ", ".join(f"{a.name}: {self.show(a)}" for a in node.all_input_nodes)
+        return TensorSplitError(
+            f"tensor parallelism (tp={self.tp}) cannot split block '{node.meta.get(META_FQN) or '<root>'}': "
+            f"{node.target} ({node.name}) {why} (inputs {ins}); give it sizes divisible by tp or train it with tp=1")
+
+    def show(self, n) -> str:
+        v = self.values.get(n)
+        return "undecided" if isinstance(v, _Undecided) else str(v)
+
+    def get(self, n) -> Placement:
+        """``n``'s placement, deciding an undecided parameter as replicated."""
+        v = self.values[n]
+        if isinstance(v, _Undecided):
+            self.decide(v.param, R)
+            v = self.values[n] = self.replay(v)
+        return v
+
+    def decide(self, param: str, pl: Placement) -> None:
+        have = self.params.get(param)
+        if have is not None and have != pl:
+            raise TensorSplitError(f"tensor parallelism: parameter {param} is read as {have} and as {pl}; "
+                                   "a weight read by two matmuls must be split alike in both")
+        self.params[param] = pl
+
+    def replay(self, u: _Undecided) -> Placement:
+        """The placement of ``u``'s value once its parameter is decided."""
+        pl = self.params[u.param]
+        for step in u.chain:
+            pl = _move(pl, step)
+        return pl
+
+    def want(self, node: torch.fx.Node, inp: torch.fx.Node, pl: Placement) -> None:
+        if self.get(inp) != pl:
+            self.needs.setdefault(node, {})[inp] = pl
+
+    def resegment_or_fail(self, node, inp, k: int, why: str):
+        param = self.origin.get(inp)
+        if param is not None and k > 1 and self.segments.get(param, 1) != k:
+            raise _Resegment(param, k)
+        raise self.fail(node, why)
+
+    # ---- the walk ----
+    def run(self) -> Analysis:
+        for node in self.tg.gm.graph.nodes:
+            if node.op == "placeholder":
+                name = self.param_of.get(node)
+                self.values[node] = _Undecided(name) if name is not None else R
+            elif node.op == "get_attr":
+                self.values[node] = R
+            elif node.op == "call_function":
+                self.values[node] = self.rule(node)
+                first = next((a for a in node.all_input_nodes if a in self.origin), None)
+                if first is not None and _has_split(self.values[node]):
+                    self.origin.setdefault(node, self.origin[first])
+            elif node.op == "output":
+                self.output(node)
+        for name in self.tg.param_names:
+            self.params.setdefault(name, R)  # (read by no matmul, or by nothing)
+        values = {n: (self.replay(v) if isinstance(v, _Undecided) else v) for n, v in self.values.items()}
+        return Analysis(self.tp, self.params, values, self.needs, self.origin, self.row_addmm)
+
+    def output(self, node: torch.fx.Node) -> None:
+        loss, *grads = node.args[0]
+        if isinstance(loss, torch.fx.Node):
+            self.want(node, loss, R)
+        for name, g in zip(self.tg.trainable, grads):
+            if isinstance(g, torch.fx.Node):
+                self.want(node, g, self.params.get(name, R))
+
+    def rule(self, node: torch.fx.Node):
+        fn = _RULES.get(node.target)
+        if fn is None:
+            if node.target is operator.getitem:
+                return self.values[node.args[0]][node.args[1]]
+            if _pointwise(node):
+                return _elementwise(self, node)
+            ins = [self.get(a) for a in node.all_input_nodes]
+            if all(p == R for p in ins):
+                return _replicated(node)
+            raise self.fail(node, "has no tensor-parallel rule")
+        return fn(self, node)
+
+
+def _has_split(v) -> bool:
+    if isinstance(v, Placement):
+        return v.kind == "S"
+    return isinstance(v, (tuple, list)) and any(_has_split(x) for x in v)
+
+
+def _replicated(node: torch.fx.Node):
+    val = node.meta.get("val")
+    return tuple(R for _ in val) if isinstance(val, (tuple, list)) else R
+
+
+def _move(pl: Placement, step) -> Placement:
+    if pl.kind != "S" or step == "same":
+        return pl
+    if step == "t":
+        return pl.moved(1 - pl.dim)
+    if step[0] == "transpose":
+        d0, d1 = step[1], step[2]
+        return pl.moved(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
+    if step[0] == "permute":
+        return pl.moved(list(step[1]).index(pl.dim))
+    raise AssertionError(step)
+
+
+def _unmove(pl: Placement, chain) -> Placement:
+    """The placement a parameter needs for ``chain`` to give ``pl``."""
+    for step in reversed(chain):
+        if pl.kind != "S" or step == "same":
+            continue
+        if step == "t":
+            pl = pl.moved(1 - pl.dim)
+        elif step[0] == "transpose":
+            d0, d1 = step[1], step[2]
+            pl = pl.moved(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
+        elif step[0] == "permute":
+            pl = pl.moved(step[1][pl.dim])
+    return pl
+
+
+# ---- rules -------------------------------------------------------------------------------------
+
+_RULES: dict[Callable, Callable[[_Propagation, torch.fx.Node], object]] = {}
+_LINEAR = {aten.neg.default, aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default}
+"""Pointwise ops linear in their one tensor input: a partial sum stays partial through them."""
+_SUMS = {aten.add.Tensor, aten.sub.Tensor}
+
+
+def rule(*targets):
+    def register(fn):
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+    return register
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _LINEAR or node.target in (
+        aten.gelu_backward.default, aten.tanh_backward.default, aten.threshold_backward.default,
+        aten.silu_backward.default, aten.sigmoid_backward.default, aten.ones_like.default, aten.zeros_like.default,
+        aten.full_like.default, aten.empty_like.default)
+
+
+def _elementwise(g: _Propagation, node: torch.fx.Node):
+    """Pointwise ops with broadcasting (dims aligned from the right)."""
+    out_nd = _ndim(node)
+    tensors = [a for a in node.all_input_nodes if _ndim(a) > 0 or g.get(a).kind != "R"]
+    pls = {a: g.get(a) for a in tensors}
+    if any(isinstance(v, _Undecided) for v in pls.values()):
+        raise AssertionError("undecided after get")
+    # a param-derived pass-through (clone, detach, a cast) of an undecided parameter stays undecided
+    split = [(a, p) for a, p in pls.items() if p.kind == "S"]
+    partial = [a for a, p in pls.items() if p.kind == "P"]
+    if split:
+        a0, p0 = split[0]
+        dim = p0.dim + out_nd - _ndim(a0)  # the output dim it is
+        for a in tensors:
+            ad = dim - (out_nd - _ndim(a))
+            if ad < 0 or _shape(a)[ad] == 1:
+                if pls[a].kind == "P":
+                    g.want(node, a, R)
+                continue  # broadcast along the split dim: every rank reads it whole
+            target = S(ad, p0.segments)
+            if pls[a] != target:
+                g.want(node, a, target)
+        return S(dim, p0.segments)
+    if partial:
+        linear = (node.target in _LINEAR and len(tensors) == 1
+                  or node.target is aten.mul.Tensor and len(partial) == 1  # P * R
+                  or node.target is aten.div.Tensor and partial == [node.args[0]]  # P / R
+                  or node.target in _SUMS and len(partial) == len(tensors))  # P + P
+        if linear:
+            return P
+        for a in partial:
+            g.want(node, a, R)
+    return R
+
+
+@rule(aten.t.default, aten.transpose.int, aten.permute.default)
+def _transpose(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    step = "t" if node.target is aten.t.default else (
+        ("transpose", _dim(node.args[1], _ndim(x)), _dim(node.args[2], _ndim(x)))
+        if node.target is aten.transpose.int else ("permute", tuple(_dim(d, _ndim(x)) for d in node.args[1])))
+    v = g.values[x]
+    if isinstance(v, _Undecided):
+        return _Undecided(v.param, (*v.chain, step))
+    return _move(v, step)
+
+
+@rule(aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default)
+def _same(g: _Propagation, node: torch.fx.Node):
+    v = g.values[node.args[0]]
+    if isinstance(v, _Undecided):
+        return _Undecided(v.param, (*v.chain, "same"))
+    return v
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    if pl.kind != "S":
+        return pl
+    out = view_placement(_shape(x), _shape(node), pl, g.tp)
+    if isinstance(out, int):
+        g.resegment_or_fail(node, x, out, f"cannot keep the split of dim {pl.dim} through a view to {_shape(node)}")
+    return out
+
+
+@rule(aten.expand.default)
+def _expand(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    if pl.kind == "S":
+        return pl.moved(pl.dim + _ndim(node) - _ndim(x))
+    return pl
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(g: _Propagation, node: torch.fx.Node):
+    pl = g.get(node.args[0])
+    d = _dim(node.args[1], _ndim(node))
+    return pl.moved(pl.dim + (d <= pl.dim)) if pl.kind == "S" else pl
+
+
+@rule(aten.squeeze.dim)
+def _squeeze(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    d = _dim(node.args[1], _ndim(x))
+    if pl.kind == "S" and _shape(x)[d] == 1:
+        return pl.moved(pl.dim - (d < pl.dim))
+    return pl
+
+
+@rule(aten.unbind.int)
+def _unbind(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, _ndim(x))
+    n = _shape(x)[d]
+    if pl.kind == "S":
+        if pl.dim == d:
+            g.resegment_or_fail(node, x, n * pl.segments, f"unbinds its split dim {d}")
+        return tuple(pl.moved(pl.dim - (d < pl.dim)) for _ in range(n))
+    return tuple(pl for _ in range(n))
+
+
+@rule(aten.stack.default, aten.cat.default)
+def _stack(g: _Propagation, node: torch.fx.Node):
+    tensors = node.args[0]
+    pls = [g.get(a) for a in tensors]
+    ndim = _ndim(tensors[0])
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, ndim + (node.target is aten.stack.default))
+    first = pls[0]
+    if first.kind == "S":
+        if node.target is aten.cat.default and first.dim == d:
+            raise g.fail(node, f"concatenates along its split dim {d}")
+        for a, p in zip(tensors, pls):
+            if p != first:
+                g.want(node, a, first)
+        return first.moved(first.dim + (node.target is aten.stack.default and d <= first.dim))
+    if first.kind == "P" and all(p == P for p in pls):
+        return P
+    for a, p in zip(tensors, pls):
+        if p != R:
+            g.want(node, a, R)
+    return R
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    d = _dim(node.args[2] if len(node.args) > 2 else 0, _ndim(x))
+    n = len(node.meta["val"])
+    if pl.kind == "S" and pl.dim == d:
+        if pl.segments != n:
+            g.resegment_or_fail(node, x, n, f"splits its split dim {d} in {n}")
+        return tuple(S(d) for _ in range(n))
+    return tuple(pl for _ in range(n))
+
+
+@rule(aten.slice.Tensor, aten.select.int)
+def _slice(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, _ndim(x))
+    if pl.kind == "S":
+        if pl.dim == d:
+            raise g.fail(node, f"slices its split dim {d}")
+        return pl.moved(pl.dim - (node.target is aten.select.int and d < pl.dim))
+    return pl
+
+
+@rule(aten.slice_backward.default)
+def _slice_backward(g: _Propagation, node: torch.fx.Node):
+    pl = g.get(node.args[0])
+    if pl.kind == "S" and pl.dim == _dim(node.args[2], len(node.args[1])):
+        raise g.fail(node, "pads its split dim")
+    return pl
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim)
+def _reduce(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    ndim = _ndim(x)
+    dims = list(range(ndim)) if node.target is aten.sum.default or not node.args[1] else \
+        [_dim(d, ndim) for d in node.args[1]]
+    keep = node.target is not aten.sum.default and len(node.args) > 2 and node.args[2]
+    if pl.kind == "S":
+        if pl.dim in dims:
+            if node.target is aten.mean.dim:
+                raise g.fail(node, "averages over its split dim")
+            return P
+        return pl if keep else pl.moved(pl.dim - sum(d < pl.dim for d in dims))
+    return pl
+
+
+def _matmul_weight(g: _Propagation, node, mat, other_pl: Placement, operand: int) -> Placement:
+    """Decide an undecided weight ``mat`` (operand ``operand`` of a 2-D matmul, the other's
+    placement ``other_pl``): column-parallel where the other is replicated, row-parallel where it is
+    split along the contraction."""
+    u = g.values[mat]
+    out_dim, k_dim = (1, 0) if operand == 1 else (0, 1)  # b [k, n]: n is the output's; a [m, k]
+    if other_pl.kind == "S" and other_pl.dim == (1 if operand == 1 else 0):
+        want = S(k_dim, other_pl.segments)  # row-parallel
+    elif other_pl == R:
+        want = S(out_dim, g.segments.get(u.param, 1))  # column-parallel
+        if _shape(mat)[out_dim] % (want.segments * g.tp):
+            want = R
+    else:
+        want = R
+    g.decide(u.param, _unmove(want, u.chain))
+    g.values[mat] = pl = g.replay(u)
+    if pl.kind == "S" and pl.dim == out_dim:
+        g.origin[mat] = u.param
+    return pl
+
+
+@rule(aten.mm.default, aten.addmm.default)
+def _mm(g: _Propagation, node: torch.fx.Node):
+    a, b = node.args[-2:] if node.target is aten.mm.default else node.args[1:3]
+    ua, ub = isinstance(g.values[a], _Undecided), isinstance(g.values[b], _Undecided)
+    if ub and not ua:
+        pa = g.get(a)
+        pb = _matmul_weight(g, node, b, pa, 1)
+    elif ua and not ub:
+        pb = g.get(b)
+        pa = _matmul_weight(g, node, a, pb, 0)
+    else:
+        pa, pb = g.get(a), g.get(b)
+    out = _mm_placement(g, node, a, b, pa, pb)
+    if node.target is aten.addmm.default:
+        bias = node.args[0]
+        if isinstance(g.values[bias], _Undecided) and out.kind == "S":
+            g.decide(g.values[bias].param, _unmove(S(_ndim(bias) - 1, out.segments), g.values[bias].chain))
+            g.values[bias] = g.replay(g.values[bias])
+        pbias = g.get(bias)
+        if out.kind == "P":
+            g.row_addmm.add(node)
+            if pbias != R:
+                g.want(node, bias, R)
+            return R  # the rewrite all-reduces the product, then adds the bias (Megatron's row-parallel bias)
+        if out.kind == "S" and pbias.kind != "S" and _shape(bias) and _shape(bias)[-1] != 1:
+            g.want(node, bias, S(_ndim(bias) - 1, out.segments))
+    return out
+
+
+def _mm_placement(g: _Propagation, node, a, b, pa: Placement, pb: Placement) -> Placement:
+    if pa == R and pb == R:
+        return R
+    if pa == R and pb.kind == "S" and pb.dim == 1:
+        return S(1, pb.segments)
+    if pa.kind == "S" and pa.dim == 0 and pb == R:
+        return S(0, pa.segments)
+    if pa.kind == "S" and pa.dim == 1 and pb.kind == "S" and pb.dim == 0 and pa.segments == pb.segments:
+        return P
+    if pa.kind == "P" and pb == R or pa == R and pb.kind == "P":
+        return P
+    if pa.kind == "S" and pa.dim == 1 and pb == R:
+        g.want(node, b, S(0, pa.segments))
+        return P
+    if pa == R and pb.kind == "S" and pb.dim == 0:
+        g.want(node, a, S(1, pb.segments))
+        return P
+    raise g.fail(node, f"multiplies {pa} by {pb}")
+
+
+@rule(aten.bmm.default)
+def _bmm(g: _Propagation, node: torch.fx.Node):
+    """A batch of matmuls: split along the batch (heads) dim, or a matmul's rule over the other two."""
+    a, b = node.args
+    pa, pb = g.get(a), g.get(b)
+    if pa.kind == "S" and pa.dim == 0 or pb.kind == "S" and pb.dim == 0:
+        first = pa if pa.kind == "S" and pa.dim == 0 else pb
+        for x, p in ((a, pa), (b, pb)):
+            if p != first:
+                g.want(node, x, first)
+        return first
+    out = _mm_placement(g, node, a, b, _drop_batch(pa), _drop_batch(pb))
+    return out.moved(out.dim + 1) if out.kind == "S" else out
+
+
+def _drop_batch(pl: Placement) -> Placement:
+    return pl.moved(pl.dim - 1) if pl.kind == "S" else pl
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(g: _Propagation, node: torch.fx.Node):
+    x, shape = node.args[0], node.args[1]
+    pl = g.get(x)
+    first_norm = _ndim(x) - len(shape)
+    for w in node.args[2:4]:
+        if isinstance(w, torch.fx.Node):
+            g.get(w)
+            g.want(node, w, R)
+    if pl.kind == "S" and pl.dim >= first_norm:
+        g.want(node, x, R)
+        pl = R
+    elif pl.kind == "P":
+        g.want(node, x, R)
+        pl = R
+    return (pl, pl, pl)
+
+
+@rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(g: _Propagation, node: torch.fx.Node):
+    grad, x = node.args[0], node.args[1]
+    px = g.get(x)
+    if px.kind == "P":  # (the forward normalised it all-reduced: the same conversion, cached)
+        g.want(node, x, R)
+        px = R
+    for n in (node.args[3], node.args[4], *node.args[5:7]):
+        if isinstance(n, torch.fx.Node):
+            g.get(n)
+    if g.get(grad) != px:
+        g.want(node, grad, px)
+    wgrad = P if px.kind == "S" else R  # summed over the split (sequence) dims
+    return (px, wgrad, wgrad)
+
+
+@rule(aten._log_softmax.default, aten._softmax.default)
+def _softmax(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    if pl.kind == "P":
+        g.want(node, x, R)
+        return R
+    return pl  # (S along the reduced dim: the vocabulary-parallel rewrite)
+
+
+@rule(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
+def _softmax_backward(g: _Propagation, node: torch.fx.Node):
+    grad, out = node.args[0], node.args[1]
+    po = g.get(out)
+    if g.get(grad) != po:
+        g.want(node, grad, po)
+    return po
+
+
+@rule(aten.nll_loss_forward.default)
+def _nll_loss(g: _Propagation, node: torch.fx.Node):
+    x = node.args[0]
+    pl = g.get(x)
+    if node.args[2] is not None:
+        raise g.fail(node, "weighs classes (weight=): not split")
+    if pl.kind == "P":
+        g.want(node, x, R)
+    if pl.kind == "S" and pl.dim != _ndim(x) - 1:
+        raise g.fail(node, f"reads log-probabilities split along dim {pl.dim}")
+    return (R, R)
+
+
+@rule(aten.nll_loss_backward.default)
+def _nll_loss_backward(g: _Propagation, node: torch.fx.Node):
+    grad, x = node.args[0], node.args[1]
+    g.want(node, grad, R) if g.get(grad) != R else None
+    return g.get(x)
+
+
+@rule(aten.embedding.default)
+def _embedding(g: _Propagation, node: torch.fx.Node):
+    w, idx = node.args[0], node.args[1]
+    v = g.values[w]
+    if isinstance(v, _Undecided) and not v.chain:
+        vocab = _shape(w)[0]
+        g.decide(v.param, S(0) if vocab % g.tp == 0 else R)
+        g.values[w] = g.params[v.param]
+        if g.params[v.param] == R:
+            raise g.fail(node, f"looks up a vocabulary of {vocab}, not divisible by tp={g.tp}")
+    pw = g.get(w)
+    if g.get(idx) != R:
+        g.want(node, idx, R)
+    if pw == S(0):
+        return P
+    if pw != R:
+        raise g.fail(node, f"reads a table split as {pw}")
+    return R
+
+
+@rule(aten.embedding_dense_backward.default)
+def _embedding_backward(g: _Propagation, node: torch.fx.Node):
+    grad = node.args[0]
+    if g.get(grad) != R:
+        g.want(node, grad, R)
+    table = next((n for n in node.graph.nodes if n.target is aten.embedding.default
+                  and n.args[1] is node.args[1]), None)
+    return g.get(table.args[0]) if table is not None else R
+
+
+def _attention(g: _Propagation, node: torch.fx.Node):
+    """Fused attention kernels: heads (dim 1 of q, k, v) are independent; every output of 2+ dims
+    follows them."""
+    tensors = [a for a in node.all_input_nodes if _ndim(a) >= 3]
+    pls = [g.get(a) for a in tensors]
+    split = next((p for p in pls if p.kind == "S"), None)
+    if split is None:
+        for a, p in zip(tensors, pls):
+            if p.kind == "P":
+                g.want(node, a, R)
+        return _replicated(node)
+    if split.dim != 1:
+        raise g.fail(node, f"splits attention along dim {split.dim}, not its heads")
+    for a, p in zip(tensors, pls):
+        if p != split:
+            g.want(node, a, split)
+    val = node.meta["val"]
+    return tuple(split if isinstance(v, torch.Tensor) and v.dim() >= 2 else R for v in val)
+
+
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
+    if hasattr(aten, _name):
+        _RULES[getattr(aten, _name).default] = _attention
+
+
+def analyse(tg: TrainGraph, tp: int) -> Analysis:
+    """Every value's and parameter's placement on ``tp`` tensor ranks (pure: ``tg`` is not changed).
+    A fused projection's segment count is found by trying: where a view or an unbind cannot keep a
+    weight's split, the walk starts again with that weight in the segments it would need."""
+    segments: dict[str, int] = {}
+    tries: dict[str, int] = {}
+    while True:
+        try:
+            return _Propagation(tg, tp, segments).run()
+        except _Resegment as r:
+            tries[r.param] = tries.get(r.param, 0) + 1
+            if tries[r.param] > MAX_RESEGMENTS:
+                raise TensorSplitError(f"tensor parallelism: no segment count of {r.param} keeps its split "
+                                       f"through the graph (tried {tries[r.param]})") from None
+            segments[r.param] = r.segments
+            suffix = _role(r.param)  # (a hint: the same weight of the other layers needs the same; checked)
+            for name in tg.param_names:
+                if _role(name) == suffix and name not in tries:
+                    segments.setdefault(name, r.segments)
+
+
+def _role(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(p for p in parts if not p.isdigit())
+
+
+
+
+# ---- the rewrite -------------------------------------------------------------------------------
+
+_SIZED = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+          aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
+          aten.zeros.default: 0, aten.empty.memory_format: 0, aten.full.default: 0}
+"""Ops whose argument at this index is their output's shape: divided where the output is split."""
+
+
+class _Rewrite:
+    """The graph each tensor rank runs, from ``analysis`` of ``tg``."""
+
+    def __init__(self, tg: TrainGraph, analysis: Analysis) -> None:
+        self.tg, self.a, self.tp = tg, analysis, analysis.tp
+        self.new = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, object] = {}
+        self.conv: dict[tuple, torch.fx.Node] = {}
+        self.source: dict[torch.fx.Node, torch.fx.Node] = {}
+        """New node -> the node it stands for (its block and phase)."""
+
+    def op(self, target, *args, like: torch.fx.Node, **kwargs) -> torch.fx.Node:
+        n = self.new.call_function(target, args, kwargs)
+        self.source[n] = like
+        return n
+
+    def convert(self, old: torch.fx.Node, want: Placement, like: torch.fx.Node) -> torch.fx.Node:
+        have, x = self.a.values[old], self.env[old]
+        if have == want:
+            return x
+        key = (old, want)
+        if key not in self.conv:
+            if have.kind == "P" and want == R:
+                out = self.op(C.tensor_all_reduce, None, x, like=old)
+            elif have == R and want.kind == "S":
+                out = self.op(C.tensor_slice, None, x, want.dim, want.segments, self.tp, like=like)
+            elif have.kind == "S" and want == R:
+                out = self.op(C.tensor_all_gather, None, x, have.dim, have.segments, self.tp, like=like)
+            elif have.kind == "P" and want.kind == "S":
+                whole = self.convert(old, R, like)
+                out = self.op(C.tensor_slice, None, whole, want.dim, want.segments, self.tp, like=like)
+            else:
+                raise TensorSplitError(f"tensor parallelism: no conversion of {old.name} from {have} to {want}")
+            self.conv[key] = out
+        return self.conv[key]
+
+    def args(self, node: torch.fx.Node):
+        needs = self.a.needs.get(node, {})
+
+        def get(a):
+            return self.convert(a, needs[a], node) if a in needs else self.env[a]
+        return torch.fx.node.map_arg(node.args, get), torch.fx.node.map_arg(node.kwargs, get)
+
+    def run(self) -> torch.fx.Graph:
+        for node in self.tg.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.new.placeholder(node.target)
+            elif node.op == "get_attr":
+                self.env[node] = self.new.get_attr(node.target)
+            elif node.op == "output":
+                args, _ = self.args(node)
+                self.new.output(args[0])
+            elif node.target is operator.getitem and isinstance(self.env[node.args[0]], tuple):
+                self.env[node] = self.env[node.args[0]][node.args[1]]
+            else:
+                special = _SPECIAL.get(node.target)
+                out = special(self, node) if special is not None else None
+                if out is None:
+                    args, kwargs = self.args(node)
+                    out = self.op(node.target, *self._local_sizes(node, args), like=node, **kwargs)
+                self.env[node] = out
+        return self.new
+
+    def _local_sizes(self, node: torch.fx.Node, args: tuple) -> tuple:
+        i = _SIZED.get(node.target)
+        pl = self.a.values.get(node)
+        if i is None or not isinstance(pl, Placement) or pl.kind != "S":
+            if node.target is aten.slice_backward.default:
+                return self._slice_backward_sizes(node, args)
+            return args
+        size = list(args[i])
+        if size[pl.dim] != -1:
+            size[pl.dim] //= self.tp
+        return (*args[:i], size, *args[i + 1:])
+
+    def _slice_backward_sizes(self, node, args):
+        pl = self.a.values[node]
+        if pl.kind != "S":
+            return args
+        sizes = list(args[1])
+        sizes[pl.dim] //= self.tp
+        return (args[0], sizes, *args[2:])
+
+    def vocab(self, node: torch.fx.Node, table: torch.fx.Node, ids, full_vocab: int):
+        """(local ids clamped into this rank's piece of the vocabulary, whether each id is in it)."""
+        size = full_vocab // self.tp
+        start = self.op(C.tensor_shard_start, None, size, like=node)
+        local = self.op(aten.sub.Tensor, ids, start, like=node)
+        inside = self.op(aten.bitwise_and.Tensor, self.op(aten.ge.Scalar, local, 0, like=node),
+                         self.op(aten.lt.Scalar, local, size, like=node), like=node)
+        safe = self.op(aten.where.self, inside, local, self.op(aten.zeros_like.default, local, like=node), like=node)
+        return safe, inside
+
+
+def _special(*targets):
+    def register(fn):
+        for t in targets:
+            _SPECIAL[t] = fn
+        return fn
+    return register
+
+
+_SPECIAL: dict[Callable, Callable[[_Rewrite, torch.fx.Node], object]] = {}
+
+
+@_special(aten.addmm.default)
+def _row_addmm(rw: _Rewrite, node: torch.fx.Node):
+    """A row-parallel linear: the partial product all-reduced, then the bias added once."""
+    if node.target is not aten.addmm.default or node not in rw.a.row_addmm:
+        return None
+    (bias, a, b), _ = rw.args(node)
+    if len(node.args) > 3 or node.kwargs:
+        raise TensorSplitError(f"tensor parallelism: {node.name} scales its addmm (beta, alpha)")
+    product = rw.op(aten.mm.default, a, b, like=node)
+    return rw.op(aten.add.Tensor, rw.op(C.tensor_all_reduce, None, product, like=node), bias, like=node)
+
+
+@_special(aten.embedding.default)
+def _vocab_embedding(rw: _Rewrite, node: torch.fx.Node):
+    """Megatron's VocabParallelEmbedding: ids outside this rank's rows look up row 0, then read zero."""
+    table = node.args[0]
+    if rw.a.values[table] != S(0):
+        return None
+    if len(node.args) > 2 and node.args[2] not in (-1, None):
+        raise TensorSplitError(f"tensor parallelism: {node.name} has a padding_idx; not split yet")
+    (w, ids, *rest), _ = rw.args(node)
+    safe, inside = rw.vocab(node, table, ids, _shape(table)[0])
+    rows = rw.op(aten.embedding.default, w, safe, like=node)
+    keep = rw.op(aten.unsqueeze.default, inside, -1, like=node)
+    return rw.op(aten.mul.Tensor, rows, rw.op(aten._to_copy.default, keep, dtype=_dtype(node), like=node), like=node)
+
+
+@_special(aten.embedding_dense_backward.default)
+def _vocab_embedding_backward(rw: _Rewrite, node: torch.fx.Node):
+    """The rows of this rank's piece only: other ids' gradients zeroed, then added into row 0."""
+    pl = rw.a.values[node]
+    if pl != S(0):
+        return None
+    (grad, ids, num, pad, scale), _ = rw.args(node)
+    safe, inside = rw.vocab(node, None, ids, num)
+    keep = rw.op(aten._to_copy.default, rw.op(aten.unsqueeze.default, inside, -1, like=node), dtype=_dtype(node),
+                 like=node)
+    masked = rw.op(aten.mul.Tensor, grad, keep, like=node)
+    return rw.op(aten.embedding_dense_backward.default, masked, safe, num // rw.tp, pad, scale, like=node)
+
+
+@_special(aten._log_softmax.default)
+def _vocab_log_softmax(rw: _Rewrite, node: torch.fx.Node):
+    """log_softmax along the split dim: the max and the sum of exponentials all-reduced (Megatron's
+    vocab-parallel cross entropy, its first two all-reduces)."""
+    x_old, dim = node.args[0], node.args[1]
+    pl = rw.a.values[x_old]
+    if pl.kind != "S" or pl.dim != _dim(dim, _ndim(x_old)):
+        return None
+    if node.args[2]:
+        raise TensorSplitError(f"tensor parallelism: {node.name} casts half to float in log_softmax; not split yet")
+    (x, *_), _ = rw.args(node)
+    peak = rw.op(C.tensor_all_reduce, None, rw.op(aten.amax.default, x, [dim], True, like=node), "max", like=node)
+    shifted = rw.op(aten.sub.Tensor, x, rw.op(aten.detach.default, peak, like=node), like=node)
+    total = rw.op(aten.sum.dim_IntList, rw.op(aten.exp.default, shifted, like=node), [dim], True, like=node)
+    total = rw.op(C.tensor_all_reduce, None, total, like=node)
+    return rw.op(aten.sub.Tensor, shifted, rw.op(aten.log.default, total, like=node), like=node)
+
+
+@_special(aten._log_softmax_backward_data.default)
+def _vocab_log_softmax_backward(rw: _Rewrite, node: torch.fx.Node):
+    """grad - exp(out) * sum(grad) along the split dim: the sum all-reduced."""
+    out_old, dim = node.args[1], node.args[2]
+    pl = rw.a.values[out_old]
+    if pl.kind != "S" or pl.dim != _dim(dim, _ndim(out_old)):
+        return None
+    (grad, out, *_), _ = rw.args(node)
+    total = rw.op(C.tensor_all_reduce, None, rw.op(aten.sum.dim_IntList, grad, [dim], True, like=node), like=node)
+    return rw.op(aten.sub.Tensor, grad, rw.op(aten.mul.Tensor, rw.op(aten.exp.default, out, like=node), total,
+                                               like=node), like=node)
+
+
+def _targets(rw: _Rewrite, node: torch.fx.Node, target, ignore: int, vocab: int):
+    """(local target ids, whether each is this rank's and not ignored) of a vocab-parallel nll_loss."""
+    safe, inside = rw.vocab(node, None, target, vocab)
+    counted = rw.op(aten.ne.Scalar, target, ignore, like=node)
+    return safe, rw.op(aten.bitwise_and.Tensor, inside, counted, like=node), counted
+
+
+@_special(aten.nll_loss_forward.default)
+def _vocab_nll_loss(rw: _Rewrite, node: torch.fx.Node):
+    """The target's log-probability read where this rank holds it, all-reduced (the third all-reduce)."""
+    x_old = node.args[0]
+    pl = rw.a.values[x_old]
+    if pl.kind != "S":
+        return None
+    (x, target, _, reduction, ignore), _ = rw.args(node)
+    if _ndim(x_old) != 2:
+        raise TensorSplitError(f"tensor parallelism: {node.name} reads {_ndim(x_old)}-D log-probabilities; "
+                               "flatten them to (tokens, vocabulary)")
+    safe, mine, counted = _targets(rw, node, target, ignore, _shape(x_old)[1])
+    picked = rw.op(aten.squeeze.dim, rw.op(aten.gather.default, x, 1, rw.op(aten.unsqueeze.default, safe, 1,
+                                                                           like=node), like=node), 1, like=node)
+    dtype = _dtype(x_old)
+    losses = rw.op(aten.neg.default, rw.op(aten.mul.Tensor, picked, rw.op(aten._to_copy.default, mine, dtype=dtype,
+                                                                        like=node), like=node), like=node)
+    count = rw.op(aten.sum.default, rw.op(aten._to_copy.default, counted, dtype=dtype, like=node), like=node)
+    if reduction == 0:
+        return (rw.op(C.tensor_all_reduce, None, losses, like=node), count)
+    total = rw.op(C.tensor_all_reduce, None, rw.op(aten.sum.default, losses, like=node), like=node)
+    return (rw.op(aten.div.Tensor, total, count, like=node) if reduction == 1 else total, count)
+
+
+@_special(aten.nll_loss_backward.default)
+def _vocab_nll_loss_backward(rw: _Rewrite, node: torch.fx.Node):
+    """-grad (over the count, for a mean) at the target, on the rank that holds it."""
+    x_old = node.args[1]
+    if rw.a.values[x_old].kind != "S":
+        return None
+    (grad, x, target, _, reduction, ignore, total_weight), _ = rw.args(node)
+    safe, mine, _ = _targets(rw, node, target, ignore, _shape(x_old)[1])
+    scale = rw.op(aten.neg.default, grad, like=node)
+    if reduction == 1:
+        scale = rw.op(aten.div.Tensor, scale, total_weight, like=node)
+    dtype = _dtype(x_old)
+    values = rw.op(aten.mul.Tensor, rw.op(aten._to_copy.default, mine, dtype=dtype, like=node), scale, like=node)
+    zeros = rw.op(aten.zeros_like.default, x, like=node)
+    return rw.op(aten.scatter.src, zeros, 1, rw.op(aten.unsqueeze.default, safe, 1, like=node),
+                 rw.op(aten.unsqueeze.default, values, 1, like=node), like=node)
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+def local_shape(shape: tuple[int, ...], pl: Placement, tp: int) -> tuple[int, ...]:
+    if pl.kind != "S":
+        return tuple(shape)
+    return tuple(n // tp if d == pl.dim else n for d, n in enumerate(shape))
+
+
+def tensor_split(tg: TrainGraph, tp: int) -> TrainGraph:
+    """The graph each of ``tp`` tensor ranks runs (local parameter shapes, the tensor collectives),
+    as a TrainGraph whose ``tensor_placements`` say how each parameter is split."""
+    if tg.tensor_parallel == tp:
+        return tg
+    if tg.tensor_parallel != 1:
+        raise TensorSplitError(f"a trace split for tp={tg.tensor_parallel} cannot be split for tp={tp}")
+    if tg.batch_symbols:
+        raise TensorSplitError("tensor parallelism runs concrete traces (not mc.trace(symbolic_batch=True)) for now")
+    analysis = analyse(tg, tp)
+    rw = _Rewrite(tg, analysis)
+    graph = rw.run()
+    gm = torch.fx.GraphModule(tg.gm, graph)
+    _propagate_meta(gm, tg, analysis, rw.source)
+    shapes = {n: torch.Size(local_shape(s, analysis.params[n], tp)) for n, s in tg.param_shapes.items()}
+    return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp,
+                               tensor_placements={n: p for n, p in analysis.params.items() if p != R})
+
+
+def _propagate_meta(gm: torch.fx.GraphModule, tg: TrainGraph, analysis: Analysis, source: dict) -> None:
+    """Every node's value (fake, local shapes) and the trace's metadata of it (shape, bytes, FLOPs, block,
+    phase), as ``mc.trace`` records them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from micscompile.trace import tensor_meta
+
+    old = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(old, tg.param_names))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    for n in old:
+        val = n.meta["val"]
+        pl = analysis.params.get(names[n], R) if n in names else R
+        inputs.append(mode.from_tensor(torch.empty(local_shape(tuple(val.shape), pl, analysis.tp), dtype=val.dtype,
+                                                   device="meta")))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    for new_node, old_node in zip((n for n in gm.graph.nodes if n.op == "placeholder"), old):
+        source[new_node] = old_node
+    for n in gm.graph.nodes:
+        src = source.get(n)
+        if src is not None:
+            n.meta[META_FQN] = src.meta.get(META_FQN, "")
+            n.meta[META_REGION] = src.meta.get(META_REGION)
+            if "seq_nr" in src.meta:
+                n.meta["seq_nr"] = src.meta["seq_nr"]
+        tensor_meta(n)
+
+
+__all__ = ["Analysis", "TensorSplitError", "analyse", "local_shape", "tensor_split", "view_groups", "view_placement"]
