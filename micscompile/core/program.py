@@ -13,7 +13,8 @@ only on the first micro-step), ``RS3``/``AR3`` reduce-scatter / all-reduce bucke
 gradients, ``PK3`` add them straight into the accumulator (p = 1), ``SH3`` start bucket
 3's second hop (2-hop, d > 1: its accumulated shard all-reduced over the replication group;
 last micro-step only, a pipeline chunk's last backward, waited at the boundary as ``W:SH3``),
-``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step.
+``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step; ``TAR``/``TAG`` a tensor-parallel all-reduce /
+all-gather of an activation or its gradient (blocking, on the compute's path).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class Kind(enum.Enum):
     OPTIMIZER = "OPT"
     UPDATE_GATHER = "AGU"
     """``optimizer_sharding="world"``: after the optimizer, a bucket's updated shard all-gathered over the replicas."""
+    TENSOR_ALL_REDUCE = "TAR"
+    """Tensor parallelism (``lowering.tensor_split``): a partial activation or gradient summed over the tensor
+    group, on the compute's path (blocking: the next op reads it)."""
+    TENSOR_ALL_GATHER = "TAG"
+    """Tensor parallelism: a split value made whole on every tensor rank, on the compute's path."""
 
 
 ISSUE_KIND = {
@@ -93,7 +99,12 @@ COLLECTIVE_OF_KIND = {
     Kind.ALL_GATHER: C.ALL_GATHER, Kind.ALL_GATHER_NEXT: C.ALL_GATHER, Kind.REDUCE_SCATTER: C.REDUCE_SCATTER,
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
     Kind.SECOND_HOP: C.ALL_REDUCE, Kind.UPDATE_GATHER: C.ALL_GATHER,
+    Kind.TENSOR_ALL_REDUCE: C.ALL_REDUCE, Kind.TENSOR_ALL_GATHER: C.ALL_GATHER,
 }
+TENSOR_KIND = {C.tensor_all_reduce: Kind.TENSOR_ALL_REDUCE, C.tensor_all_gather: Kind.TENSOR_ALL_GATHER}
+"""The tensor-parallel collectives of a split graph, each an action of its own."""
+BLOCKING = frozenset(TENSOR_KIND.values())
+"""Collectives done when their action is: nothing waits for them later."""
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 
 
@@ -293,7 +304,7 @@ class Program:
             actions = self.issued_in(mb)
             for i, a in enumerate(actions):
                 where = f"micro-step {mb}, action {i} ({a})"
-                if a.kind in COLLECTIVE_OF_KIND:
+                if a.kind in COLLECTIVE_OF_KIND and a.kind not in BLOCKING:
                     key = (Kind.ALL_GATHER if a.kind is Kind.ALL_GATHER_NEXT else a.kind, a.bucket)
                     pending[key] = pending.get(key, 0) + 1
                 elif a.kind is Kind.WAIT:

@@ -471,6 +471,9 @@ def simulate_program(
                 dynamic -= flight.frees_bytes
                 if flight.finish_s > 0:
                     run_compute(flight.finish_s, (f"after {a}" if record else ""))
+            elif a.kind in (Kind.TENSOR_ALL_REDUCE, Kind.TENSOR_ALL_GATHER):  # the next op reads it: blocking
+                end = issue(a).end_s
+                wait_until(end)
             elif a.kind is Kind.RELEASE:
                 dynamic -= a.tensor_bytes
                 note_memory(activations)

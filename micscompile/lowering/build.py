@@ -11,10 +11,10 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.collectives import GroupInfo
 from micscompile.core.plan import ResolvedPlan
-from micscompile.core.program import ISSUE_KIND, REGION_BWD, Action, Kind, Program
+from micscompile.core.program import ISSUE_KIND, REGION_BWD, TENSOR_KIND, Action, Kind, Program
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
-from micscompile.trace import META_FLOPS, META_FQN, META_REGION
+from micscompile.trace import META_BYTES, META_FLOPS, META_FQN, META_REGION
 
 
 def _peak(values):
@@ -31,7 +31,8 @@ def build_program(
     actions: list[Action] = []
     issued: dict[torch.fx.Node, Kind] = {}
     run: list[torch.fx.Node] = []
-    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in (C.collective_wait, C.accumulate)}
+    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in TENSOR_KIND
+                        or n.target in (C.collective_wait, C.accumulate)}
     live = activation_bytes(graph, exclude=collective_nodes)
 
     def flush() -> None:
@@ -54,7 +55,11 @@ def build_program(
         kind = ISSUE_KIND.get(node.target)
         if node.target is C.accumulate:
             continue  # (priced with the micro-step's accumulation, cost_model.simulator)
-        if node.target is C.collective_wait:
+        if node.target in TENSOR_KIND:  # blocking, on the compute's path: one action, no wait of its own
+            flush()
+            actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=node.meta.get(META_BYTES, 0),
+                                  region=node.meta.get(META_REGION, "")))
+        elif node.target is C.collective_wait:
             flush()
             actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]]))
         elif kind is not None:
