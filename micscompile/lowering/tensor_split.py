@@ -162,6 +162,8 @@ class _Propagation:
         self.needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]] = {}
         self.origin: dict[torch.fx.Node, str] = {}
         self.row_addmm: set[torch.fx.Node] = set()
+        self.converted: set[tuple[torch.fx.Node, Placement]] = set()
+        """(value, placement) conversions some op already needs: free for the next one."""
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         self.param_of = dict(zip(placeholders, tg.param_names))
 
@@ -201,6 +203,7 @@ class _Propagation:
     def want(self, node: torch.fx.Node, inp: torch.fx.Node, pl: Placement) -> None:
         if self.get(inp) != pl:
             self.needs.setdefault(node, {})[inp] = pl
+            self.converted.add((inp, pl))
 
     def resegment_or_fail(self, node, inp, k: int, why: str):
         param = self.origin.get(inp)
@@ -320,6 +323,10 @@ def _elementwise(g: _Propagation, node: torch.fx.Node):
     if any(isinstance(v, _Undecided) for v in pls.values()):
         raise AssertionError("undecided after get")
     # a param-derived pass-through (clone, detach, a cast) of an undecided parameter stays undecided
+    for a, p in pls.items():  # a partial value another op already needs all-reduced: take that (free)
+        if p.kind == "P" and (a, R) in g.converted:
+            g.want(node, a, R)
+            pls[a] = R
     split = [(a, p) for a, p in pls.items() if p.kind == "S"]
     partial = [a for a, p in pls.items() if p.kind == "P"]
     if split:
@@ -426,8 +433,10 @@ def _stack(g: _Propagation, node: torch.fx.Node):
     d = _dim(node.args[1] if len(node.args) > 1 else 0, ndim + (node.target is aten.stack.default))
     first = pls[0]
     if first.kind == "S":
-        if node.target is aten.cat.default and first.dim == d:
-            raise g.fail(node, f"concatenates along its split dim {d}")
+        if node.target is aten.cat.default and first.dim == d:  # equal pieces, each split: a split in segments
+            if any(p != first for p in pls) or len({_shape(a) for a in tensors}) > 1:
+                raise g.fail(node, f"concatenates unequal pieces along its split dim {d}")
+            return S(d, first.segments * len(tensors))
         for a, p in zip(tensors, pls):
             if p != first:
                 g.want(node, a, first)
@@ -517,9 +526,15 @@ def _mm(g: _Propagation, node: torch.fx.Node):
     ua, ub = isinstance(g.values[a], _Undecided), isinstance(g.values[b], _Undecided)
     if ub and not ua:
         pa = g.get(a)
+        if pa.kind == "P":  # all-reduce a partial input: the weight then splits column-parallel
+            g.want(node, a, R)
+            pa = R
         pb = _matmul_weight(g, node, b, pa, 1)
     elif ua and not ub:
         pb = g.get(b)
+        if pb.kind == "P":
+            g.want(node, b, R)
+            pb = R
         pa = _matmul_weight(g, node, a, pb, 0)
     else:
         pa, pb = g.get(a), g.get(b)
@@ -599,10 +614,10 @@ def _layer_norm(g: _Propagation, node: torch.fx.Node):
 
 @rule(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(g: _Propagation, node: torch.fx.Node):
-    grad, x = node.args[0], node.args[1]
+    grad, x, shape = node.args[0], node.args[1], node.args[2]
     px = g.get(x)
-    if px.kind == "P":  # (the forward normalised it all-reduced: the same conversion, cached)
-        g.want(node, x, R)
+    if px.kind == "P" or px.kind == "S" and px.dim >= _ndim(x) - len(shape):
+        g.want(node, x, R)  # (as the forward normalised it: the same conversion, cached)
         px = R
     for n in (node.args[3], node.args[4], *node.args[5:7]):
         if isinstance(n, torch.fx.Node):
@@ -810,6 +825,13 @@ class _Rewrite:
         return self.new
 
     def _local_sizes(self, node: torch.fx.Node, args: tuple) -> tuple:
+        if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            x = node.args[0]
+            pl, d = self.a.values[x], _dim(node.args[2] if len(node.args) > 2 else 0, _ndim(x))
+            if pl.kind == "S" and pl.dim == d:  # pieces of the split dim: each a tensor rank's share
+                sizes = args[1] // self.tp if isinstance(args[1], int) else [n // self.tp for n in args[1]]
+                return (args[0], sizes, *args[2:])
+            return args
         i = _SIZED.get(node.target)
         pl = self.a.values.get(node)
         if i is None or not isinstance(pl, Placement) or pl.kind != "S":
@@ -869,9 +891,7 @@ def _vocab_embedding(rw: _Rewrite, node: torch.fx.Node):
     table = node.args[0]
     if rw.a.values[table] != S(0):
         return None
-    if len(node.args) > 2 and node.args[2] not in (-1, None):
-        raise TensorSplitError(f"tensor parallelism: {node.name} has a padding_idx; not split yet")
-    (w, ids, *rest), _ = rw.args(node)
+    (w, ids, *rest), _ = rw.args(node)  # (a padding_idx changes the backward alone: there)
     safe, inside = rw.vocab(node, table, ids, _shape(table)[0])
     rows = rw.op(aten.embedding.default, w, safe, like=node)
     keep = rw.op(aten.unsqueeze.default, inside, -1, like=node)
@@ -886,10 +906,14 @@ def _vocab_embedding_backward(rw: _Rewrite, node: torch.fx.Node):
         return None
     (grad, ids, num, pad, scale), _ = rw.args(node)
     safe, inside = rw.vocab(node, None, ids, num)
+    if pad is not None and pad >= 0:  # the padding row gets no gradient
+        inside = rw.op(aten.bitwise_and.Tensor, inside, rw.op(aten.ne.Scalar, ids, pad, like=node), like=node)
+    if scale:
+        raise TensorSplitError(f"tensor parallelism: {node.name} scales gradients by frequency; not split")
     keep = rw.op(aten._to_copy.default, rw.op(aten.unsqueeze.default, inside, -1, like=node), dtype=_dtype(node),
                  like=node)
     masked = rw.op(aten.mul.Tensor, grad, keep, like=node)
-    return rw.op(aten.embedding_dense_backward.default, masked, safe, num // rw.tp, pad, scale, like=node)
+    return rw.op(aten.embedding_dense_backward.default, masked, safe, num // rw.tp, -1, scale, like=node)
 
 
 @_special(aten._log_softmax.default)
