@@ -138,10 +138,12 @@ def _plans(args: argparse.Namespace, cluster) -> list:
     import micscompile as mc
     from micscompile.tune.partition import one_node
 
-    sizes = args.partition_size or [one_node(mc.Plan(pipeline_stages=args.pipeline_stages), cluster)]
+    sizes = args.partition_size or [one_node(mc.Plan(pipeline_stages=args.pipeline_stages,
+                                                     tensor_parallel_size=args.tp), cluster)]
     sizes = sizes if isinstance(sizes, list) else [sizes]
     dtype = _dtype(args, cluster)
-    return [mc.Plan(partition_size=p, pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches,
+    return [mc.Plan(partition_size=p, tensor_parallel_size=args.tp, pipeline_stages=args.pipeline_stages,
+                    micro_batches=args.micro_batches,
                     pipeline_schedule="interleaved" if args.chunks > 1 else args.schedule,
                     pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
                     hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype,
@@ -155,6 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
     from micscompile.core.collectives import fmt_bytes
     from micscompile.lowering.lowered import lower
     from micscompile.lowering.predict import concrete, model_buffer_bytes
+    from micscompile.lowering.tensor_split import tensor_split
     from micscompile.tune.partition import choose_partition_size
 
     cluster = _cluster(args)
@@ -164,7 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trace = concrete(tg)
+    trace = tensor_split(concrete(tg), plan.tensor_parallel_size)  # (once: every priced size shares it)
     choice = None
     if args.partition_size is None:  # priced, not assumed (tune.partition)
         choice = choose_partition_size(trace, plan, cluster, progress=_say)
@@ -292,6 +295,9 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
                     help="ranks sharding one replica (t inside a stage); default: "
                          + ("one node; several: one row each" if several else
                             "priced: one node unless a power of two that fits is 5%% faster"))
+    sp.add_argument("--tp", "--tensor-parallel-size", type=_count("--tp", 64), default=1, dest="tp",
+                    help="tensor-parallel ranks inside a node splitting each layer (Megatron-LM's); -p then counts "
+                         "tensor groups")
     sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")

@@ -38,6 +38,7 @@ from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
 from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
 from micscompile.core.tensor_layout import assemble
+from micscompile.lowering.tensor_split import tensor_split
 from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
@@ -340,6 +341,10 @@ class Step(Checkpointable):
                 raise PlanError("evaluate() needs the step mc.compile built (it keeps the model and loss to trace)")
             etg = trace(src.model, src.micro_example, src.loss_fn, num_model_inputs=src.num_model_inputs,
                         param_dtype=self.program.plan.plan.param_dtype, device=self.device, forward_only=True)
+            etg = tensor_split(etg, self.graph.tensor_parallel)  # the training graph's pieces, split alike
+            if etg.tensor_placements != self.graph.tensor_placements:
+                raise PlanError("evaluate(): the forward alone splits the parameters otherwise than the training "
+                                "step (tensor parallelism): a micscompile bug, please report it")
             self._eval_run = self._build_evaluation(etg, src.lowered)
             self.eval_source = None  # the model and the training lowering are no longer needed
         return self._eval_run

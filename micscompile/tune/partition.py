@@ -76,15 +76,18 @@ class PartitionChoice:
 
 
 def one_node(plan: Plan, cluster: Cluster) -> int:
-    """The partition size without pricing: one node, or a stage's ranks where they are fewer."""
-    return max(1, min(cluster.gpus_per_node, cluster.world_size // plan.pipeline_stages))
+    """The partition size without pricing: one node, or a stage's ranks where they are fewer (in tensor
+    groups with ``Plan.tensor_parallel_size``)."""
+    tp = plan.tensor_parallel_size
+    return max(1, min(cluster.gpus_per_node // tp, cluster.world_size // (plan.pipeline_stages * tp)))
 
 
 def candidate_sizes(plan: Plan, cluster: Cluster) -> list[int]:
     """Powers of two from 1 to a stage's ranks (to one node with pipeline stages) dividing them, and
-    one node (``one_node``) where a node is not a power of two."""
-    stage_ranks = cluster.world_size // plan.pipeline_stages
-    top = min(stage_ranks, cluster.gpus_per_node) if plan.pipeline_stages > 1 else stage_ranks
+    one node (``one_node``) where a node is not a power of two (in tensor groups)."""
+    tp = plan.tensor_parallel_size
+    stage_ranks = cluster.world_size // (plan.pipeline_stages * tp)
+    top = min(stage_ranks, cluster.gpus_per_node // tp) if plan.pipeline_stages > 1 else stage_ranks
     sizes, p = {one_node(plan, cluster)}, 1
     while p <= top:
         if stage_ranks % p == 0:
@@ -123,6 +126,7 @@ def choose_partition_size(trace: TrainGraph, plan: Plan, cluster: Cluster, *,
         row = PricedSize(p)
         priced.append(row)
         state = STATE_BYTES_PER_PARAM * params / (p * plan.pipeline_stages)  # a stage's share, on average
+        # (params: the trace's; a tensor-parallel trace's are already a tensor rank's pieces)
         if state > cluster.gpu.memory_bytes:
             row.skipped = f"its fp32 shard and gradients alone are {state / 2**30:.1f} GiB"
             continue
