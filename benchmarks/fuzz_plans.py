@@ -169,6 +169,9 @@ def draw(seed: int) -> FuzzCase:
     )
     if plan.get("grad_sync") != "every_step" and rng.random() < 0.25:  # (drawn last: the rest as before it)
         plan["optimizer_sharding"] = "world"
+    if not pipeline and plan.get("grad_sync") != "every_step" and rng.random() < 0.15:  # (after it, likewise)
+        plan.update(tensor_parallel_size=2, partition_size=min(plan["partition_size"], 2))
+        plan.pop("hierarchical", None)
     return FuzzCase(plan=tuple(plan.items()), **case)
 
 
@@ -193,6 +196,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "clip": ("none", "finite", "inf"),
     "loss": ("mean", "token"),
     "optimizer": ("sgd", "adamw"),
+    "tensor": ("tp=1", "tp=2"),
 }
 """Each axis and its values (the plan family and schedule together: a schedule is a pipeline's)."""
 
@@ -225,6 +229,11 @@ EXCLUDED = (
               "refused: every_step has no boundary all-reduce to turn into a reduce-scatter"),
     Exclusion("nodes", ("2x2 hierarchical",), "plan", ("flat p=1", "flat p=2", *PIPELINES),
               "hierarchical collectives need a partition group spanning nodes (p = 4 > k = 2)"),
+    Exclusion("tensor", ("tp=2",), "plan", ("flat p=4", "every_step", *PIPELINES),
+              "4 ranks in tensor groups of 2 leave p <= 2; tensor groups with pipelines or grad_sync='every_step' "
+              "are refused (issue 54, in progress)"),
+    Exclusion("tensor", ("tp=2",), "nodes", ("2x2 hierarchical",),
+              "the hierarchical rows hold p = 4, more than 2 tensor groups"),
 )
 
 RANDOM_ONLY = ("memory_budget_bytes", "max_gathers_in_flight")
@@ -283,6 +292,8 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         plan["partition_size"] = p
         if kind == "every_step":
             plan["grad_sync"] = "every_step"
+        if row["tensor"] == "tp=2":
+            plan["tensor_parallel_size"] = 2
         ms = [m for m in (1, 2, 3, 4) if local % m == 0]
     m = rng.choice(ms)
     if m > 1:
@@ -404,12 +415,13 @@ def setup(case: FuzzCase, global_batch: int):
         loss = _sum_count if case.counted else _mean
         return build, lambda m: loss, probe.batches(STEPS, global_batch, padded=case.counted), probe.inputs
     if case.model == "tied_lm":
-        batches = lm_batches(STEPS, global_batch)
+        vocab = 29 if dict(case.plan).get("tensor_parallel_size", 1) == 1 else 30  # (a vocabulary tp divides)
+        batches = lm_batches(STEPS, global_batch, vocab=vocab)
         if case.counted:  # sample i keeps (i * 7 + k) % 6 of its 6 targets: ranks hold unequal counts
             for k, (_, y) in enumerate(batches):
                 for i in range(global_batch):
                     y[i, (i * 7 + k) % 6:] = -100
-        return (lambda: TiedLM(layers=case.layers)), (lambda m: _sum_count if case.counted else _mean), batches, 1
+        return (lambda: TiedLM(vocab, layers=case.layers)), (lambda m: _sum_count if case.counted else _mean), batches, 1
     cls, make_loss, make_batches = MODELS[case.model]
     return cls, make_loss, make_batches(STEPS, global_batch), 1
 
@@ -427,7 +439,7 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
         plan = mc.Plan(**case.kwargs)
         rp = plan.resolve(world, world)
         stage = "reference"  # (an error here, even from micscompile.cli.parity, is the fuzzer's own: failed)
-        chains = world // rp.stages  # ranks that each take their own slice of the global batch
+        chains = rp.data_parallel_size  # ranks (tensor groups) that each take their own slice of the global batch
         local_batch = HF_BATCH if case.model == "hf" else LOCAL_BATCH
         build, make_loss, batches, n_in = setup(case, local_batch * chains)
         torch.manual_seed(0)
@@ -457,7 +469,8 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
             with torch.device("meta"):
                 model = build()
             torch.manual_seed(1)
-        chain = rank // (rp.stages * rp.partition_size) * rp.partition_size + rank % rp.partition_size
+        group = rank // rp.tensor  # (a tensor group's ranks take the same slice)
+        chain = group // (rp.stages * rp.partition_size) * rp.partition_size + group % rp.partition_size
         local = [tuple(x[chain * local_batch : (chain + 1) * local_batch] for x in b) for b in batches]
         stage = "compile"
         step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0],

@@ -7,6 +7,7 @@ segments), the collectives the rewrite inserts against docs/design.md's counts, 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +17,7 @@ from models import MODELS
 
 import micscompile as mc
 from micscompile.core import collectives as C
-from micscompile.core.tensor_layout import R, S, assemble, local_piece
+from micscompile.core.tensor_layout import R, S, assemble, global_boxes, local_piece
 from micscompile.lowering.tensor_split import TensorSplitError, analyse, tensor_split, view_placement
 from micscompile.trace import META_REGION
 from micscompile.zoo.models import GPT, GPTConfig, lm_loss
@@ -50,6 +51,22 @@ def test_a_rank_piece_and_the_assembly_round_trip():
         assert torch.equal(assemble(pieces, placement), x), placement
     q, k, v = local_piece(full, S(0, 3), 1, 2).chunk(3)  # rank 1: the second half of each of q, k, v
     assert torch.equal(q, full[4:8]) and torch.equal(k, full[12:16]) and torch.equal(v, full[20:24])
+
+
+@pytest.mark.parametrize("placement", [S(0), S(0, 3), S(1), S(1, 3), R], ids=str)
+def test_a_box_of_a_piece_is_the_boxes_of_the_full_tensor_it_came_from(placement):
+    """What the checkpoints write: each box of a tensor rank's piece, placed in the full tensor, holds
+    the same values there, and the placed boxes hold as many elements as the box."""
+    full = torch.arange(24 * 6.0).reshape(24, 6)
+    for rank in range(2):
+        piece = local_piece(full, placement, rank, 2)
+        for offsets, sizes in (((0, 0), tuple(piece.shape)), ((3, 1), (7, 2))):
+            box = piece[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            placed = global_boxes(offsets, sizes, placement, rank, 2, tuple(piece.shape))
+            assert sum(math.prod(n) for _, n, _ in placed) == box.numel()
+            for at, n, cut in placed:
+                part = box.narrow(placement.dim, cut, n[placement.dim])
+                assert torch.equal(part, full[tuple(slice(o, o + k) for o, k in zip(at, n))]), (rank, offsets, at)
 
 
 def test_the_analysis_splits_megatron_style():
@@ -148,7 +165,8 @@ class TPCase:
 
 CASES = [
     TPCase("tied_lm", 2, 2), TPCase("tied_lm", 2, 2, opt="adamw"), TPCase("gpt", 4, 1), TPCase("gpt", 2, 2, s=2),
-    TPCase("gpt", 2, 2, checkpoint=True), TPCase("hf-llama", 2, 2), TPCase("hf-gpt2", 2, 2),
+    TPCase("gpt", 2, 2, checkpoint=True), TPCase("gpt", 2, 2, checkpoint=True, param_dtype=torch.bfloat16),
+    TPCase("hf-llama", 2, 2), TPCase("hf-gpt2", 2, 2),
 ]
 
 
@@ -178,39 +196,106 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
     plan = mc.Plan(tensor_parallel_size=case.tp, partition_size=case.p, micro_batches=case.s,
                    checkpoint=case.checkpoint, param_dtype=case.param_dtype)
     rp = plan.resolve(world, world)
-    if case.param_dtype != torch.float32:
+    ref_losses, ref_state = train_reference(copy.deepcopy(model), loss, opt, batches)
+    floor = 0.0
+    if case.param_dtype != torch.float32:  # the mixed reference, and its own rounding against fp32: the floor
+        fp32_state = ref_state
         ref_losses, ref_state = train_reference_mixed(copy.deepcopy(model), lambda m: loss, opt, batches,
                                                       rp.data_parallel_size * case.s, case.param_dtype)
-    else:
-        ref_losses, ref_state = train_reference(copy.deepcopy(model), loss, opt, batches)
+        floor = state_error(ref_state, fp32_state)[0]
     local = [tuple(x.chunk(rp.data_parallel_size)[rank // case.tp] for x in b) for b in batches]
     step = mc.compile(model, plan, loss_fn=loss, optimizer=opt, example_inputs=local[0])
     losses = [float(step(*b)) for b in local]
     return {
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
         "state_err": state_error(step.full_state_dict(), ref_state)[0],
+        "floor": floor,
         "measured": {k: r.bytes for k, r in step.comm_stats().rows.items()},
         "planned": {k: r.bytes * STEPS for k, r in step.program.comm_stats().rows.items()},
     }
 
 
-def run_all(rank: int, world: int) -> dict:
-    return {case: run_case(case, rank, world) for case in CASES}
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False)  # (every element rounded alone)
+
+
+def _gpt_step(tp: int, p: int, rank: int, batches, seed: int):
+    torch.manual_seed(seed)
+    plan = mc.Plan(tensor_parallel_size=tp, partition_size=p)
+    d = WORLD // tp
+    local = [tuple(x.chunk(d)[rank // tp] for x in b) for b in batches]
+    return mc.compile(GPT(GPT_CFG), plan, loss_fn=lm_loss, optimizer=_sgd, example_inputs=local[0]), local
+
+
+def _flat(tree, prefix=""):
+    """A nested state dict as {path: tensor or value}."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}/").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in _flat(sub, f"{prefix}{i}/").items()}
+    return {prefix.rstrip("/"): tree}
+
+
+def checkpoint_cases(rank: int, world: int, root: str) -> dict:
+    """Saved at tp=2 x p=2; loaded at tp=1 x p=4, at tp=4, and into a plain model; each loaded step saved
+    again (its full tensors compared with the first checkpoint's, optimizer state included)."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(64, (8, 8), generator=g), torch.randint(64, (8, 8), generator=g)) for _ in range(3)]
+    step, local = _gpt_step(2, 2, rank, batches, seed=0)
+    for b in local[:2]:
+        step(*b)
+    dcp.save(step.state_dict(), checkpoint_id=os.path.join(root, "tp2"))
+    out = {"at_save": step.full_state_dict(), "tail": float(step(*local[2])), "resumed": {}}
+    for tp, p in ((1, 4), (4, 1), (2, 2)):
+        other, local = _gpt_step(tp, p, rank, batches, seed=1)
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=os.path.join(root, "tp2"))
+        other.load_state_dict(sd)
+        full = other.full_state_dict()
+        dcp.save(other.state_dict(), checkpoint_id=os.path.join(root, f"again{tp}"))
+        steps = other.steps
+        out["resumed"][tp] = {"full": full, "steps": steps, "tail": float(other(*local[2]))}
+    dist.barrier()
+    if rank == 0:  # the checkpoints as full tensors (DCP without a process group), and a plain model
+        files = {}
+        for name in ("tp2", "again1", "again4", "again2"):
+            dcp_to_torch_save(os.path.join(root, name), os.path.join(root, f"{name}.pt"))
+            files[name] = _flat(torch.load(os.path.join(root, f"{name}.pt"), weights_only=False))
+        out["files"] = files
+        torch.manual_seed(2)
+        plain = GPT(GPT_CFG)
+        state = plain.state_dict()
+        dcp.load({"model": state}, checkpoint_id=os.path.join(root, "tp2"), no_dist=True)
+        out["plain"] = {k: v.clone() for k, v in state.items()}
+    return out
+
+
+def run_all(rank: int, world: int, root: str) -> dict:
+    return {"checkpoints": checkpoint_cases(rank, world, root), **{case: run_case(case, rank, world) for case in CASES}}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch(run_all, WORLD, timeout_s=600)
+def results(tmp_path_factory):
+    return launch(run_all, WORLD, str(tmp_path_factory.mktemp("tp-dcp")), timeout_s=600)
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_tensor_parallel_plans_train_with_parity(results, case):
-    """SGD: design.md's 1e-5. AdamW on the tied LM: the same (no attention key bias to amplify)."""
-    tol = 1e-5 if case.param_dtype == torch.float32 else 2e-2
+    """fp32: design.md's 1e-5 (the split matmuls' other summation order measured 2e-7 to 4e-7; AdamW on the
+    tied LM the same, it has no attention key bias to amplify). bf16: each rank rounds its partial product
+    to bf16 before the all-reduce sums them, a second rounding of the size of the first: within twice
+    the mixed reference's own distance from fp32 (measured 0.8x; the tied LM 1.7x)."""
     for rank, res in enumerate(results):
         r = res[case]
-        assert r["loss_err"] <= tol and r["state_err"] <= tol, (rank, r["loss_err"], r["state_err"])
+        tol = 1e-5 if case.param_dtype == torch.float32 else 2 * r["floor"]
+        assert r["loss_err"] <= tol and r["state_err"] <= tol, (rank, r["loss_err"], r["state_err"], tol)
 
 
 @pytest.mark.multiproc
@@ -220,3 +305,37 @@ def test_the_program_predicts_every_ranks_tensor_and_partition_bytes(results, ca
         r = res[case]
         assert r["measured"] == r["planned"], (rank, r["measured"], r["planned"])
         assert r["measured"][("all_reduce", "tensor")] > 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp", [1, 4, 2])
+def test_a_checkpoint_saved_at_tp2_loads_at_any_tensor_size_bitwise(results, tp):
+    """Every rank's full parameters after the load equal the saved step's, bitwise; the next step's loss
+    agrees (bitwise at tp=2; within 1e-5 where the matmuls split otherwise)."""
+    for res in results:
+        r, again = res["checkpoints"], res["checkpoints"]["resumed"][tp]
+        assert again["steps"] == 2
+        for k, v in r["at_save"].items():
+            assert torch.equal(again["full"][k], v), (tp, k)
+        if tp == 2:
+            assert again["tail"] == r["tail"]
+        else:
+            assert abs(again["tail"] - r["tail"]) <= 1e-5 * abs(r["tail"]), (tp, again["tail"], r["tail"])
+
+
+@pytest.mark.multiproc
+def test_the_checkpoint_holds_full_tensors_whatever_tp_wrote_it(results):
+    """Saved again at tp=1, tp=4 and tp=2 after loading: the same full tensors, optimizer state (momentum)
+    and step count as the tp=2 checkpoint, bitwise; a plain model loads it."""
+    r = results[0]["checkpoints"]
+    first = r["files"]["tp2"]
+    assert any("momentum_buffer" in k for k in first) and "model/tok.weight" in first
+    assert first["model/tok.weight"].shape == (GPT_CFG.vocab_size, GPT_CFG.hidden)  # the full vocabulary
+    for name in ("again1", "again4", "again2"):
+        other = r["files"][name]
+        assert other.keys() == first.keys(), (name, other.keys() ^ first.keys())
+        for k, v in first.items():
+            same = torch.equal(other[k], v) if isinstance(v, torch.Tensor) else other[k] == v
+            assert same, (name, k)
+    for k, v in r["at_save"].items():
+        assert torch.equal(r["plain"][k], v), k

@@ -609,9 +609,10 @@ def tensor_slice(comm: Comm | None, x: torch.Tensor, dim: int, segments: int, tp
     return local_piece(x, S(dim, segments), 0 if comm is None else comm.tensor.rank, tp).contiguous()
 
 
-def tensor_shard_start(comm: Comm | None, size: int) -> int:
-    """Where this tensor rank's piece of a dim split into pieces of ``size`` starts (its first vocabulary id)."""
-    return 0 if comm is None else comm.tensor.rank * size
+def tensor_shard_start(comm: Comm | None, like: torch.Tensor, size: int) -> torch.Tensor:
+    """Where this tensor rank's piece of a dim split into pieces of ``size`` starts (its first vocabulary id):
+    a 0-d tensor of ``like``'s dtype and device (a value an Inductor region can take as an input)."""
+    return torch.full((), 0 if comm is None else comm.tensor.rank * size, dtype=like.dtype, device=like.device)
 
 
 TENSOR_OPS = (tensor_all_reduce, tensor_all_gather, tensor_slice, tensor_shard_start)

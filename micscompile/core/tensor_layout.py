@@ -46,9 +46,18 @@ def S(dim: int, segments: int = 1) -> Placement:  # noqa: N802 - the placement's
     return Placement("S", dim, segments)
 
 
-def local_size(size: int, placement: Placement, tp: int) -> int:
-    """The size a tensor rank holds of a dim of global ``size`` split by ``placement``."""
-    return size // tp
+def piece_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
+    """The shape of a tensor rank's piece of a value of full ``shape``."""
+    if placement.kind != "S":
+        return tuple(shape)
+    return (*shape[:placement.dim], shape[placement.dim] // tp, *shape[placement.dim + 1:])
+
+
+def full_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
+    """``piece_shape``'s inverse: the full value's shape from a piece's."""
+    if placement.kind != "S":
+        return tuple(shape)
+    return (*shape[:placement.dim], shape[placement.dim] * tp, *shape[placement.dim + 1:])
 
 
 def local_piece(full: torch.Tensor, placement: Placement, rank: int, tp: int) -> torch.Tensor:
@@ -69,3 +78,23 @@ def assemble(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
     shape = pieces[0].shape
     split = [p.reshape(*shape[:d], k, shape[d] // k, *shape[d + 1:]) for p in pieces]
     return torch.stack(split, d + 1).reshape(*shape[:d], shape[d] * tp, *shape[d + 1:])
+
+
+def global_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], placement: Placement, rank: int, tp: int,
+                 local_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """A box (``offsets``, ``sizes``) of tensor rank ``rank``'s piece (of shape ``local_shape``) as boxes
+    of the full value: ``(global offsets, sizes, where along the split dim each starts in the box)``. Along
+    an S(d, k) dim the piece holds one run of each of the k segments, so a box crossing a run's end is cut
+    there; every other dim (and an R value) keeps its coordinates."""
+    if placement.kind != "S" or tp == 1:
+        return [(tuple(offsets), tuple(sizes), 0)]
+    d = placement.dim
+    run = local_shape[d] // placement.segments  # this rank's run of each segment
+    out = []
+    i, end = offsets[d], offsets[d] + sizes[d]
+    while i < end:
+        segment, stop = i // run, min(end, (i // run + 1) * run)
+        at = segment * run * tp + rank * run + i % run  # the segment's start, this rank's run, the offset in it
+        out.append(((*offsets[:d], at, *offsets[d + 1:]), (*sizes[:d], stop - i, *sizes[d + 1:]), i - offsets[d]))
+        i = stop
+    return out

@@ -854,7 +854,7 @@ class _Rewrite:
     def vocab(self, node: torch.fx.Node, table: torch.fx.Node, ids, full_vocab: int):
         """(local ids clamped into this rank's piece of the vocabulary, whether each id is in it)."""
         size = full_vocab // self.tp
-        start = self.op(C.tensor_shard_start, None, size, like=node)
+        start = self.op(C.tensor_shard_start, None, ids, size, like=node)
         local = self.op(aten.sub.Tensor, ids, start, like=node)
         inside = self.op(aten.bitwise_and.Tensor, self.op(aten.ge.Scalar, local, 0, like=node),
                          self.op(aten.lt.Scalar, local, size, like=node), like=node)

@@ -19,6 +19,10 @@ parameter; the rest (step counters) is replicated and saved once.
 
 A parameter several pipeline chunks hold (a tied weight) is written from one chunk
 (the lowest index) and read into every chunk holding it.
+
+With tensor parallelism a rank's range is of its tensor rank's piece (``core.tensor_layout``): each
+box of the piece is placed in the full tensor (``global_boxes``: cut where the piece's run of a
+segment ends), so the checkpoint holds full tensors whatever tp saved it, and any tp loads it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from micscompile.core.tensor_layout import Placement, global_boxes, local_piece, piece_shape
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -76,18 +82,23 @@ class FlatShards(torch.Tensor):
     hand DCP the boxes, views of the live shards."""
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], parts: list[Part], owner: object):
+    def __new__(cls, shape: tuple[int, ...], parts: list[Part], owner: object, tensor: TensorPiece | None = None):
+        """``shape``: the full tensor's; ``tensor``: the parts are ranges of this tensor rank's piece."""
         first = parts[0].values
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)
         self._properties = TensorProperties(dtype=first.dtype)
         self._owner = owner
         self._boxes = []  # (ChunkStorageMetadata, view, write): writable boxes first
+        placement, rank, tp = tensor or (Placement("R"), 0, 1)
+        local = piece_shape(tuple(shape), placement, tp)
         for part in sorted(parts, key=lambda p: not p.write):
             n = part.values.numel()
-            for offsets, sizes, start in flat_boxes(tuple(shape), part.lo, part.lo + n):
+            for offsets, sizes, start in flat_boxes(local, part.lo, part.lo + n):
                 view = part.values[start - part.lo : start - part.lo + math.prod(sizes)].view(sizes)
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                self._boxes.append((chunk, view, part.write))
+                for at, size, cut in global_boxes(offsets, sizes, placement, rank, tp, local):
+                    box = view if size == sizes else view.narrow(placement.dim, cut, size[placement.dim])
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(at), sizes=torch.Size(size))
+                    self._boxes.append((chunk, box, part.write))
         return self
 
     @classmethod
@@ -121,18 +132,33 @@ class FlatShards(torch.Tensor):
 
 
 @dataclass(frozen=True)
+class TensorPiece:
+    """A tensor-parallel parameter's piece on this rank: its placement, the tensor rank and tp."""
+
+    placement: Placement
+    rank: int
+    tp: int
+
+    def __iter__(self):
+        return iter((self.placement, self.rank, self.tp))
+
+
+@dataclass(frozen=True)
 class Home:
     """Where one parameter's piece lives on this rank."""
 
     fqn: str
     """Canonical FQN."""
     shape: tuple[int, ...]
+    """The full parameter's."""
     lo: int
     values: torch.Tensor
     """1-D view of the live shard (possibly empty)."""
     param: nn.Parameter | None
     """The optimizer's Parameter for this piece (None: not trainable)."""
     write: bool = True
+    tensor: TensorPiece | None = None
+    """Set: ``lo`` and ``values`` are of this tensor rank's piece."""
 
 
 def _by_fqn(homes: Iterable[Home]) -> dict[str, list[Home]]:
@@ -176,7 +202,7 @@ def build(homes: list[Home], optimizer: torch.optim.Optimizer, buffers: dict[str
     state: dict[str, dict] = {}
     names = {}
     for fqn, hs in _by_fqn(homes).items():
-        shards = FlatShards(hs[0].shape, [Part(h.values, h.lo, h.write) for h in hs], owner)
+        shards = FlatShards(hs[0].shape, [Part(h.values, h.lo, h.write) for h in hs], owner, hs[0].tensor)
         for alias in aliases.get(fqn, [fqn]):
             model[alias] = shards
     for fqn, hs in _by_fqn(homes if optimizer_homes is None else optimizer_homes).items():
@@ -189,7 +215,8 @@ def build(homes: list[Home], optimizer: torch.optim.Optimizer, buffers: dict[str
         entry = {}
         for key, value in held[0][1].items():
             if _is_sharded(value, held[0][0].param):
-                entry[key] = FlatShards(hs[0].shape, [Part(st[key], h.lo, h.write) for h, st in held], owner)
+                entry[key] = FlatShards(hs[0].shape, [Part(st[key], h.lo, h.write) for h, st in held], owner,
+                                        hs[0].tensor)
             else:
                 entry[key] = value  # replicated (a step counter): saved once, loaded into every copy
         state[fqn] = entry
@@ -199,9 +226,10 @@ def build(homes: list[Home], optimizer: torch.optim.Optimizer, buffers: dict[str
     return {"model": model, "optim": {"state": state, "param_groups": groups}, "steps": steps}
 
 
-def _load_values(dst: list[tuple[torch.Tensor, int]], src: object, what: str, owner: object) -> None:
-    """Fill pieces ``(values, lo)`` from ``src``: a FlatShards of this step (``dcp.load`` already wrote
-    it in place) or a full tensor (e.g. a plain ``model.state_dict()``'s)."""
+def _load_values(dst: list[tuple[torch.Tensor, int]], src: object, what: str, owner: object,
+                 tensor: TensorPiece | None = None) -> None:
+    """Fill pieces ``(values, lo)`` (of ``tensor``'s piece, if set) from ``src``: a FlatShards of this step
+    (``dcp.load`` already wrote it in place) or a full tensor (e.g. a plain ``model.state_dict()``'s)."""
     if isinstance(src, FlatShards):
         if src._owner is not owner:
             raise ValueError(f"{what}: a FlatShards from another step; pass the dict this step's "
@@ -209,7 +237,7 @@ def _load_values(dst: list[tuple[torch.Tensor, int]], src: object, what: str, ow
         return
     if not isinstance(src, torch.Tensor):
         raise ValueError(f"{what}: expected a tensor, got {type(src).__name__}")
-    flat = src.detach().reshape(-1)
+    flat = (src.detach() if tensor is None else local_piece(src.detach(), *tensor)).reshape(-1)
     for values, lo in dst:
         values.copy_(flat[lo : lo + values.numel()])
 
@@ -224,7 +252,7 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
     for fqn, hs in _by_fqn(homes).items():
         if fqn not in model:
             raise KeyError(f"state dict has no parameter {fqn!r}")
-        _load_values([(h.values, h.lo) for h in hs], model[fqn], f"model.{fqn}", owner)
+        _load_values([(h.values, h.lo) for h in hs], model[fqn], f"model.{fqn}", owner, hs[0].tensor)
     optimizer_homes = homes if optimizer_homes is None else optimizer_homes
     for fqn, hs in _by_fqn(optimizer_homes).items():
         saved = optim["state"].get(fqn)
@@ -236,7 +264,7 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
             st = optimizer.state[h.param]
             for key, value in saved.items():
                 if key in st and _is_sharded(st[key], h.param):
-                    _load_values([(st[key], h.lo)], value, f"optim.state.{fqn}.{key}", owner)
+                    _load_values([(st[key], h.lo)], value, f"optim.state.{fqn}.{key}", owner, h.tensor)
                 elif isinstance(value, torch.Tensor):
                     if key in st and st[key] is value:
                         continue

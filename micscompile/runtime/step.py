@@ -37,14 +37,14 @@ from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
 from micscompile.core.sharding import local_piece, local_pieces, shard_parameters
-from micscompile.core.tensor_layout import assemble
+from micscompile.core.tensor_layout import assemble, full_shape
 from micscompile.lowering.tensor_split import tensor_split
 from micscompile.memory.arena import Arena, OutsideArena
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenReport
 from micscompile.runtime.loss_scale import LossScaler
 from micscompile.runtime.param_groups import ShardParams
-from micscompile.runtime.state_dict import Checkpointable, Home
+from micscompile.runtime.state_dict import Checkpointable, Home, TensorPiece
 from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -425,6 +425,7 @@ class Step(Checkpointable):
         the lowest one and loaded into every one."""
         r, tied = self._groups["shard"].rank, self._tied_parts()
         whole = self.program.plan.optimizer_shards == 1  # the optimizer steps the whole shard
+        split, tensor = self.graph.tensor_placements, self._groups.get("tensor")
         out = []
         for part in self._parts:
             layouts, shards, rank = part.comm.layouts, part.shards, r
@@ -433,9 +434,10 @@ class Step(Checkpointable):
             for lay, shard in zip(layouts, shards):
                 for slot in lay.slots:
                     param = part.params.get(slot.name) if optimizer or whole else None
-                    out.append(Home(slot.name, slot.shape, lay.local_range(slot, rank)[0],
-                                    local_piece(lay, slot, shard, rank), param,
-                                    part.index == min(tied.get(slot.name, [part.index]))))
+                    piece = TensorPiece(split[slot.name], tensor.rank, tensor.size) if slot.name in split else None
+                    out.append(Home(slot.name, full_shape(slot.shape, piece.placement, piece.tp) if piece else slot.shape,
+                                    lay.local_range(slot, rank)[0], local_piece(lay, slot, shard, rank), param,
+                                    part.index == min(tied.get(slot.name, [part.index])), piece))
         return out
 
     def _state_buffers(self) -> dict[str, torch.Tensor]:
