@@ -133,6 +133,9 @@ def test_a_size_tp_does_not_divide_is_refused_naming_the_block():
         tensor_split(_gpt_trace(odd_vocab), 2)
     with pytest.raises(mc.PlanError, match="tensor_parallel_size=3 must divide the 4 ranks of a node"):
         mc.Plan(tensor_parallel_size=3).resolve(12, 4)
+    for not_yet in (dict(pipeline_stages=2), dict(grad_sync="every_step")):
+        with pytest.raises(mc.PlanError, match="runs flat plans with grad_sync='2hop' for now"):
+            mc.Plan(tensor_parallel_size=2, **not_yet)
 
 
 def test_tensor_groups_are_consecutive_and_partition_groups_stride_over_them():

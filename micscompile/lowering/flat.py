@@ -144,11 +144,13 @@ class LoweredFlat:
 
 
 def _one_group(program: Program, cluster: Cluster) -> tuple[Program, Cluster]:
-    """The same Program on a cluster of exactly one partition group (the scaling baseline)."""
+    """The same Program on a cluster of exactly one partition group (the scaling baseline): p tensor
+    groups of tp ranks."""
     rp = program.plan
-    p, k = rp.partition_size, rp.gpus_per_node
-    small = cluster.with_nodes(-(-p // k)) if p >= k else dataclasses.replace(cluster, nodes=1, gpus_per_node=p)
-    rp1 = ResolvedPlan(rp.plan, p, min(k, p), p, 1)
+    p, k, ranks = rp.partition_size, rp.gpus_per_node, rp.partition_size * rp.tensor
+    small = cluster.with_nodes(-(-ranks // k)) if ranks >= k else dataclasses.replace(cluster, nodes=1,
+                                                                                      gpus_per_node=ranks)
+    rp1 = ResolvedPlan(rp.plan, ranks, min(k, ranks), p, 1, tensor=rp.tensor)
     one = program.without_second_hops()
     return dataclasses.replace(one, plan=rp1, groups=planned_groups(rp1)), small
 
