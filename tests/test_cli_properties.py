@@ -72,7 +72,7 @@ def command_lines(draw) -> list[str]:
     for part in (
         _maybe("-p", st.lists(number(1, 2, 3, 4, 8, 16, huge=64), min_size=1, max_size=2 if sub == "simulate" else 1)),
         _maybe("-S", number(1, 2, 3, 4, huge=1024)), _maybe("-m", number(1, 2, 3, 4, 8, huge=4096)),
-        _maybe("--chunks", number(1, 2, 3, huge=64)),
+        _maybe("--chunks", number(1, 2, 3, huge=64)), _maybe("--tp", number(1, 2, 4, 8, huge=64)),
         _maybe("--schedule", st.sampled_from(["1f1b", "gpipe", "zb"])),
         _maybe("--optimizer-sharding", st.sampled_from(["auto", "partition", "world", "nowhere"])),
     ):
@@ -133,14 +133,14 @@ def _numbers(line: str) -> list[float]:
 
 
 def check_outputs(argv: list[str], out: str) -> None:
-    """The invariants of a successful run: world = S * t * d with d >= 1, step time, TFLOP/s and peak > 0,
+    """The invariants of a successful run: world = S * t * d * tp with d >= 1, step time, TFLOP/s and peak > 0,
     scaling efficiency <= 100%, a bubble <= 100% of the work."""
     sub = argv[0]
     if sub == "plan":
-        m = re.search(r"^plan: n=(\d+) k=(\d+) p=(\d+) d=(\d+)(?: S=(\d+))?", out, re.M)
+        m = re.search(r"^plan: n=(\d+) k=(\d+)(?: tp=(\d+))? p=(\d+) d=(\d+)(?: S=(\d+))?", out, re.M)
         assert m, out[-2000:]
-        n, _, p, d, stages = (int(g or 1) for g in m.groups())
-        assert d >= 1 and n == stages * p * d, m.group(0)
+        n, _, tp, p, d, stages = (int(g or 1) for g in m.groups())
+        assert d >= 1 and n == stages * p * d * tp, m.group(0)
         pred = next(line for line in out.splitlines() if line.startswith("predicted: step"))
         step_ms = float(re.search(r"step ([\d.]+) (ms|s)", pred).group(1))
         tflops = float(re.search(r"([\d.]+) TFLOP/s per GPU", pred).group(1))
@@ -153,8 +153,9 @@ def check_outputs(argv: list[str], out: str) -> None:
         rows = [line.split() for line in out[out.index("step ms"):].splitlines()[2:] if line.strip()]
         world = int(re.search(r"^(\d+) x ", out, re.M).group(1))
         assert rows, out[-2000:]
+        tp = int(argv[argv.index("--tp") + 1]) if "--tp" in argv else 1
         for p, stages, _, step_ms, tflops, _, peak, _ in rows:
-            assert world % (int(p) * int(stages)) == 0 and float(step_ms) > 0 and float(tflops) > 0 and float(peak) > 0
+            assert world % (int(p) * int(stages) * tp) == 0 and float(step_ms) > 0 and float(tflops) > 0 and float(peak) > 0
     elif sub == "simulate":
         assert "wrote" in out, out[-2000:]
     elif sub == "autotune":
