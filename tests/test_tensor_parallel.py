@@ -25,11 +25,11 @@ from micscompile.zoo.models import GPT, GPTConfig, lm_loss
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=8, layers=2, hidden=32, heads=4)
 
 
-def _gpt_trace(cfg=GPT_CFG, batch=2):
+def _gpt_trace(cfg=GPT_CFG, batch=2, source_lines=False):
     torch.manual_seed(0)
     model = GPT(cfg)
     x = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss)
+    return mc.trace(model, (x, x), lm_loss, source_lines=source_lines)
 
 
 def test_a_view_moves_the_split_to_the_dim_that_holds_it():
@@ -126,8 +126,11 @@ def test_the_programs_tensor_bytes_equal_the_formula(tp, b):
 
 def test_a_size_tp_does_not_divide_is_refused_naming_the_block():
     cfg = GPTConfig(vocab_size=64, seq_len=8, layers=1, hidden=36, heads=3)  # 3 heads
-    with pytest.raises(TensorSplitError, match="block 'blocks.0.attn'"):
+    with pytest.raises(TensorSplitError, match="block 'blocks.0.attn'") as refused:
         tensor_split(_gpt_trace(cfg), 2)
+    assert "zoo/models.py" not in str(refused.value)  # (traced without source lines)
+    with pytest.raises(TensorSplitError, match=r"block 'blocks.0.attn'.* at \S+zoo/models.py:\d+: "):
+        tensor_split(_gpt_trace(cfg, source_lines=True), 2)  # (as mc.compile traces with tp > 1)
     odd_vocab = GPTConfig(vocab_size=63, seq_len=8, layers=1, hidden=32, heads=4)
     with pytest.raises(TensorSplitError, match="vocabulary of 63, not divisible by tp=2"):
         tensor_split(_gpt_trace(odd_vocab), 2)

@@ -128,7 +128,8 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
     model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
                                    seq_len=args.seq)
     tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
-                  device=cluster.gpu.device_type)  # the attention kernel the cluster's devices run
+                  device=cluster.gpu.device_type,  # the attention kernel the cluster's devices run
+                  source_lines=getattr(args, "tp", 1) > 1)  # (where a tensor-parallel refusal points)
     _say(f"{args.model}: {tg.summary()}; traced on meta in {time.perf_counter() - t0:.1f} s")
     return tg
 

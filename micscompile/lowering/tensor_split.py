@@ -39,7 +39,7 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
 from micscompile.core.tensor_layout import P, Placement, R, S
-from micscompile.trace import META_FQN, META_REGION, TrainGraph
+from micscompile.trace import META_FQN, META_REGION, TrainGraph, source_line
 
 aten = torch.ops.aten
 MAX_RESEGMENTS = 4
@@ -170,9 +170,11 @@ class _Propagation:
     # ---- helpers ----
     def fail(self, node: torch.fx.Node, why: str) -> TensorSplitError:
         ins = ", ".join(f"{a.name}: {self.show(a)}" for a in node.all_input_nodes)
+        where = source_line(node)
         return TensorSplitError(
             f"tensor parallelism (tp={self.tp}) cannot split block '{node.meta.get(META_FQN) or '<root>'}': "
-            f"{node.target} ({node.name}) {why} (inputs {ins}); give it sizes divisible by tp or train it with tp=1")
+            f"{node.target} ({node.name}) {why} (inputs {ins})" + (f" at {where}" if where else "")
+            + "; give it sizes divisible by tp or train it with tp=1")
 
     def show(self, n) -> str:
         v = self.values.get(n)

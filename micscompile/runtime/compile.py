@@ -215,7 +215,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                             f"with Plan.param_dtype), got {not_fp32[:3]}")
         micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
-                   device=device, loss_scale=plan.loss_scaled)
+                   device=device, loss_scale=plan.loss_scaled, source_lines=rp.tensor > 1)  # (a refusal's line)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
         tg = tensor_split(tg, rp.tensor)  # what each tensor rank runs (tp = 1: the trace)
