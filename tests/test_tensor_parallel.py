@@ -294,7 +294,7 @@ def results(tmp_path_factory):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_tensor_parallel_plans_train_with_parity(results, case):
-    """fp32: design.md's 1e-5 (the split matmuls' other summation order measured 2e-7 to 4e-7; AdamW on the
+    """fp32: docs/design.md's 1e-5 (the split matmuls' other summation order measured 2e-7 to 4e-7; AdamW on the
     tied LM the same, it has no attention key bias to amplify). bf16: each rank rounds its partial product
     to bf16 before the all-reduce sums them, a second rounding of the size of the first: within twice
     the mixed reference's own distance from fp32 (measured 0.8x; the tied LM 1.7x)."""

@@ -302,12 +302,18 @@ _LINEAR = {aten.neg.default, aten._to_copy.default, aten.clone.default, aten.det
 _SUMS = {aten.add.Tensor, aten.sub.Tensor}
 
 
-def rule(*targets):
-    def register(fn):
-        for t in targets:
-            _RULES[t] = fn
-        return fn
-    return register
+def _registrar(table: dict):
+    """A decorator factory: ``@register(*targets)`` enters the function in ``table`` under each target."""
+    def register_for(*targets):
+        def register(fn):
+            for t in targets:
+                table[t] = fn
+            return fn
+        return register
+    return register_for
+
+
+rule = _registrar(_RULES)
 
 
 def _pointwise(node: torch.fx.Node) -> bool:
@@ -864,15 +870,8 @@ class _Rewrite:
         return safe, inside
 
 
-def _special(*targets):
-    def register(fn):
-        for t in targets:
-            _SPECIAL[t] = fn
-        return fn
-    return register
-
-
 _SPECIAL: dict[Callable, Callable[[_Rewrite, torch.fx.Node], object]] = {}
+_special = _registrar(_SPECIAL)
 
 
 @_special(aten.addmm.default)
