@@ -6,6 +6,7 @@ segments), the collectives the rewrite inserts against docs/design.md's counts, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import pytest
 import torch
 from harness import launch
 from models import MODELS
+from nccl_semantics import nccl_p2p
 
 import micscompile as mc
 from micscompile.core import collectives as C
@@ -136,9 +138,10 @@ def test_a_size_tp_does_not_divide_is_refused_naming_the_block():
         tensor_split(_gpt_trace(odd_vocab), 2)
     with pytest.raises(mc.PlanError, match="tensor_parallel_size=3 must divide the 4 ranks of a node"):
         mc.Plan(tensor_parallel_size=3).resolve(12, 4)
-    for not_yet in (dict(pipeline_stages=2), dict(grad_sync="every_step")):
-        with pytest.raises(mc.PlanError, match="runs flat plans with grad_sync='2hop' for now"):
-            mc.Plan(tensor_parallel_size=2, **not_yet)
+    with pytest.raises(mc.PlanError, match=r"syncs gradients in two hops \(grad_sync='2hop'\) for now"):
+        mc.Plan(tensor_parallel_size=2, grad_sync="every_step")
+    with pytest.raises(mc.PlanError, match="pipeline_stages=4 x tensor_parallel_size=2 does not divide world size 4"):
+        mc.Plan(tensor_parallel_size=2, pipeline_stages=4).resolve(4, 4)
 
 
 def test_tensor_groups_are_consecutive_and_partition_groups_stride_over_them():
@@ -162,17 +165,26 @@ class TPCase:
     opt: str = "sgd"
     checkpoint: bool = False
     param_dtype: torch.dtype = torch.float32
+    stages: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    nccl: bool = False
+    """Under NCCL's point-to-point semantics (tests/nccl_semantics.py)."""
 
     @property
     def id(self) -> str:
         extra = ("-ckpt" if self.checkpoint else "") + ("" if self.param_dtype == torch.float32 else "-bf16")
-        return f"{self.model}-tp{self.tp}-p{self.p}-s{self.s}-{self.opt}{extra}"
+        if self.stages > 1:
+            extra += f"-S{self.stages}-{self.schedule}" + (f"-v{self.chunks}" if self.chunks > 1 else "")
+        return f"{self.model}-tp{self.tp}-p{self.p}-s{self.s}-{self.opt}{extra}" + ("-nccl" if self.nccl else "")
 
 
 CASES = [
     TPCase("tied_lm", 2, 2), TPCase("tied_lm", 2, 2, opt="adamw"), TPCase("gpt", 4, 1), TPCase("gpt", 2, 2, s=2),
     TPCase("gpt", 2, 2, checkpoint=True), TPCase("gpt", 2, 2, checkpoint=True, param_dtype=torch.bfloat16),
     TPCase("hf-llama", 2, 2), TPCase("hf-gpt2", 2, 2),
+    TPCase("tied_lm", 2, 1, s=2, stages=2), TPCase("gpt", 2, 1, s=2, stages=2, schedule="interleaved", chunks=2),
+    TPCase("tied_lm", 2, 1, s=2, stages=2, schedule="interleaved", chunks=2, nccl=True),
 ]
 
 
@@ -200,7 +212,8 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
     opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if case.opt == "sgd" else \
         (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     plan = mc.Plan(tensor_parallel_size=case.tp, partition_size=case.p, micro_batches=case.s,
-                   checkpoint=case.checkpoint, param_dtype=case.param_dtype)
+                   checkpoint=case.checkpoint, param_dtype=case.param_dtype, pipeline_stages=case.stages,
+                   pipeline_schedule=case.schedule, pipeline_chunks=case.chunks)
     rp = plan.resolve(world, world)
     ref_losses, ref_state = train_reference(copy.deepcopy(model), loss, opt, batches)
     floor = 0.0
@@ -209,9 +222,12 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
         ref_losses, ref_state = train_reference_mixed(copy.deepcopy(model), lambda m: loss, opt, batches,
                                                       rp.data_parallel_size * case.s, case.param_dtype)
         floor = state_error(ref_state, fp32_state)[0]
-    local = [tuple(x.chunk(rp.data_parallel_size)[rank // case.tp] for x in b) for b in batches]
-    step = mc.compile(model, plan, loss_fn=loss, optimizer=opt, example_inputs=local[0])
-    losses = [float(step(*b)) for b in local]
+    group = rank // case.tp  # a tensor group's ranks, and a pipe's stages, take one slice
+    chain = group // (case.stages * case.p) * case.p + group % case.p
+    local = [tuple(x.chunk(rp.data_parallel_size)[chain] for x in b) for b in batches]
+    with nccl_p2p() if case.nccl else contextlib.nullcontext():
+        step = mc.compile(model, plan, loss_fn=loss, optimizer=opt, example_inputs=local[0])
+        losses = [float(step(*b)) for b in local]
     return {
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
         "state_err": state_error(step.full_state_dict(), ref_state)[0],
@@ -307,9 +323,12 @@ def test_tensor_parallel_plans_train_with_parity(results, case):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_program_predicts_every_ranks_tensor_and_partition_bytes(results, case):
+    """Flat plans: every collective. Pipelines: the tensor all-reduces and the sends (what the pipeline
+    tests compare: the Program of a chunk counts the tied weights' and the loss's reductions apart)."""
     for rank, res in enumerate(results):
         r = res[case]
-        assert r["measured"] == r["planned"], (rank, r["measured"], r["planned"])
+        keys = r["measured"].keys() if case.stages == 1 else [("all_reduce", "tensor"), ("send", "pipe")]
+        assert {k: r["measured"].get(k) for k in keys} == {k: r["planned"].get(k) for k in keys}, (rank, r)
         assert r["measured"][("all_reduce", "tensor")] > 0
 
 

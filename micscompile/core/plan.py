@@ -126,8 +126,8 @@ class Plan:
         if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
             raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
                             "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")
-        if self.tensor_parallel_size > 1 and (self.pipeline_stages > 1 or self.grad_sync != "2hop"):
-            raise PlanError("tensor_parallel_size > 1 runs flat plans with grad_sync='2hop' for now: pipelines and "
+        if self.tensor_parallel_size > 1 and self.grad_sync != "2hop":
+            raise PlanError("tensor_parallel_size > 1 syncs gradients in two hops (grad_sync='2hop') for now: "
                             "every-step all-reduces with tensor groups are not built yet (issue 54)")
         if self.pipeline_stages > 1 and self.grad_sync != "2hop":
             raise PlanError("pipeline_stages > 1 syncs gradients in two hops (grad_sync='2hop'): "
