@@ -34,6 +34,24 @@ def _gpt_trace(cfg=GPT_CFG, batch=2, source_lines=False):
     return mc.trace(model, (x, x), lm_loss, source_lines=source_lines)
 
 
+def test_the_split_sum_reference_rounds_each_partial_product_of_a_weights_matmul():
+    # the fuzzer's tensor-parallel floor (docs/design.md): in bf16 a weight's matmul summed as 2 rounded
+    # partial products moves the result; in fp32 it stays within fp32's rounding
+    from micscompile.cli.parity import train_reference_mixed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    batches = [(torch.randn(8, 64), torch.randn(8, 1))]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+
+    def run(dtype, parts):
+        return train_reference_mixed(copy.deepcopy(model), lambda m: torch.nn.functional.mse_loss, sgd, batches, 1,
+                                     dtype, split_sums=parts)
+    from micscompile.cli.parity import state_error
+    assert state_error(run(torch.float32, 2)[1], run(torch.float32, 1)[1])[0] < 1e-6
+    assert state_error(run(torch.bfloat16, 2)[1], run(torch.bfloat16, 1)[1])[0] > 1e-4
+
+
 def test_a_view_moves_the_split_to_the_dim_that_holds_it():
     # q|k|v in 3 segments: (b, s, 3h) -> (b, s, 3, heads, head_dim) splits the heads
     assert view_placement((2, 8, 96), (2, 8, 3, 4, 8), S(2, 3), 2) == S(3)

@@ -5,11 +5,13 @@ Parity metric (docs/design.md), per tensor: max|a - b| / max(max|b|, 1e-2) <= 1e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from micscompile.runtime.loss_scale import LossScaler
 
@@ -61,6 +63,30 @@ def train_reference(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _SplitSums(TorchDispatchMode):
+    """``mm`` and ``addmm`` by a weight (one operand a view of a parameter: a linear's forward and its input's
+    gradient, the matmuls whose sum tensor parallelism splits) as ``parts`` partial products over slices of
+    the inner dimension, each in the operands' dtype, summed in it (``train_reference_mixed``'s
+    ``split_sums``)."""
+
+    def __init__(self, parts: int, params) -> None:
+        super().__init__()
+        self.parts = parts
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and not kwargs:
+            bias, (a, b) = (None, args) if func is torch.ops.aten.mm.default else (args[0], args[1:3])
+            k = a.shape[1]
+            weight = any(x.untyped_storage().data_ptr() in self.params for x in (a, b))
+            if weight and a.dtype != torch.float64 and k % self.parts == 0 and k > self.parts:
+                step = k // self.parts
+                out = sum(torch.mm(a[:, i:i + step], b[i:i + step]) for i in range(0, k, step))
+                return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+
 def _add_into(totals: list, grads, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """``totals[i] += convert(grads[i])`` for each gradient that is not None (a None total: the first)."""
     for i, g in enumerate(grads):
@@ -84,6 +110,7 @@ def train_reference_mixed(
     partition_size: int | None = None,
     compiled: bool = False,
     skip_steps: Collection[int] = (),
+    split_sums: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The mixed-precision yardstick (FSDP2 MixedPrecisionPolicy semantics), eager, one process.
 
@@ -110,7 +137,10 @@ def train_reference_mixed(
     ``compiled``: each slice's forward and backward run through ``torch.compile`` (Inductor), rounding as
     fused kernels do: the yardstick of how far Inductor's rounding alone moves a value. ``skip_steps``: the
     optimizer does not step on these (0-based) steps whatever their gradients (an fp16 run's skipped steps,
-    so that a reference in another dtype steps alike).
+    so that a reference in another dtype steps alike). ``split_sums``: every matmul (``mm``, ``addmm``) sums
+    this many partial products over equal slices of its inner dimension, each rounded to its dtype first, as
+    a tensor-parallel matmul does (each tensor rank rounds its partial product before the all-reduce): the
+    yardstick of how far that second rounding alone moves a value.
     Returns (losses, master state_dict) like ``train_reference``.
     """
     low = copy.deepcopy(model).to(param_dtype)
@@ -129,12 +159,13 @@ def train_reference_mixed(
         loss_sum, count = 0.0, None
         for index, piece in enumerate(zip(*(x.chunk(chunks) for x in batch))):
             piece = [x.to(param_dtype) if x.is_floating_point() else x for x in piece]
-            loss = loss_low(run(*piece[:num_model_inputs]), *piece[num_model_inputs:])
-            if isinstance(loss, tuple):  # (loss_sum, count)
-                loss, n = loss
-                count = (count or 0) + int(n)
-            seed = None if scaler is None else torch.full_like(loss, scaler.scale)
-            grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
+            with _SplitSums(split_sums, low.parameters()) if split_sums > 1 else contextlib.nullcontext():
+                loss = loss_low(run(*piece[:num_model_inputs]), *piece[num_model_inputs:])
+                if isinstance(loss, tuple):  # (loss_sum, count)
+                    loss, n = loss
+                    count = (count or 0) + int(n)
+                seed = None if scaler is None else torch.full_like(loss, scaler.scale)
+                grads = torch.autograd.grad(loss, list(low.parameters()), grad_outputs=seed, allow_unused=True)
             if reduce_dtype == torch.float32:
                 _add_into(totals, grads, torch.Tensor.float)
             else:
