@@ -53,13 +53,16 @@ from micscompile.cost_model.node_cost import META_BYTES, META_FLOPS, is_shape_ar
 META_FQN = "mc_fqn"
 """FQN of the innermost module that produced the node ("" = root, LOSS_FQN = loss_fn)."""
 META_REGION = "mc_region"
+"""REGION_FWD or REGION_BWD."""
 LOSS_SCALE = "_mc_loss_scale"
 """The graph input that seeds the backward with the loss scale (``trace(loss_scale=True)``)."""
-"""REGION_FWD or REGION_BWD."""
 META_SHAPE = "mc_shape"
 """Shape of the (first) tensor output, or None."""
 META_DTYPE = "mc_dtype"
 """dtype of the (first) tensor output, or None."""
+META_PLACEMENT = "mc_tensor_placement"
+"""How a tensor rank holds the value (``core.tensor_layout``: R, S, P), where ``lowering.tensor_split`` split
+the graph; absent elsewhere."""
 _SIZE = "size"
 META_BATCH_EXPR = "mc_batch_expr"
 """Symbolic-batch traces: {META_BYTES / META_FLOPS / META_SHAPE: sympy expression(s) in the batch

@@ -252,7 +252,19 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
         "floor": floor,
         "measured": {k: r.bytes for k, r in step.comm_stats().rows.items()},
         "planned": {k: r.bytes * STEPS for k, r in step.program.comm_stats().rows.items()},
+        "whole_sent": STEPS * _whole_sent(step.program, rank),
     }
+
+
+def _whole_sent(pp, rank: int) -> int:
+    """A pipeline rank's boundary activations and gradients over one step, whole (0: a flat plan)."""
+    if not hasattr(pp, "schedule"):
+        return 0
+    from micscompile.core.pipeline_schedule import Op
+    stages = pp.split.stages
+    sends = [a for a in pp.schedule.ranks[pp.plan.stage_of(rank)] if a.op in (Op.SEND_ACT, Op.SEND_GRAD)]
+    return sum(t.nbytes for a in sends
+               for t in (stages[a.chunk].send_act if a.op is Op.SEND_ACT else stages[a.chunk].send_grad))
 
 
 def _sgd(ps):
@@ -345,9 +357,12 @@ def test_the_program_predicts_every_ranks_tensor_and_partition_bytes(results, ca
     tests compare: the Program of a chunk counts the tied weights' and the loss's reductions apart)."""
     for rank, res in enumerate(results):
         r = res[case]
-        keys = r["measured"].keys() if case.stages == 1 else [("all_reduce", "tensor"), ("send", "pipe")]
+        keys = r["measured"].keys() if case.stages == 1 else [("all_reduce", "tensor"), ("all_gather", "tensor"),
+                                                               ("send", "pipe")]
         assert {k: r["measured"].get(k) for k in keys} == {k: r["planned"].get(k) for k in keys}, (rank, r)
         assert r["measured"][("all_reduce", "tensor")] > 0
+        if case.stages > 1:  # Megatron's scatter/gather: each tensor rank sends 1/tp of every boundary value
+            assert r["measured"][("send", "pipe")] == r["whole_sent"] // case.tp > 0, (rank, r)
 
 
 @pytest.mark.multiproc

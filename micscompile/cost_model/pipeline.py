@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from micscompile.core.pipeline_schedule import Op, PipeSchedule
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
-from micscompile.cost_model.collective_time import P2P, collective_time_s
+from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
 from micscompile.cost_model.simulator import Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 
@@ -55,11 +55,13 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
 
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
-                      cluster: Cluster, *, record: bool = True, **costs) -> Prediction:
+                      cluster: Cluster, *, record: bool = True, gathered_bytes: Sequence[int] = (),
+                      **costs) -> Prediction:
     """One optimizer step of a pipeline on ``cluster``: each chunk's forward and backward are its
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
-    simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations chunk c sends per
-    micro-batch). A chunk's second hops (its buckets' all-reduces over the replicas) start in its last
+    simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations one rank of chunk c sends
+    per micro-batch; ``gathered_bytes``: of them, the whole bytes its peer's tensor group all-gathers after a
+    scattered send, ``pipeline_split.Transfer.pieces``). A chunk's second hops (its buckets' all-reduces over the replicas) start in its last
     backward and run on the rank's replication stream, one chunk's after another's, under the rest of
     the schedule; the boundary (loss all-reduce, optimizer) follows once every rank's compute and this
     rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
@@ -87,13 +89,17 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         static.append(f.static_memory_bytes)
         acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
         saved.append(carried)
-    # the activations of one micro-batch crossing a cut, t chains sharing the node link when it crosses nodes
+    # the activations of one micro-batch crossing a cut, the p * tp ranks of a stage sharing the node link when
+    # it crosses nodes; a scattered one then all-gathered inside the receiving tensor group
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
     hops = []
     for c, nbytes in enumerate(sent_bytes[:-1]):
         a, b = first[c % rp.stages], first[(c + 1) % rp.stages]
-        chains = rp.partition_size if a // k != b // k else 1
-        hops.append(collective_time_s(P2P, nbytes * chains, [a, b], cluster))
+        ranks = rp.partition_size * rp.tensor if a // k != b // k else 1
+        hop = collective_time_s(P2P, nbytes * ranks, [a, b], cluster)
+        if c < len(gathered_bytes) and gathered_bytes[c]:
+            hop += collective_time_s(ALL_GATHER, gathered_bytes[c], list(rp.tensor_ranks(b)), cluster)
+        hops.append(hop)
     timeline = sched.simulate(fwd, bwd, max(hops, default=0.0))
     makespan = timeline.makespan_s
     in_flight = chunk_in_flight(sched)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from micscompile.core import collectives as C
 from micscompile.core.collectives import CommStats, fmt_bytes
 from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
@@ -89,14 +90,21 @@ class LoweredPipeline:
         stage = self.plan.stage_of(self.rank)
         k = self.plan.gpus_per_node
         for a in self.schedule.ranks[stage]:
+            if a.chunk is None:  # (AR: the boundary)
+                continue
+            st = self.split.stages[a.chunk]
+            groups = self.program(a.chunk).groups
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):  # a scattered receive all-gathered over the tensor group
+                for t in st.recv_act if a.op is Op.RECV_ACT else st.recv_grad:
+                    if t.pieces > 1:
+                        stats.record(C.ALL_GATHER, groups["tensor"], t.nbytes)
             if a.op not in (Op.SEND_ACT, Op.SEND_GRAD):
                 continue
-            pipe = self.program(a.chunk).groups["pipe"]
+            pipe = groups["pipe"]
             forward = a.op is Op.SEND_ACT
-            transfers = self.split.stages[a.chunk].send_act if forward else self.split.stages[a.chunk].send_grad
             peer = pipe.ranks[self.schedule.rank_of(a.chunk + (1 if forward else -1))]
-            for t in transfers:
-                stats.record_send(pipe, t.nbytes, inter_node=peer // k != self.rank // k)
+            for t in st.send_act if forward else st.send_grad:
+                stats.record_send(pipe, t.sent_nbytes, inter_node=peer // k != self.rank // k)
         return stats
 
     def predict(self, cluster: Cluster | None = None, *, buffer_bytes: int = 0, flops_per_step: float | None = None,
@@ -106,9 +114,10 @@ class LoweredPipeline:
         cluster = cluster or self.cluster
         if cluster is None:
             raise ValueError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
-        sent = [sum(tr.nbytes for tr in st.send_act) for st in self.split.stages]
+        sent = [sum(tr.sent_nbytes for tr in st.send_act) for st in self.split.stages]
+        gathered = [sum(tr.nbytes for tr in st.send_act if tr.pieces > 1) for st in self.split.stages]
         programs = [self.program(c) for c in range(len(self.chunks))]
-        pred = simulate_pipeline(self.plan, self.schedule, programs, sent, cluster, **costs)
+        pred = simulate_pipeline(self.plan, self.schedule, programs, sent, cluster, gathered_bytes=gathered, **costs)
         if flops_per_step is not None:
             pred.flops_per_step = flops_per_step
         return pred
@@ -126,9 +135,11 @@ class LoweredPipeline:
                  f"{len(self.chunks)} chunks (chunk c runs on pipeline rank c % {rp.stages}):"]
         for c, st in enumerate(sp.stages):
             blocks = ", ".join(b or "<root>" for b in sp.units[sp.starts[c]:ends[c]])
-            sent = sum(t.nbytes for t in st.send_act)
+            sent = sum(t.sent_nbytes for t in st.send_act)
+            how = (f", 1/{rp.tensor} of them per tensor rank, all-gathered by the next tensor group"
+                   if any(t.pieces > 1 for t in st.send_act) else "")
             lines.append(f"  chunk {c}: {blocks}  ({sp.chunk_time_s()[c] * 1e3:.3f} ms predicted, "
-                         f"sends {fmt_bytes(sent)} of activations per micro-batch)")
+                         f"sends {fmt_bytes(sent)} of activations per micro-batch{how})")
         if sp.tied:
             lines.append("tied parameters (gradients all-reduced between chunks at the boundary): "
                          + ", ".join(f"{n} {list(cs)}" for n, cs in sp.tied.items()))

@@ -38,6 +38,7 @@ import torch.fx
 
 from micscompile.core.pipeline_schedule import make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
+from micscompile.core.tensor_layout import R
 from micscompile.core.program import Action, Kind
 from micscompile.cost_model.node_cost import NodeWork, node_work
 from micscompile.cost_model.simulator import compute_time_s
@@ -50,6 +51,7 @@ from micscompile.trace import (
     META_BYTES,
     META_DTYPE,
     META_FQN,
+    META_PLACEMENT,
     META_REGION,
     META_SHAPE,
     REGION_BWD,
@@ -62,15 +64,33 @@ _ADD = torch.ops.aten.add.Tensor
 
 @dataclass(frozen=True)
 class Transfer:
-    """A value crossing a cut: its name in the traced graph, shape and dtype."""
+    """A value crossing a cut: its name in the traced graph, shape and dtype. ``pieces``: with tensor
+    groups, a value whole on every tensor rank crosses as Megatron's scatter/gather does (Narayanan et al.,
+    SC'21, section 4.1): each of the ``pieces`` tensor ranks sends its 1/pieces of it (flattened) to its
+    peer, and the receiving tensor group all-gathers it whole; 1: each rank sends all of it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    pieces: int = 1
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize  # (an array over micro-batch sizes: mc.autotune)
+
+    @property
+    def sent_nbytes(self) -> int:
+        """What one rank sends of it."""
+        return self.nbytes // self.pieces
+
+
+def scattered(node: torch.fx.Node, tp: int) -> int:
+    """``Transfer.pieces`` of a value crossing a cut: ``tp`` where it is whole on every tensor rank and its
+    elements divide into tp pieces, else 1."""
+    shape = node.meta[META_SHAPE]
+    if tp == 1 or node.meta.get(META_PLACEMENT) != R or math.prod(shape) % tp:
+        return 1
+    return tp
 
 
 @dataclass(frozen=True)
@@ -351,7 +371,7 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
     blocks = [*tg.blocks, *tied]
 
     def transfers(values: set) -> tuple[Transfer, ...]:
-        return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE])
+        return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE], scattered(v, tg.tensor_parallel))
                      for v in sorted(values, key=order.__getitem__))
 
     stages = []
@@ -418,5 +438,5 @@ def _sum(graph: torch.fx.Graph, terms: list[torch.fx.Node]) -> torch.fx.Node:
     return total
 
 
-__all__ = ["PipelineSplit", "StageGraph", "Transfer", "split", "forward_units", "unit_costs", "unit_state",
+__all__ = ["PipelineSplit", "StageGraph", "Transfer", "scattered", "split", "forward_units", "unit_costs", "unit_state",
            "cut_points", "assign_chunks"]

@@ -39,7 +39,7 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
 from micscompile.core.tensor_layout import P, Placement, R, S
-from micscompile.trace import META_FQN, META_REGION, TrainGraph, source_line
+from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, TrainGraph, source_line
 
 aten = torch.ops.aten
 MAX_RESEGMENTS = 4
@@ -1022,6 +1022,12 @@ def tensor_split(tg: TrainGraph, tp: int) -> TrainGraph:
     graph = rw.run()
     gm = torch.fx.GraphModule(tg.gm, graph)
     _propagate_meta(gm, tg, analysis, rw.source)
+    for old_node, new_node in rw.env.items():  # what each value is on a tensor rank (a pipeline's cut reads it)
+        pl = analysis.values.get(old_node)
+        if isinstance(new_node, torch.fx.Node) and isinstance(pl, Placement):
+            new_node.meta[META_PLACEMENT] = pl
+    for (_, want), new_node in rw.conv.items():
+        new_node.meta[META_PLACEMENT] = want
     shapes = {n: torch.Size(local_shape(s, analysis.params[n], tp)) for n, s in tg.param_shapes.items()}
     return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp,
                                tensor_placements={n: p for n, p in analysis.params.items() if p != R})

@@ -40,7 +40,7 @@ from micscompile.lowering.flat import lower_evaluation
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.phase_split import Phases, split_chunk
 from micscompile.lowering.pipeline import LoweredPipeline
-from micscompile.lowering.pipeline_split import split
+from micscompile.lowering.pipeline_split import Transfer, split
 from micscompile.memory.arena import Arena
 from micscompile.runtime.codegen import CodegenReport, compile_regions
 from micscompile.runtime.materialize import local_states
@@ -209,34 +209,57 @@ class PipelineStep(Step):
             backward = a.op in (Op.SEND_GRAD, Op.RECV_GRAD)
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 peer = self._peer(a.chunk + (-1 if backward else 1))
-                for i, t in enumerate(outbox.pop((a.op, a.mb, a.chunk))):
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pipe.group,
+                specs = stages[a.chunk].send_grad if backward else stages[a.chunk].send_act
+                for i, (t, tr) in enumerate(zip(outbox.pop((a.op, a.mb, a.chunk)), specs)):
+                    piece = self._piece(t.contiguous(), tr)
+                    ops.append(dist.P2POp(dist.isend, piece, peer, self._pipe.group,
                                           self._tag(a.mb, a.chunk, backward, i)))
-                    self._stats.record_send(self._pipe, t.numel() * t.element_size(), inter_node=peer // k != node)
+                    self._stats.record_send(self._pipe, piece.numel() * piece.element_size(),
+                                            inter_node=peer // k != node)
             else:
                 src = a.chunk + (1 if backward else -1)
                 specs = stages[a.chunk].recv_grad if backward else stages[a.chunk].recv_act
                 bufs = [self._recv_buffer(f"{a.op.value}{a.chunk}", t) for t in specs]
-                received.append(((a.op, a.mb, a.chunk), bufs))
-                for i, t in enumerate(bufs):
+                received.append(((a.op, a.mb, a.chunk), bufs, specs))
+                for i, (t, tr) in enumerate(zip(bufs, specs)):
                     receives.append(len(ops))
-                    ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self._pipe.group,
+                    ops.append(dist.P2POp(dist.irecv, self._piece(t, tr), self._peer(src), self._pipe.group,
                                           self._tag(a.mb, src, backward, i)))
         what = f"pipeline P2P over {self._pipe.label()} ({' '.join(map(str, batch))})"
         with C.guarded(what):
             work = _Posted(dist.batch_isend_irecv(ops) if ops else [], len(ops), receives, what)
         posted.append(work)
-        for key, bufs in received:
-            inbox[key] = (bufs, work)
+        for key, bufs, specs in received:
+            inbox[key] = (bufs, work, specs)
 
-    @staticmethod
-    def _received(inbox: dict, key) -> list[torch.Tensor]:
-        """A receive's buffers, after waiting for the batch that brings them (none: a local input)."""
+    def _received(self, inbox: dict, key) -> list[torch.Tensor]:
+        """A receive's buffers, after waiting for the batch that brings them (none: a local input), each
+        scattered one made whole over the tensor group."""
         if key not in inbox:
             return []
-        bufs, work = inbox.pop(key)
+        bufs, work, specs = inbox.pop(key)
         work.wait(receives_only=True)
+        self._gather_pieces(bufs, specs, self._stats)
         return bufs
+
+    def _piece(self, t: torch.Tensor, tr: Transfer) -> torch.Tensor:
+        """What this rank sends or receives of a transfer's buffer ``t``: all of it, or for a scattered one
+        (``Transfer.pieces``) this tensor rank's piece of it flattened, in place in ``t``."""
+        if tr.pieces == 1:
+            return t
+        flat = t.view(-1)
+        n = flat.numel() // tr.pieces
+        return flat.narrow(0, self._groups["tensor"].rank * n, n)
+
+    def _gather_pieces(self, bufs: list[torch.Tensor], specs, stats: CommStats) -> None:
+        """Megatron's gather: each scattered receive all-gathered in place over the tensor group (inside
+        the node), on the compute's path (its forward or backward reads it next)."""
+        tensor = self._groups.get("tensor")
+        for t, tr in zip(bufs, specs):
+            if tr.pieces > 1:
+                with C.guarded(f"all_gather of a pipeline receive over {tensor.label()}"):
+                    dist.all_gather_single(t.view(-1), self._piece(t, tr), group=tensor.group)
+                stats.record(C.ALL_GATHER, tensor, t.numel() * t.element_size())
 
     def _recv_buffer(self, name: str, spec) -> torch.Tensor:
         if self._arena is None:
@@ -315,16 +338,18 @@ class PipelineStep(Step):
                     ch = self._chunks[c]
                     acts = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in st.recv_act]
                     with C.guarded(f"evaluate: activations of chunk {c - 1} over {self._pipe.label()}"):
-                        for i, t in enumerate(acts):
-                            dist.recv(t, self._peer(c - 1), group=self._pipe.group, tag=self._tag(mb, c - 1, False, i))
+                        for i, (t, tr) in enumerate(zip(acts, st.recv_act)):
+                            dist.recv(self._piece(t, tr), self._peer(c - 1), group=self._pipe.group,
+                                      tag=self._tag(mb, c - 1, False, i))
+                    self._gather_pieces(acts, st.recv_act, self.eval_stats)
                     comm.micro_step = mb
                     out = gm(comm, *ch.shards, *buffers, *[micro[mb][k] for k in st.batch_inputs], *acts)
                     if out[0] is not None:
                         loss_sum += out[0].float()
                     with C.guarded(f"evaluate: activations of chunk {c} over {self._pipe.label()}"):
                         # the last outputs: (loss or None, one per bucket (no gradient here), *activations)
-                        for i, t in enumerate(out[len(out) - len(st.send_act):] if st.send_act else ()):
-                            dist.send(t.contiguous(), self._peer(c + 1), group=self._pipe.group,
+                        for i, (t, tr) in enumerate(zip(out[len(out) - len(st.send_act):], st.send_act)):
+                            dist.send(self._piece(t.contiguous(), tr), self._peer(c + 1), group=self._pipe.group,
                                       tag=self._tag(mb, c, False, i))
         return run
 
