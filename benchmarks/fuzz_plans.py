@@ -192,16 +192,19 @@ AXES: dict[str, tuple[str, ...]] = {
     "precision": ("fp32", "bf16", "fp16"),
     "codegen": ("eager", "auto", "inductor"),
     "optimizer_sharding": ("auto", "partition", "world"),
-    "checkpoint": ("none", "full", "selective", "offload"),
+    "checkpoint": ("none", "full", "selective", "attention", "offload"),
     "clip": ("none", "finite", "inf"),
     "loss": ("mean", "token"),
     "optimizer": ("sgd", "adamw"),
-    "tensor": ("tp=1", "tp=2"),
+    "tensor": ("tp=1", "tp=2", "tp=2 sequence"),
 }
 """Each axis and its values (the plan family and schedule together: a schedule is a pipeline's)."""
 
 PIPELINES = ("1f1b", "gpipe", "interleaved")
 HF = tuple(m for m in AXES["model"] if m.startswith("hf-"))
+TENSOR = ("tp=2", "tp=2 sequence")
+NO_TOKENS = ("convnet", "quirky", "random")
+"""Models that read no (batch, sequence) token ids."""
 
 
 @dataclass(frozen=True)
@@ -229,11 +232,15 @@ EXCLUDED = (
               "refused: every_step has no boundary all-reduce to turn into a reduce-scatter"),
     Exclusion("nodes", ("2x2 hierarchical",), "plan", ("flat p=1", "flat p=2", *PIPELINES),
               "hierarchical collectives need a partition group spanning nodes (p = 4 > k = 2)"),
-    Exclusion("tensor", ("tp=2",), "plan", ("flat p=4", "every_step"),
+    Exclusion("tensor", TENSOR, "plan", ("flat p=4", "every_step"),
               "4 ranks in tensor groups of 2 leave p <= 2; tensor groups with grad_sync='every_step' are refused "
               "(issue 54, not built yet)"),
-    Exclusion("tensor", ("tp=2",), "nodes", ("2x2 hierarchical",),
+    Exclusion("tensor", TENSOR, "nodes", ("2x2 hierarchical",),
               "the hierarchical rows hold p = 4, more than 2 tensor groups"),
+    Exclusion("tensor", ("tp=2 sequence",), "model", NO_TOKENS,
+              "refused: sequence parallelism splits a sequence of token ids, which these models do not read"),
+    Exclusion("checkpoint", ("attention",), "model", NO_TOKENS,
+              "refused: checkpoint='attention' recomputes the sequence x sequence values of a model of token ids"),
 )
 
 RANDOM_ONLY = ("memory_budget_bytes", "max_gathers_in_flight")
@@ -279,14 +286,12 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         stages = 4 if many and row["tensor"] == "tp=1" and rng.random() < 0.35 else 2  # (tp=2: 2 stages of 1)
         if stages == 4 and model == "tied_lm":
             layers = 6
-        plan.update(pipeline_stages=stages, partition_size=1 if stages == 4 or row["tensor"] == "tp=2" else
+        plan.update(pipeline_stages=stages, partition_size=1 if stages == 4 or row["tensor"] in TENSOR else
                     rng.choice([1, 2]))
         if kind != "1f1b":
             plan["pipeline_schedule"] = kind
         if kind == "interleaved":
             plan["pipeline_chunks"] = 2
-        if row["tensor"] == "tp=2":
-            plan["tensor_parallel_size"] = 2
         ms = [m for m in (1, 2, 3, 4) if local % m == 0 and (kind != "interleaved" or m % stages == 0)]
     else:
         p = {"flat p=1": 1, "flat p=2": 2, "flat p=4": 4}.get(kind) or rng.choice([2, 4])
@@ -295,9 +300,11 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         plan["partition_size"] = p
         if kind == "every_step":
             plan["grad_sync"] = "every_step"
-        if row["tensor"] == "tp=2":
-            plan["tensor_parallel_size"] = 2
         ms = [m for m in (1, 2, 3, 4) if local % m == 0]
+    if row["tensor"] in TENSOR:
+        plan["tensor_parallel_size"] = 2
+    if row["tensor"] == "tp=2 sequence":
+        plan["sequence_parallel"] = True
     m = rng.choice(ms)
     if m > 1:
         plan["micro_batches"] = m
@@ -310,8 +317,8 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
     if kind not in PIPELINES and rng.random() < 0.25:  # (a pipeline's tied weight needs a bucket of its own)
         plan["bucket_bytes"] = 1 << rng.randint(8, 14)
     if row["checkpoint"] != "none":
-        plan["checkpoint"] = {"full": True, "selective": "selective"}.get(row["checkpoint"]) or \
-            rng.choice([True, "selective"])  # offload: after either
+        plan["checkpoint"] = {"full": True, "selective": "selective", "attention": "attention"}.get(
+            row["checkpoint"]) or rng.choice([True, "selective"])  # offload: after either
         if rng.random() < 0.4:
             plan["checkpoint_every"] = 2
         if row["checkpoint"] == "offload":

@@ -165,6 +165,11 @@ class TrainGraph:
     tensor_parallel: int = 1
     """The tensor ranks this graph is one of (``lowering.tensor_split``): its parameters' shapes are a
     tensor rank's pieces, and it calls the tensor collectives."""
+    sequence_parallel: bool = False
+    """Split with sequence parallelism (``Plan.sequence_parallel``)."""
+    token_shape: tuple[int, int] | None = None
+    """(batch, sequence) of the token ids the model reads (its first 2-D integer input; a pipeline chunk
+    keeps its model's); None: it reads none."""
     tensor_placements: dict = dataclasses.field(default_factory=dict)
     """Parameter -> its split (``core.tensor_layout.Placement``) among the tensor ranks; absent: replicated."""
 
@@ -172,6 +177,7 @@ class TrainGraph:
     def batch_size(self) -> int:
         """The micro-batch size the recorded values are for."""
         return self.input_specs[0][0][0]
+
 
     def at_batch(self, batch):
         """This trace with every node's bytes, FLOPs and shape evaluated at micro-batch size ``batch``
@@ -214,7 +220,8 @@ class TrainGraph:
             gm = torch.fx.GraphModule(self.gm, graph)
         specs = [(torch.Size((batch if isinstance(batch, int) else sizes[0], *shape[1:])), dtype)
                  for shape, dtype in self.input_specs]
-        return dataclasses.replace(self, gm=gm, input_specs=specs)
+        tokens = self.token_shape and (batch if isinstance(batch, int) else sizes[0], self.token_shape[1])
+        return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens)
 
     @property
     def num_params(self) -> int:
@@ -677,6 +684,8 @@ def trace(
         batch_guards=guards,
         counted_loss=counted[0],
         self_checkpoints=self_checkpoints[0],
+        token_shape=next((tuple(x.shape) for x in example_inputs
+                          if x.dim() == 2 and not x.is_floating_point() and isinstance(x.shape[1], int)), None),
     )
 
 

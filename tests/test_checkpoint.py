@@ -203,3 +203,31 @@ def test_offload_waits_follow_the_offloads_order_when_two_values_die_at_one_node
     for d in done:
         assert nodes.index(d.args[1]) < nodes.index(d)
     assert nodes.index(done[0]) < nodes.index(offs[1])  # the first copy is waited at the second offload
+
+
+@pytest.mark.hf
+def test_attention_recomputation_drops_exactly_the_attention_probabilities(gpt):
+    """checkpoint="attention" (Korthikanti et al.'s selective recomputation): with eager attention (Hugging
+    Face GPT-2) one layer's saved activations fall by its probabilities, b a s^2 16-bit values, and nothing
+    else; the recomputation is the scores and the softmax, in backward. The zoo GPT's fused attention keeps
+    no sequence x sequence value: nothing changes."""
+    import transformers as hf
+
+    from micscompile.zoo import hf_models
+
+    b, s = 2, 32
+
+    def saved(layers: int, checkpoint) -> tuple[int, int]:
+        cfg = hf_models.config("gpt2", seq_len=s)
+        cfg.n_layer = layers
+        with torch.device("meta"):
+            model = hf.GPT2LMHeadModel(cfg)
+        batch = hf_models.lm_batch(model, b, s, torch.Generator().manual_seed(1))
+        tg = mc.trace(model, batch, hf_models.lm_loss, param_dtype=BF16)
+        bufs = step_buffers_of(tg, mc.Plan(partition_size=1, param_dtype=BF16, checkpoint=checkpoint), 1)
+        return mc.plan_memory([x for x in bufs if x.kind == "activation"]).lower_bound_bytes, cfg.n_head
+
+    (full3, heads), (full2, _) = saved(3, False), saved(2, False)
+    attn3, attn2 = saved(3, "attention")[0], saved(2, "attention")[0]
+    assert (full3 - full2) - (attn3 - attn2) == b * heads * s * s * 2
+    assert not any(n.meta.get(META_RECOMPUTE) for n in _lowered(gpt, checkpoint="attention").graph.nodes)

@@ -28,7 +28,7 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"pipeline_chunks": 2}, "'interleaved' runs v > 1 chunks per rank"),
         ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "pipeline_schedule must be"),
         ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
-        ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True or 'selective'"),
+        ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True, 'selective' or 'attention'"),
         ({"checkpoint_every": 0}, "Plan.checkpoint_every must be a positive int"),
         ({"offload_activations": True}, "set checkpoint=True"),
         ({"param_dtype": torch.int8}, "Plan.param_dtype must be one of torch.float32, torch.bfloat16"),

@@ -144,6 +144,67 @@ def test_the_programs_tensor_bytes_equal_the_formula(tp, b):
     assert program.comm_stats()[("all_reduce", "tensor")].bytes == 2 * (tp - 1) * 4 * elements // tp
 
 
+@pytest.mark.parametrize("tp, b", [(2, 2), (4, 3)])
+def test_the_sequence_parallel_bytes_equal_the_formula(tp, b):
+    """docs/design.md, "Sequence parallelism": per micro-step of a GPT of L layers (T = b s tokens, h hidden),
+    reduce-scatters of (4L + 2) T h elements (the embedding's sum and g of each row-parallel matmul forward,
+    f's conjugate before each norm backward), all-gathers of (6L + 3) T h + s h (f of each column-parallel
+    input and the head's forward; backward, each row-parallel gradient once, each column-parallel input and
+    the head's again, the embedding's gradient, the positions' s h) and all-reduces of 3T + 1 + (6L + 2) h
+    (the cross entropy's, the norms' and the row-parallel biases' partial gradients); each reduce-scatter and
+    all-gather (tp - 1) / tp of its bytes on the wire."""
+    from micscompile.lowering.lowered import lower
+
+    rp = mc.Plan(tensor_parallel_size=tp, partition_size=1, sequence_parallel=True).resolve(tp, tp)
+    program = lower(_gpt_trace(batch=b), rp, need_graph=False).program
+    s, h, layers = GPT_CFG.seq_len, GPT_CFG.hidden, GPT_CFG.layers
+    tokens = b * s
+    calls: dict = {}
+    for a in program.collectives():
+        if a.group == "tensor":
+            calls.setdefault(a.kind.value, []).append(a.tensor_bytes // 4)
+    assert sum(calls["TRS"]) == (4 * layers + 2) * tokens * h and len(calls["TRS"]) == 4 * layers + 2
+    assert sum(calls["TAG"]) == (6 * layers + 3) * tokens * h + s * h and len(calls["TAG"]) == 6 * layers + 4
+    assert sum(calls["TAR"]) == 3 * tokens + 1 + (6 * layers + 2) * h
+    stats = program.comm_stats()
+    assert stats[("reduce_scatter", "tensor")].bytes == (tp - 1) * 4 * sum(calls["TRS"]) // tp
+    assert stats[("all_gather", "tensor")].bytes == (tp - 1) * 4 * sum(calls["TAG"]) // tp
+
+
+def test_sequence_parallelism_keeps_the_activations_between_the_split_matmuls_split_along_the_sequence():
+    """The residual stream, the norms' inputs and outputs: S(1) of (b, s, h); the matmuls' inputs gathered."""
+    a = analyse(_gpt_trace(), 2, sequence_parallel=True)
+    norms = [n for n in a.values if n.target is torch.ops.aten.native_layer_norm.default]
+    assert len(norms) == 2 * GPT_CFG.layers + 1 and all(a.values[n][0] == S(1) for n in norms)
+    adds = [n for n in a.values if n.target is torch.ops.aten.add.Tensor and n.meta.get(META_REGION) == "fwd"
+            and tuple(n.meta["val"].shape) == (2, GPT_CFG.seq_len, GPT_CFG.hidden)]
+    assert adds and all(a.values[n] == S(1) for n in adds)
+    with pytest.raises(TensorSplitError, match="length divisible by 3"):
+        analyse(_gpt_trace(), 3, sequence_parallel=True)  # (8 tokens)
+    with pytest.raises(mc.PlanError, match="tensor_parallel_size > 1"):
+        mc.Plan(sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_the_planned_activations_per_layer_are_korthikantis(tp, sp):
+    """docs/tensor-parallel.md's table: what one more layer adds to the saved activations the memory plan
+    holds at the end of forward, in bf16, equals ``activation_bytes_per_layer`` (Korthikanti et al.,
+    dropout-free, fused attention): 32 sbh; sbh(8 + 24/t) with tensor parallelism; 32 sbh / t with
+    sequence parallelism (plus the log-sum-exp and the norms' statistics)."""
+    from micscompile.lowering.predict import step_buffers_of
+
+    b, s, h, a = 4, 64, 64, 4  # (each saved value a multiple of the plan's 512-byte alignment)
+
+    def saved(layers: int) -> int:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=64, seq_len=s, layers=layers, hidden=h, heads=a))
+        x = torch.zeros(b, s, dtype=torch.long)
+        tg = mc.trace(model, (x, x), lm_loss, param_dtype=torch.bfloat16)
+        plan = mc.Plan(partition_size=1, tensor_parallel_size=tp, sequence_parallel=sp, param_dtype=torch.bfloat16)
+        return mc.plan_memory([x for x in step_buffers_of(tg, plan, tp) if x.kind == "activation"]).lower_bound_bytes
+    assert saved(3) - saved(2) == mc.activation_bytes_per_layer(b, s, h, a, tensor_parallel=tp, sequence_parallel=sp)
+
+
 def test_a_size_tp_does_not_divide_is_refused_naming_the_block():
     cfg = GPTConfig(vocab_size=64, seq_len=8, layers=1, hidden=36, heads=3)  # 3 heads
     with pytest.raises(TensorSplitError, match="block 'blocks.0.attn'") as refused:
@@ -181,19 +242,23 @@ class TPCase:
     p: int
     s: int = 1
     opt: str = "sgd"
-    checkpoint: bool = False
+    checkpoint: bool | str = False
     param_dtype: torch.dtype = torch.float32
     stages: int = 1
     schedule: str = "1f1b"
     chunks: int = 1
     nccl: bool = False
     """Under NCCL's point-to-point semantics (tests/nccl_semantics.py)."""
+    sp: bool = False
+    """Sequence parallelism."""
 
     @property
     def id(self) -> str:
-        extra = ("-ckpt" if self.checkpoint else "") + ("" if self.param_dtype == torch.float32 else "-bf16")
+        extra = ({True: "-ckpt", "attention": "-ckpt-attn"}.get(self.checkpoint, "")
+                 + ("" if self.param_dtype == torch.float32 else "-bf16"))
         if self.stages > 1:
             extra += f"-S{self.stages}-{self.schedule}" + (f"-v{self.chunks}" if self.chunks > 1 else "")
+        extra += "-sp" if self.sp else ""
         return f"{self.model}-tp{self.tp}-p{self.p}-s{self.s}-{self.opt}{extra}" + ("-nccl" if self.nccl else "")
 
 
@@ -203,6 +268,9 @@ CASES = [
     TPCase("hf-llama", 2, 2), TPCase("hf-gpt2", 2, 2),
     TPCase("tied_lm", 2, 1, s=2, stages=2), TPCase("gpt", 2, 1, s=2, stages=2, schedule="interleaved", chunks=2),
     TPCase("tied_lm", 2, 1, s=2, stages=2, schedule="interleaved", chunks=2, nccl=True),
+    TPCase("gpt", 2, 2, sp=True), TPCase("hf-llama", 2, 2, sp=True),
+    TPCase("gpt", 2, 2, checkpoint=True, param_dtype=torch.bfloat16, sp=True),
+    TPCase("tied_lm", 2, 1, s=2, stages=2, sp=True), TPCase("hf-gpt2", 2, 2, checkpoint="attention", sp=True),
 ]
 
 
@@ -231,7 +299,7 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
         (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     plan = mc.Plan(tensor_parallel_size=case.tp, partition_size=case.p, micro_batches=case.s,
                    checkpoint=case.checkpoint, param_dtype=case.param_dtype, pipeline_stages=case.stages,
-                   pipeline_schedule=case.schedule, pipeline_chunks=case.chunks)
+                   pipeline_schedule=case.schedule, pipeline_chunks=case.chunks, sequence_parallel=case.sp)
     rp = plan.resolve(world, world)
     ref_losses, ref_state = train_reference(copy.deepcopy(model), loss, opt, batches)
     floor = 0.0
@@ -362,7 +430,10 @@ def test_the_program_predicts_every_ranks_tensor_and_partition_bytes(results, ca
         assert {k: r["measured"].get(k) for k in keys} == {k: r["planned"].get(k) for k in keys}, (rank, r)
         assert r["measured"][("all_reduce", "tensor")] > 0
         if case.stages > 1:  # Megatron's scatter/gather: each tensor rank sends 1/tp of every boundary value
-            assert r["measured"][("send", "pipe")] == r["whole_sent"] // case.tp > 0, (rank, r)
+            # (with sequence parallelism the boundary value is a rank's piece of the sequence: sent as it is)
+            assert r["measured"][("send", "pipe")] == r["whole_sent"] // (1 if case.sp else case.tp) > 0, (rank, r)
+        if case.sp:
+            assert r["measured"][("reduce_scatter", "tensor")] > 0
 
 
 @pytest.mark.multiproc

@@ -143,7 +143,8 @@ def _plans(args: argparse.Namespace, cluster) -> list:
                                                      tensor_parallel_size=args.tp), cluster)]
     sizes = sizes if isinstance(sizes, list) else [sizes]
     dtype = _dtype(args, cluster)
-    return [mc.Plan(partition_size=p, tensor_parallel_size=args.tp, pipeline_stages=args.pipeline_stages,
+    return [mc.Plan(partition_size=p, tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
+                    pipeline_stages=args.pipeline_stages,
                     micro_batches=args.micro_batches,
                     pipeline_schedule="interleaved" if args.chunks > 1 else args.schedule,
                     pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
@@ -168,7 +169,8 @@ def _plan(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trace = tensor_split(concrete(tg), plan.tensor_parallel_size)  # (once: every priced size shares it)
+    # (once: every priced size shares it)
+    trace = tensor_split(concrete(tg), plan.tensor_parallel_size, plan.sequence_parallel)
     choice = None
     if args.partition_size is None:  # priced, not assumed (tune.partition)
         choice = choose_partition_size(trace, plan, cluster, progress=_say)
@@ -304,6 +306,9 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("--tp", "--tensor-parallel-size", type=_count("--tp", 64), default=1, dest="tp",
                     help="tensor-parallel ranks inside a node splitting each layer (Megatron-LM's); -p then counts "
                          "tensor groups")
+    sp.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp > 1: the activations between the split matmuls split along the sequence "
+                         "(Megatron-LM's sequence parallelism)")
     sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")

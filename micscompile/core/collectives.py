@@ -575,6 +575,7 @@ def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.T
 
 TENSOR_ALL_REDUCE = "tensor_all_reduce"
 TENSOR_ALL_GATHER = "tensor_all_gather"
+TENSOR_REDUCE_SCATTER = "tensor_reduce_scatter"
 
 
 def tensor_all_reduce(comm: Comm | None, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -602,6 +603,21 @@ def tensor_all_gather(comm: Comm | None, x: torch.Tensor, dim: int, segments: in
     return full
 
 
+def tensor_reduce_scatter(comm: Comm | None, x: torch.Tensor, dim: int, segments: int, tp: int) -> torch.Tensor:
+    """A partial value summed over the tensor ranks, each keeping its piece along ``dim`` (in ``segments``):
+    sequence parallelism's conversion where tensor parallelism all-reduces."""
+    from micscompile.core.tensor_layout import S, local_piece
+
+    if comm is None:
+        return local_piece(x, S(dim, segments), 0, tp).contiguous()
+    pieces = [local_piece(x, S(dim, segments), r, tp).contiguous() for r in range(tp)]
+    out = torch.empty_like(pieces[0])
+    with guarded(f"reduce_scatter over {comm.tensor.label()}"):
+        dist.reduce_scatter(out, pieces, group=comm.tensor.group)
+    comm.stats.record(REDUCE_SCATTER, comm.tensor, x.numel() * x.element_size())
+    return out
+
+
 def tensor_slice(comm: Comm | None, x: torch.Tensor, dim: int, segments: int, tp: int) -> torch.Tensor:
     """This tensor rank's piece of a replicated value (no communication)."""
     from micscompile.core.tensor_layout import S, local_piece
@@ -615,5 +631,5 @@ def tensor_shard_start(comm: Comm | None, like: torch.Tensor, size: int) -> torc
     return torch.full((), 0 if comm is None else comm.tensor.rank * size, dtype=like.dtype, device=like.device)
 
 
-TENSOR_OPS = (tensor_all_reduce, tensor_all_gather, tensor_slice, tensor_shard_start)
+TENSOR_OPS = (tensor_all_reduce, tensor_all_gather, tensor_reduce_scatter, tensor_slice, tensor_shard_start)
 """The tensor-parallel ops a split graph calls (``insert_collectives`` binds their ``comm``)."""

@@ -44,6 +44,10 @@ class Plan:
     tensor_parallel_size: int = 1
     """tp: consecutive ranks inside one node that split each layer's compute (Megatron-LM's tensor
     parallelism, ``lowering.tensor_split``); the world is S * d * p * tp, tensor ranks innermost."""
+    sequence_parallel: bool = False
+    """With tp > 1: Megatron's sequence parallelism (Korthikanti et al., 2022): the activations between the
+    tensor-parallel matmuls (norms, residuals, pointwise ops) live split along the sequence on the tensor
+    ranks, and the all-reduces become reduce-scatters and all-gathers along it."""
     micro_batches: int = 1
     """s: micro-batches (gradient-accumulation steps) per optimizer step."""
     pipeline_stages: int = 1
@@ -67,9 +71,11 @@ class Plan:
     """Merge consecutive blocks into gather buckets of up to this many bytes; None = one bucket per
     block, or for a flat plan at p = 1 (nothing is gathered: a bucket is only an all-reduce) up to
     ``P1_BUCKET_BYTES``."""
-    checkpoint: Literal[False, True, "selective"] = False
+    checkpoint: Literal[False, True, "selective", "attention"] = False
     """Activation checkpointing (passes.checkpoint): True recomputes in backward every forward value
-    of a segment but its outputs; "selective" also keeps matmul outputs (recomputes the cheap ops)."""
+    of a segment but its outputs; "selective" also keeps matmul outputs (recomputes the cheap ops);
+    "attention" recomputes only the attention core's sequence x sequence values (scores, probabilities:
+    Korthikanti et al.'s selective recomputation) and keeps the rest."""
     checkpoint_every: int = 1
     """Blocks per checkpointed segment (its outputs are kept, everything inside recomputed)."""
     offload_activations: bool = False
@@ -126,6 +132,11 @@ class Plan:
         if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
             raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
                             "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")
+        if self.sequence_parallel not in (True, False):
+            raise PlanError(f"Plan.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise PlanError("sequence_parallel=True splits the sequence over the tensor ranks: set "
+                            "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.grad_sync != "2hop":
             raise PlanError("tensor_parallel_size > 1 syncs gradients in two hops (grad_sync='2hop') for now: "
                             "every-step all-reduces with tensor groups are not built yet (issue 54)")
@@ -138,12 +149,12 @@ class Plan:
         positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
         if self.hierarchical not in ("auto", True, False):
             raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
-        if self.checkpoint not in (False, True, "selective"):
-            raise PlanError(f"Plan.checkpoint must be False, True or 'selective', got {self.checkpoint!r}")
+        if self.checkpoint not in (False, True, "selective", "attention"):
+            raise PlanError(f"Plan.checkpoint must be False, True, 'selective' or 'attention', got {self.checkpoint!r}")
         positive("checkpoint_every", self.checkpoint_every)
         if self.offload_activations and not self.checkpoint:
             raise PlanError("offload_activations=True offloads the checkpointed segment outputs: set checkpoint=True "
-                            "(or 'selective') too")
+                            "(or 'selective', 'attention') too")
         if self.grad_sync not in ("2hop", "every_step"):
             raise PlanError(f"Plan.grad_sync must be '2hop' or 'every_step', got {self.grad_sync!r}")
         if self.optimizer_sharding not in ("auto", "partition", "world"):

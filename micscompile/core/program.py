@@ -13,8 +13,8 @@ only on the first micro-step), ``RS3``/``AR3`` reduce-scatter / all-reduce bucke
 gradients, ``PK3`` add them straight into the accumulator (p = 1), ``SH3`` start bucket
 3's second hop (2-hop, d > 1: its accumulated shard all-reduced over the replication group;
 last micro-step only, a pipeline chunk's last backward, waited at the boundary as ``W:SH3``),
-``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step; ``TAR``/``TAG`` a tensor-parallel all-reduce /
-all-gather of an activation or its gradient (blocking, on the compute's path).
+``C`` compute, ``ARL`` loss all-reduce, ``OPT`` optimizer step; ``TAR``/``TAG``/``TRS`` a tensor-parallel
+all-reduce / all-gather / reduce-scatter of an activation or its gradient (blocking, on the compute's path).
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class Kind(enum.Enum):
     group, on the compute's path (blocking: the next op reads it)."""
     TENSOR_ALL_GATHER = "TAG"
     """Tensor parallelism: a split value made whole on every tensor rank, on the compute's path."""
+    TENSOR_REDUCE_SCATTER = "TRS"
+    """Sequence parallelism: a partial value summed over the tensor group, each rank keeping its piece of
+    the sequence, on the compute's path (``tensor_bytes``: the whole value's)."""
 
 
 ISSUE_KIND = {
@@ -100,8 +103,10 @@ COLLECTIVE_OF_KIND = {
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
     Kind.SECOND_HOP: C.ALL_REDUCE, Kind.UPDATE_GATHER: C.ALL_GATHER,
     Kind.TENSOR_ALL_REDUCE: C.ALL_REDUCE, Kind.TENSOR_ALL_GATHER: C.ALL_GATHER,
+    Kind.TENSOR_REDUCE_SCATTER: C.REDUCE_SCATTER,
 }
-TENSOR_KIND = {C.tensor_all_reduce: Kind.TENSOR_ALL_REDUCE, C.tensor_all_gather: Kind.TENSOR_ALL_GATHER}
+TENSOR_KIND = {C.tensor_all_reduce: Kind.TENSOR_ALL_REDUCE, C.tensor_all_gather: Kind.TENSOR_ALL_GATHER,
+               C.tensor_reduce_scatter: Kind.TENSOR_REDUCE_SCATTER}
 """The tensor-parallel collectives of a split graph, each an action of its own."""
 BLOCKING = frozenset(TENSOR_KIND.values())
 """Collectives done when their action is: nothing waits for them later."""

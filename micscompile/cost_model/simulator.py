@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from micscompile.core.collectives import fmt_bytes
-from micscompile.core.program import Action, Kind, Program
+from micscompile.core.program import BLOCKING, Action, Kind, Program
 from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s
 from micscompile.cost_model.specs import Cluster, GpuSpec
 
@@ -471,7 +471,7 @@ def simulate_program(
                 dynamic -= flight.frees_bytes
                 if flight.finish_s > 0:
                     run_compute(flight.finish_s, (f"after {a}" if record else ""))
-            elif a.kind in (Kind.TENSOR_ALL_REDUCE, Kind.TENSOR_ALL_GATHER):  # the next op reads it: blocking
+            elif a.kind in BLOCKING:  # a tensor collective: the next op reads it
                 end = issue(a).end_s
                 wait_until(end)
             elif a.kind is Kind.RELEASE:

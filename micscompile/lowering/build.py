@@ -57,7 +57,10 @@ def build_program(
             continue  # (priced with the micro-step's accumulation, cost_model.simulator)
         if node.target in TENSOR_KIND:  # blocking, on the compute's path: one action, no wait of its own
             flush()
-            actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=node.meta.get(META_BYTES, 0),
+            nbytes = node.meta.get(META_BYTES, 0)
+            if node.target is C.tensor_reduce_scatter:
+                nbytes *= node.args[4]  # (its input: tp pieces like its output)
+            actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=nbytes,
                                   region=node.meta.get(META_REGION, "")))
         elif node.target is C.collective_wait:
             flush()

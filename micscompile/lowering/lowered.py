@@ -68,7 +68,7 @@ def lower(
     (``lower_pipeline``); otherwise the prefetch search picks the flat Program (``lower_flat``).
     ``need_graph=False``: a flat plan's Program alone (a pipeline always rewrites its rank's chunks)."""
     groups = planned_groups(rp, rank) if groups is None else groups
-    trace = tensor_split(trace, rp.tensor)  # (a trace already split for it: as it is)
+    trace = tensor_split(trace, rp.tensor, rp.plan.sequence_parallel)  # (a trace split for it: as it is)
     if rp.plan.optimizer_sharding == "auto":
         return _choose_optimizer_home(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
                                       need_graph=need_graph, disable=disable, log=log)

@@ -419,7 +419,7 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             param_dtypes={n: tg.param_dtypes[n] for n in stage_params},
             trainable=stage_trainable, buffer_names=[name for _, name in stage_buffers],
             input_specs=[tg.input_specs[i] for i in batch], num_model_inputs=tg.num_model_inputs,
-            blocks=blocks, compute_dtype=tg.compute_dtype,
+            blocks=blocks, compute_dtype=tg.compute_dtype, token_shape=tg.token_shape,
         )
         ends = (*starts[1:], len(units))
         stages.append(StageGraph(

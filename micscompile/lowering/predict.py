@@ -111,19 +111,25 @@ def step_memory(trace: TrainGraph, plan: Plan, world_size: int, **kwargs) -> Mem
 
 
 def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, itemsize: int = 2,
-                               checkpoint: bool = False, fused_attention: bool = True) -> float:
-    """Bytes one transformer layer keeps for its backward. Checkpointed: its input, b*s*h*itemsize
-    (docs/design.md: b*s*h*2 in 16-bit). Otherwise Korthikanti et al.'s sbh(34 + 5as/h) 16-bit bytes less
-    what dropout adds (three masks and the dropped-out attention probabilities): sbh(32 + 2as/h)
-    with the attention probabilities materialized (math attention), scaled to ``itemsize``. A fused
-    attention kernel (what ``mc.trace`` records, as flash attention runs) keeps no probabilities,
-    only its fp32 log-sum-exp per head and query: sbh * 32 * itemsize / 2 + 4 * b * a * s."""
-    sbh = batch * seq * hidden
+                               checkpoint: bool = False, fused_attention: bool = True, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer keeps for its backward on one rank. Checkpointed: its input,
+    b*s*h*itemsize (docs/design.md: b*s*h*2 in 16-bit), 1/tp of it with sequence parallelism. Otherwise
+    Korthikanti et al.'s per-layer formulas less what dropout adds (three masks and the dropped-out
+    attention probabilities), scaled to ``itemsize``: sbh(32 + 2as/h) 16-bit bytes with the attention
+    probabilities materialized (math attention); a fused attention kernel (what ``mc.trace`` records, as
+    flash attention runs) keeps no probabilities, only its fp32 log-sum-exp per head and query, 4*b*a*s; and
+    the two layer norms' fp32 mean and rstd, 16*b*s. With ``tensor_parallel`` t, the 24 sbh inside the
+    split matmuls (q, k, v, the attention output, the MLP's two 4h activations) and the per-head terms
+    divide by t, the 8 sbh outside them (the norms' inputs, the first matmuls' inputs) and the norms'
+    statistics do not: sbh(8 + 24/t) (Korthikanti's 10 + 24/t less the dropout mask outside); with
+    ``sequence_parallel`` they divide by t too: 32 sbh / t."""
+    t, sbh = tensor_parallel, batch * seq * hidden
+    outside = t if sequence_parallel else 1  # what the activations between the split matmuls divide by
     if checkpoint:
-        return sbh * itemsize
-    if fused_attention:
-        return sbh * 32 * itemsize / 2 + 4 * batch * heads * seq
-    return sbh * (32 + 2 * heads * seq / hidden) * itemsize / 2
+        return sbh * itemsize / outside
+    per_head = 4 * batch * heads * seq if fused_attention else sbh * 2 * heads * seq / hidden * itemsize / 2
+    return sbh * (8 / outside + 24 / t) * itemsize / 2 + per_head / t + 16 * batch * seq / outside
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:

@@ -151,12 +151,19 @@ class Analysis:
     """What each node needs of its inputs where it differs from what they have."""
     origin: dict[torch.fx.Node, str]
     row_addmm: set[torch.fx.Node] = dataclasses.field(default_factory=set)
-    """addmm nodes whose product is partial: the rewrite all-reduces it, then adds the bias."""
+    """addmm nodes whose product is partial: the rewrite all-reduces it (reduce-scatters it along the
+    sequence, with sequence parallelism), then adds the bias."""
+    sequence: tuple[int, int] | None = None
+    """Sequence parallelism: the (batch, sequence) sizes of the tokens whose activations are split."""
 
 
 class _Propagation:
-    def __init__(self, tg: TrainGraph, tp: int, segments: dict[str, int]) -> None:
-        self.tg, self.tp, self.segments = tg, tp, segments
+    def __init__(self, tg: TrainGraph, tp: int, segments: dict[str, int], sequence: tuple[int, int] | None) -> None:
+        self.tg, self.tp, self.segments, self.sequence = tg, tp, segments, sequence
+        self.tokens: set[torch.fx.Node] = set()
+        """Values split along the sequence (sequence parallelism), not along a weight's dim."""
+        self.to_tokens: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
+        """(node, input): the input converted to its sequence split for the node."""
         self.params: dict[str, Placement] = {}
         self.values: dict[torch.fx.Node, object] = {}
         self.needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]] = {}
@@ -207,6 +214,41 @@ class _Propagation:
             self.needs.setdefault(node, {})[inp] = pl
             self.converted.add((inp, pl))
 
+    def token_split(self, node: torch.fx.Node) -> Placement | None:
+        """Sequence parallelism: ``node``'s split along the sequence, for an activation of the tokens'
+        (batch, sequence, ...) or flattened (batch * sequence, ...) shape; None otherwise."""
+        if self.sequence is None:
+            return None
+        b, s = self.sequence
+        shape = _shape(node)
+        if len(shape) >= 3 and shape[:2] == (b, s):
+            return S(1)
+        if len(shape) == 2 and shape[0] == b * s:
+            return S(0, b)
+        return None
+
+    def to_sequence(self, node: torch.fx.Node, inp: torch.fx.Node) -> Placement | None:
+        """Convert a partial ``inp`` to its sequence split for ``node`` (a reduce-scatter where tensor
+        parallelism all-reduces); None where it has no sequence split."""
+        pl = self.token_split(inp)
+        if pl is not None:
+            self.want(node, inp, pl)
+            self.to_tokens.add((node, inp))
+        return pl
+
+    def is_token(self, node: torch.fx.Node, inp: torch.fx.Node) -> bool:
+        """Whether ``node`` reads ``inp`` split along the sequence."""
+        return inp in self.tokens or (node, inp) in self.to_tokens
+
+    def gather_tokens(self, node: torch.fx.Node, *inputs: torch.fx.Node) -> bool:
+        """Make each of ``inputs`` split along the sequence whole for ``node``; whether any was."""
+        done = False
+        for x in inputs:
+            if self.get(x).kind == "S" and self.is_token(node, x):
+                self.want(node, x, R)
+                done = True
+        return done
+
     def resegment_or_fail(self, node, inp, k: int, why: str):
         param = self.origin.get(inp)
         if param is not None and k > 1 and self.segments.get(param, 1) != k:
@@ -226,12 +268,16 @@ class _Propagation:
                 first = next((a for a in node.all_input_nodes if a in self.origin), None)
                 if first is not None and _has_split(self.values[node]):
                     self.origin.setdefault(node, self.origin[first])
+                if self.sequence is not None and _has_split(self.values[node]) and any(
+                        self.is_token(node, a) and _has_split(self.needs.get(node, {}).get(a, self.values[a]))
+                        for a in node.all_input_nodes):
+                    self.tokens.add(node)
             elif node.op == "output":
                 self.output(node)
         for name in self.tg.param_names:
             self.params.setdefault(name, R)  # (read by no matmul, or by nothing)
         values = {n: (self.replay(v) if isinstance(v, _Undecided) else v) for n, v in self.values.items()}
-        return Analysis(self.tp, self.params, values, self.needs, self.origin, self.row_addmm)
+        return Analysis(self.tp, self.params, values, self.needs, self.origin, self.row_addmm, self.sequence)
 
     def output(self, node: torch.fx.Node) -> None:
         loss, *grads = node.args[0]
@@ -335,6 +381,12 @@ def _elementwise(g: _Propagation, node: torch.fx.Node):
         if p.kind == "P" and (a, R) in g.converted:
             g.want(node, a, R)
             pls[a] = R
+        elif p.kind == "P" and (a, g.token_split(a)) in g.converted:  # (or reduce-scattered)
+            pls[a] = g.to_sequence(node, a)
+    partial = [a for a, p in pls.items() if p.kind == "P"]
+    if partial and g.sequence is not None and not _linear(node, tensors, partial):
+        for a in partial:  # sequence parallelism: the partial value reduce-scattered along the sequence
+            pls[a] = g.to_sequence(node, a) or P
     split = [(a, p) for a, p in pls.items() if p.kind == "S"]
     partial = [a for a, p in pls.items() if p.kind == "P"]
     if split:
@@ -351,15 +403,19 @@ def _elementwise(g: _Propagation, node: torch.fx.Node):
                 g.want(node, a, target)
         return S(dim, p0.segments)
     if partial:
-        linear = (node.target in _LINEAR and len(tensors) == 1
-                  or node.target is aten.mul.Tensor and len(partial) == 1  # P * R
-                  or node.target is aten.div.Tensor and partial == [node.args[0]]  # P / R
-                  or node.target in _SUMS and len(partial) == len(tensors))  # P + P
-        if linear:
+        if _linear(node, tensors, partial):
             return P
         for a in partial:
             g.want(node, a, R)
     return R
+
+
+def _linear(node: torch.fx.Node, tensors: list, partial: list) -> bool:
+    """Whether a pointwise op of partial values ``partial`` (among ``tensors``) gives a partial value."""
+    return (node.target in _LINEAR and len(tensors) == 1
+            or node.target is aten.mul.Tensor and len(partial) == 1  # P * R
+            or node.target is aten.div.Tensor and partial == [node.args[0]]  # P / R
+            or node.target in _SUMS and len(partial) == len(tensors))  # P + P
 
 
 @rule(aten.t.default, aten.transpose.int, aten.permute.default)
@@ -476,6 +532,8 @@ def _slice(g: _Propagation, node: torch.fx.Node):
     pl = g.get(x)
     d = _dim(node.args[1] if len(node.args) > 1 else 0, _ndim(x))
     if pl.kind == "S":
+        if pl.dim == d and g.gather_tokens(node, x):  # (sequence parallelism: a slice of the sequence)
+            return R
         if pl.dim == d:
             raise g.fail(node, f"slices its split dim {d}")
         return pl.moved(pl.dim - (node.target is aten.select.int and d < pl.dim))
@@ -486,6 +544,8 @@ def _slice(g: _Propagation, node: torch.fx.Node):
 def _slice_backward(g: _Propagation, node: torch.fx.Node):
     pl = g.get(node.args[0])
     if pl.kind == "S" and pl.dim == _dim(node.args[2], len(node.args[1])):
+        if g.gather_tokens(node, node.args[0]):
+            return R
         raise g.fail(node, "pads its split dim")
     return pl
 
@@ -537,11 +597,15 @@ def _mm(g: _Propagation, node: torch.fx.Node):
         if pa.kind == "P":  # all-reduce a partial input: the weight then splits column-parallel
             g.want(node, a, R)
             pa = R
+        elif g.gather_tokens(node, a):  # (sequence parallelism: all-gather it along the sequence)
+            pa = R
         pb = _matmul_weight(g, node, b, pa, 1)
     elif ua and not ub:
         pb = g.get(b)
         if pb.kind == "P":
             g.want(node, b, R)
+            pb = R
+        elif g.gather_tokens(node, b):
             pb = R
         pa = _matmul_weight(g, node, a, pb, 0)
     else:
@@ -557,7 +621,13 @@ def _mm(g: _Propagation, node: torch.fx.Node):
             g.row_addmm.add(node)
             if pbias != R:
                 g.want(node, bias, R)
-            return R  # the rewrite all-reduces the product, then adds the bias (Megatron's row-parallel bias)
+            # the rewrite all-reduces the product (reduce-scatters it along the sequence), then adds the bias
+            # (Megatron's row-parallel bias)
+            seq = g.token_split(node)
+            if seq is not None:
+                g.tokens.add(node)
+                return seq
+            return R
         if out.kind == "S" and pbias.kind != "S" and _shape(bias) and _shape(bias)[-1] != 1:
             g.want(node, bias, S(_ndim(bias) - 1, out.segments))
     return out
@@ -568,6 +638,10 @@ def _mm_placement(g: _Propagation, node, a, b, pa: Placement, pb: Placement) -> 
         return R
     if pa == R and pb.kind == "S" and pb.dim == 1:
         return S(1, pb.segments)
+    if g.sequence is not None and (pa.kind == "S" and pb.kind == "S" or pa.kind == "P" or pb.kind == "P") \
+            and g.gather_tokens(node, *(x for x, p in ((a, pa), (b, pb)) if p.kind == "S")):
+        # sequence parallelism: an operand split along the sequence meets a split weight: all-gather it
+        return _mm_placement(g, node, a, b, *(g.needs.get(node, {}).get(x, g.get(x)) for x in (a, b)))
     if pa.kind == "S" and pa.dim == 0 and pb == R:
         return S(0, pa.segments)
     if pa.kind == "S" and pa.dim == 1 and pb.kind == "S" and pb.dim == 0 and pa.segments == pb.segments:
@@ -615,8 +689,10 @@ def _layer_norm(g: _Propagation, node: torch.fx.Node):
         g.want(node, x, R)
         pl = R
     elif pl.kind == "P":
-        g.want(node, x, R)
-        pl = R
+        pl = g.to_sequence(node, x)  # (sequence parallelism: reduce-scattered along the sequence)
+        if pl is None:
+            g.want(node, x, R)
+            pl = R
     return (pl, pl, pl)
 
 
@@ -624,6 +700,8 @@ def _layer_norm(g: _Propagation, node: torch.fx.Node):
 def _layer_norm_backward(g: _Propagation, node: torch.fx.Node):
     grad, x, shape = node.args[0], node.args[1], node.args[2]
     px = g.get(x)
+    if px.kind == "P" and (x, g.token_split(x)) in g.converted:  # (as the forward normalised it: reduce-scattered)
+        px = g.to_sequence(node, x)
     if px.kind == "P" or px.kind == "S" and px.dim >= _ndim(x) - len(shape):
         g.want(node, x, R)  # (as the forward normalised it: the same conversion, cached)
         px = R
@@ -733,15 +811,17 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
         _RULES[getattr(aten, _name).default] = _attention
 
 
-def analyse(tg: TrainGraph, tp: int) -> Analysis:
+def analyse(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Analysis:
     """Every value's and parameter's placement on ``tp`` tensor ranks (pure: ``tg`` is not changed).
     A fused projection's segment count is found by trying: where a view or an unbind cannot keep a
-    weight's split, the walk starts again with that weight in the segments it would need."""
+    weight's split, the walk starts again with that weight in the segments it would need.
+    ``sequence_parallel``: the activations between the split matmuls split along the sequence."""
+    sequence = _sequence(tg, tp) if sequence_parallel else None
     segments: dict[str, int] = {}
     tries: dict[str, int] = {}
     while True:
         try:
-            return _Propagation(tg, tp, segments).run()
+            return _Propagation(tg, tp, segments, sequence).run()
         except _Resegment as r:
             tries[r.param] = tries.get(r.param, 0) + 1
             if tries[r.param] > MAX_RESEGMENTS:
@@ -752,6 +832,18 @@ def analyse(tg: TrainGraph, tp: int) -> Analysis:
             for name in tg.param_names:
                 if _role(name) == suffix and name not in tries:
                     segments.setdefault(name, r.segments)
+
+
+def _sequence(tg: TrainGraph, tp: int) -> tuple[int, int]:
+    """(batch, sequence) of the tokens (``TrainGraph.token_shape``)."""
+    shape = tg.token_shape
+    if shape is None:
+        raise TensorSplitError("sequence parallelism splits the activations of a sequence of tokens: the model "
+                               "takes no (batch, sequence) token ids; use sequence_parallel=False")
+    if shape[1] % tp:
+        raise TensorSplitError(f"sequence parallelism (tp={tp}) splits the sequence of {shape[1]} tokens into tp "
+                               f"pieces: give it a length divisible by {tp} (or sequence_parallel=False)")
+    return shape
 
 
 def _role(name: str) -> str:
@@ -790,20 +882,32 @@ class _Rewrite:
         if have == want:
             return x
         key = (old, want)
+        if self.a.sequence is not None and have.kind == "S" and want == R:
+            key = (old, want, like.meta.get(META_REGION))  # (gathered again in backward, as Megatron does)
         if key not in self.conv:
             if have.kind == "P" and want == R:
                 out = self.op(C.tensor_all_reduce, None, x, like=old)
             elif have == R and want.kind == "S":
                 out = self.op(C.tensor_slice, None, x, want.dim, want.segments, self.tp, like=like)
+            elif have.kind == "S" and want == R and self._gathered(old, key) is not None:
+                out = self.op(aten.t.default, self._gathered(old, key), like=like)
             elif have.kind == "S" and want == R:
                 out = self.op(C.tensor_all_gather, None, x, have.dim, have.segments, self.tp, like=like)
+            elif have.kind == "P" and want.kind == "S" and (old, R) in self.conv:  # (all-reduced already: free)
+                out = self.op(C.tensor_slice, None, self.conv[(old, R)], want.dim, want.segments, self.tp, like=like)
             elif have.kind == "P" and want.kind == "S":
-                whole = self.convert(old, R, like)
-                out = self.op(C.tensor_slice, None, whole, want.dim, want.segments, self.tp, like=like)
+                out = self.op(C.tensor_reduce_scatter, None, x, want.dim, want.segments, self.tp, like=old)
             else:
                 raise TensorSplitError(f"tensor parallelism: no conversion of {old.name} from {have} to {want}")
             self.conv[key] = out
         return self.conv[key]
+
+    def _gathered(self, old: torch.fx.Node, key: tuple) -> torch.fx.Node | None:
+        """The all-gathered value ``old`` transposes, where gathered already (the gradient a row-parallel
+        matmul's backward reads twice, as dY and as dY^T: gathered once)."""
+        if old.target is not aten.t.default:
+            return None
+        return self.conv.get((old.args[0], *key[1:]))
 
     def args(self, node: torch.fx.Node):
         needs = self.a.needs.get(node, {})
@@ -883,7 +987,10 @@ def _row_addmm(rw: _Rewrite, node: torch.fx.Node):
     if len(node.args) > 3 or node.kwargs:
         raise TensorSplitError(f"tensor parallelism: {node.name} scales its addmm (beta, alpha)")
     product = rw.op(aten.mm.default, a, b, like=node)
-    return rw.op(aten.add.Tensor, rw.op(C.tensor_all_reduce, None, product, like=node), bias, like=node)
+    out = rw.a.values[node]
+    summed = rw.op(C.tensor_all_reduce, None, product, like=node) if out == R else \
+        rw.op(C.tensor_reduce_scatter, None, product, out.dim, out.segments, rw.tp, like=node)
+    return rw.op(aten.add.Tensor, summed, bias, like=node)
 
 
 @_special(aten.embedding.default)
@@ -1008,16 +1115,17 @@ def local_shape(shape: tuple[int, ...], pl: Placement, tp: int) -> tuple[int, ..
     return tuple(n // tp if d == pl.dim else n for d, n in enumerate(shape))
 
 
-def tensor_split(tg: TrainGraph, tp: int) -> TrainGraph:
+def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> TrainGraph:
     """The graph each of ``tp`` tensor ranks runs (local parameter shapes, the tensor collectives),
-    as a TrainGraph whose ``tensor_placements`` say how each parameter is split."""
-    if tg.tensor_parallel == tp:
+    as a TrainGraph whose ``tensor_placements`` say how each parameter is split. ``sequence_parallel``:
+    Megatron's sequence parallelism (``Plan.sequence_parallel``)."""
+    if tg.tensor_parallel == tp and tg.sequence_parallel == sequence_parallel:
         return tg
     if tg.tensor_parallel != 1:
         raise TensorSplitError(f"a trace split for tp={tg.tensor_parallel} cannot be split for tp={tp}")
     if tg.batch_symbols:
         raise TensorSplitError("tensor parallelism runs concrete traces (not mc.trace(symbolic_batch=True)) for now")
-    analysis = analyse(tg, tp)
+    analysis = analyse(tg, tp, sequence_parallel)
     rw = _Rewrite(tg, analysis)
     graph = rw.run()
     gm = torch.fx.GraphModule(tg.gm, graph)
@@ -1026,10 +1134,10 @@ def tensor_split(tg: TrainGraph, tp: int) -> TrainGraph:
         pl = analysis.values.get(old_node)
         if isinstance(new_node, torch.fx.Node) and isinstance(pl, Placement):
             new_node.meta[META_PLACEMENT] = pl
-    for (_, want), new_node in rw.conv.items():
-        new_node.meta[META_PLACEMENT] = want
+    for key, new_node in rw.conv.items():  # ((value, placement[, region]): its conversion)
+        new_node.meta[META_PLACEMENT] = key[1]
     shapes = {n: torch.Size(local_shape(s, analysis.params[n], tp)) for n, s in tg.param_shapes.items()}
-    return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp,
+    return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp, sequence_parallel=sequence_parallel,
                                tensor_placements={n: p for n, p in analysis.params.items() if p != R})
 
 

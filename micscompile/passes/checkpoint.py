@@ -4,8 +4,10 @@ Terms. A *segment* is ``Plan.checkpoint_every`` consecutive blocks (``TrainGraph
 forward order; the loss is never checkpointed). A forward value of a segment is *kept*
 (saved for backward as before) when a forward node outside the segment reads it (the
 segment's outputs: the next segment's input, the checkpoint boundary) or, with
-``checkpoint="selective"``, when a matmul-class op produced it; every other forward value
-the backward reads is *recomputed*.
+``checkpoint="selective"``, when a matmul-class op produced it, or, with ``checkpoint="attention"``
+(Korthikanti et al.'s selective recomputation), unless it is one of the attention core's sequence x
+sequence values (scores, masks, probabilities); every other forward value the backward reads is
+*recomputed*.
 
 Rewrite, per segment: the forward nodes needed to recompute those values from kept values,
 parameters and inputs are copied, in forward order, right before the first backward node
@@ -22,6 +24,8 @@ their order are unchanged.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -66,23 +70,45 @@ def checkpoint_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
             if fqn != LOSS_FQN and block in seg_of:
                 members.setdefault(seg_of[block], []).append(n)
     position = {n: i for i, n in enumerate(nodes)}  # the copies go between original nodes: their order holds
+    keep = _keep_rule(plan.checkpoint, ctx.graph)
     for seg in sorted(members):
-        _recompute_segment(graph, members[seg], position, plan.checkpoint == "selective", plan.offload_activations)
+        _recompute_segment(graph, members[seg], position, keep, plan.offload_activations)
     graph.lint()
     return graph
 
 
+def _keep_rule(checkpoint, tg) -> Callable[[torch.fx.Node], bool] | None:
+    """Which forward values of a segment ``checkpoint`` keeps besides its outputs (None: none). "attention"
+    keeps all but the (batch, heads, s, s) or (batch * heads, s, s) values of the token ids' sequence
+    length s (a single head's (batch, s, s) looks like an activation of width s: kept)."""
+    if checkpoint == "selective":
+        return lambda v: v.target in FLOP_RULES
+    if checkpoint == "attention":
+        if tg.token_shape is None:
+            raise PlanError("checkpoint='attention' recomputes the attention's sequence x sequence values: the model "
+                            "takes no (batch, sequence) token ids; use checkpoint=True or 'selective'")
+        batch, seq = tg.token_shape
+
+        def outside_the_core(v: torch.fx.Node) -> bool:
+            # (batch, heads, s, s) or (batch * heads, s, s); not a (batch, s, h) activation where h = s
+            val = v.meta.get("val")
+            return not (isinstance(val, torch.Tensor) and val.dim() >= 3 and tuple(val.shape[-2:]) == (seq, seq)
+                        and tuple(val.shape[:-2]) != (batch,))
+        return outside_the_core
+    return None
+
+
 def _recompute_segment(
-    graph: torch.fx.Graph, forward: list[torch.fx.Node], position: dict[torch.fx.Node, int], selective: bool,
-    offload: bool,
+    graph: torch.fx.Graph, forward: list[torch.fx.Node], position: dict[torch.fx.Node, int],
+    keep: Callable[[torch.fx.Node], bool] | None, offload: bool,
 ) -> None:
     inside = set(forward)
     kept = {v for v in forward if any(u not in inside and not _is_bwd(u) and u.op != "output" for u in v.users)}
     if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.passes.offload)
         for v in kept:
             v.meta[META_OFFLOAD] = True
-    if selective:
-        kept |= {v for v in forward if v.target in FLOP_RULES}
+    if keep is not None:
+        kept |= {v for v in forward if keep(v)}
     need = [v for v in forward if v not in kept and any(_is_bwd(u) for u in v.users)]
     if not need:
         return

@@ -273,6 +273,8 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     memo: dict[tuple, torch.fx.Node] = {}
 
     def rederive(node: torch.fx.Node, consumer: torch.fx.Node) -> torch.fx.Node:
+        if node not in derived:  # (an input of a view that is not a parameter's: the comm of a tensor slice)
+            return node
         ivs = tuple(sorted(id(active[(consumer, bucket_of[n])]) for n in derived[node]))
         key = (node, ivs)
         if key not in memo:

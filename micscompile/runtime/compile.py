@@ -218,7 +218,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                    device=device, loss_scale=plan.loss_scaled, source_lines=rp.tensor > 1)  # (a refusal's line)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
-        tg = tensor_split(tg, rp.tensor)  # what each tensor rank runs (tp = 1: the trace)
+        tg = tensor_split(tg, rp.tensor, rp.plan.sequence_parallel)  # what a tensor rank runs (tp = 1: the trace)
         check_kernels(tg, device)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)

@@ -341,7 +341,8 @@ class Step(Checkpointable):
                 raise PlanError("evaluate() needs the step mc.compile built (it keeps the model and loss to trace)")
             etg = trace(src.model, src.micro_example, src.loss_fn, num_model_inputs=src.num_model_inputs,
                         param_dtype=self.program.plan.plan.param_dtype, device=self.device, forward_only=True)
-            etg = tensor_split(etg, self.graph.tensor_parallel)  # the training graph's pieces, split alike
+            # the training graph's pieces, split alike
+            etg = tensor_split(etg, self.graph.tensor_parallel, self.graph.sequence_parallel)
             if etg.tensor_placements != self.graph.tensor_placements:
                 raise PlanError("evaluate(): the forward alone splits the parameters otherwise than the training "
                                 "step (tensor parallelism): a micscompile bug, please report it")

@@ -153,7 +153,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         p, pred = c.plan, c.prediction
         d = pred.world_size // (p.pipeline_stages * p.partition_size)
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
-        ck = {False: "-", True: "full", "selective": "sel"}[p.checkpoint]
+        ck = {False: "-", True: "full", "selective": "sel", "attention": "attn"}[p.checkpoint]
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
                 f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} "
