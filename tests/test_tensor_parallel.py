@@ -106,7 +106,7 @@ def test_the_analysis_splits_megatron_style():
 def _tensor_collectives(tg) -> dict[tuple[str, str], int]:
     out: dict = {}
     for n in tg.gm.graph.nodes:
-        if n.target in (C.tensor_all_reduce, C.tensor_all_gather):
+        if n.target in (C.tensor_all_reduce, C.tensor_all_gather, C.tensor_reduce_scatter):
             key = (n.target.__name__, n.meta.get(META_REGION))
             out[key] = out.get(key, 0) + 1
     return out
@@ -203,6 +203,57 @@ def test_the_planned_activations_per_layer_are_korthikantis(tp, sp):
         plan = mc.Plan(partition_size=1, tensor_parallel_size=tp, sequence_parallel=sp, param_dtype=torch.bfloat16)
         return mc.plan_memory([x for x in step_buffers_of(tg, plan, tp) if x.kind == "activation"]).lower_bound_bytes
     assert saved(3) - saved(2) == mc.activation_bytes_per_layer(b, s, h, a, tensor_parallel=tp, sequence_parallel=sp)
+
+
+class _Pool(torch.nn.Module):
+    """Attention pooling over the sequence (a softmax along it), then a classifier; ``wide_norm``: a layer
+    norm over (s, h), which a sequence split cannot hold."""
+
+    def __init__(self, wide_norm: bool = False, vocab: int = 64, h: int = 32, s: int = 8) -> None:
+        super().__init__()
+        self.e, self.ln = torch.nn.Embedding(vocab, h), torch.nn.LayerNorm([s, h] if wide_norm else h)
+        self.w, self.v, self.out = torch.nn.Linear(h, h), torch.nn.Linear(h, 1), torch.nn.Linear(h, 3)
+
+    def forward(self, idx):
+        x = self.ln(self.e(idx))
+        p = self.v(torch.tanh(self.w(x))).squeeze(-1).softmax(dim=1)
+        return self.out((p.unsqueeze(-1) * x).sum(1))
+
+
+@pytest.mark.parametrize("wide_norm", [False, True])
+def test_a_softmax_or_a_norm_over_the_sequence_reads_it_whole(wide_norm):
+    """Sequence parallelism splits the sequence only where every op acts on each token alone: a softmax along
+    the sequence (attention pooling) and a layer norm over (s, h) read it whole, and the graph each rank runs
+    computes the model's values (found by a review: a per-rank softmax over half the sequence)."""
+    torch.manual_seed(0)
+    model = _Pool(wide_norm)
+    x, y = torch.randint(64, (2, 8)), torch.tensor([0, 2])
+    tg = mc.trace(model, (x, y), lambda o, t: torch.nn.functional.cross_entropy(o, t))
+    a = analyse(tg, 2, sequence_parallel=True)
+    for n in a.values:
+        if n.target is torch.ops.aten._softmax.default or (
+                wide_norm and n.target is torch.ops.aten.native_layer_norm.default):
+            assert a.needs.get(n, {}).get(n.args[0], a.values[n.args[0]]) == R, n
+    tensor_split(tg, 2, sequence_parallel=True)  # (its shapes propagate: no error)
+
+
+@pytest.mark.hf
+def test_each_value_a_split_matmul_reads_is_gathered_once_per_phase():
+    """Llama's q, k and v each view the norm's output, gate and up the MLP norm's: one all-gather each in
+    forward (and one in backward), not one per projection; a row-parallel matmul's output gradient, read as
+    dY and dY^T, once (found by a review)."""
+    from micscompile.zoo import hf_models
+
+    torch.manual_seed(0)
+    model = hf_models.build("llama", seq_len=8)
+    batch = hf_models.lm_batch(model, 2, 8, torch.Generator().manual_seed(1))
+    split = tensor_split(mc.trace(model, batch, hf_models.lm_loss), 2, sequence_parallel=True)
+    layers = model.config.num_hidden_layers
+    gathers = _tensor_collectives(split)
+    # forward: the attention's and the MLP's input per layer, the head's; backward: the same again and each
+    # row-parallel (o, down) output gradient, the embedding's gradient
+    assert gathers[("tensor_all_gather", "fwd")] == 2 * layers + 1
+    assert gathers[("tensor_all_gather", "bwd")] == 4 * layers + 2
 
 
 def test_a_size_tp_does_not_divide_is_refused_naming_the_block():

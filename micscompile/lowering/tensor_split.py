@@ -240,13 +240,13 @@ class _Propagation:
         """Whether ``node`` reads ``inp`` split along the sequence."""
         return inp in self.tokens or (node, inp) in self.to_tokens
 
-    def gather_tokens(self, node: torch.fx.Node, *inputs: torch.fx.Node) -> bool:
-        """Make each of ``inputs`` split along the sequence whole for ``node``; whether any was."""
-        done = False
+    def gather_tokens(self, node: torch.fx.Node, *inputs: torch.fx.Node) -> list[torch.fx.Node]:
+        """Make each of ``inputs`` split along the sequence whole for ``node``: those it gathers."""
+        done = []
         for x in inputs:
             if self.get(x).kind == "S" and self.is_token(node, x):
                 self.want(node, x, R)
-                done = True
+                done.append(x)
         return done
 
     def resegment_or_fail(self, node, inp, k: int, why: str):
@@ -626,6 +626,8 @@ def _mm(g: _Propagation, node: torch.fx.Node):
             seq = g.token_split(node)
             if seq is not None:
                 g.tokens.add(node)
+                if _ndim(bias) == 2 and _shape(bias)[0] > 1:  # (a bias per token: this rank's tokens)
+                    g.want(node, bias, seq)
                 return seq
             return R
         if out.kind == "S" and pbias.kind != "S" and _shape(bias) and _shape(bias)[-1] != 1:
@@ -638,10 +640,10 @@ def _mm_placement(g: _Propagation, node, a, b, pa: Placement, pb: Placement) -> 
         return R
     if pa == R and pb.kind == "S" and pb.dim == 1:
         return S(1, pb.segments)
-    if g.sequence is not None and (pa.kind == "S" and pb.kind == "S" or pa.kind == "P" or pb.kind == "P") \
-            and g.gather_tokens(node, *(x for x, p in ((a, pa), (b, pb)) if p.kind == "S")):
-        # sequence parallelism: an operand split along the sequence meets a split weight: all-gather it
-        return _mm_placement(g, node, a, b, *(g.needs.get(node, {}).get(x, g.get(x)) for x in (a, b)))
+    if g.sequence is not None and (pa.kind == "S" and pb.kind == "S" or pa.kind == "P" or pb.kind == "P"):
+        gathered = g.gather_tokens(node, *(x for x, p in ((a, pa), (b, pb)) if p.kind == "S"))
+        if gathered:  # sequence parallelism: an operand split along the sequence meets a split weight: gathered
+            return _mm_placement(g, node, a, b, R if a in gathered else pa, R if b in gathered else pb)
     if pa.kind == "S" and pa.dim == 0 and pb == R:
         return S(0, pa.segments)
     if pa.kind == "S" and pa.dim == 1 and pb.kind == "S" and pb.dim == 0 and pa.segments == pb.segments:
@@ -689,8 +691,10 @@ def _layer_norm(g: _Propagation, node: torch.fx.Node):
         g.want(node, x, R)
         pl = R
     elif pl.kind == "P":
-        pl = g.to_sequence(node, x)  # (sequence parallelism: reduce-scattered along the sequence)
-        if pl is None:
+        seq = g.token_split(x)
+        if seq is not None and seq.dim < first_norm:  # (sequence parallelism: reduce-scattered along the sequence)
+            pl = g.to_sequence(node, x)
+        else:
             g.want(node, x, R)
             pl = R
     return (pl, pl, pl)
@@ -718,10 +722,11 @@ def _layer_norm_backward(g: _Propagation, node: torch.fx.Node):
 def _softmax(g: _Propagation, node: torch.fx.Node):
     x = node.args[0]
     pl = g.get(x)
-    if pl.kind == "P":
+    along = pl.kind == "S" and pl.dim == _dim(node.args[1], _ndim(x))
+    if pl.kind == "P" or along and node.target is aten._softmax.default:  # (no rewrite sums a split softmax)
         g.want(node, x, R)
         return R
-    return pl  # (S along the reduced dim: the vocabulary-parallel rewrite)
+    return pl  # (log_softmax S along the reduced dim: the vocabulary-parallel rewrite)
 
 
 @rule(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
@@ -861,6 +866,10 @@ _SIZED = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.defau
 """Ops whose argument at this index is their output's shape: divided where the output is split."""
 
 
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
+          aten.permute.default}
+
+
 class _Rewrite:
     """The graph each tensor rank runs, from ``analysis`` of ``tg``."""
 
@@ -889,8 +898,9 @@ class _Rewrite:
                 out = self.op(C.tensor_all_reduce, None, x, like=old)
             elif have == R and want.kind == "S":
                 out = self.op(C.tensor_slice, None, x, want.dim, want.segments, self.tp, like=like)
-            elif have.kind == "S" and want == R and self._gathered(old, key) is not None:
-                out = self.op(aten.t.default, self._gathered(old, key), like=like)
+            elif have.kind == "S" and want == R and self._view_of_split(old):
+                # a view of a split value: the value gathered (once, whichever view asks first), viewed whole
+                out = self.op(old.target, self.convert(old.args[0], R, like), *old.args[1:], like=like, **old.kwargs)
             elif have.kind == "S" and want == R:
                 out = self.op(C.tensor_all_gather, None, x, have.dim, have.segments, self.tp, like=like)
             elif have.kind == "P" and want.kind == "S" and (old, R) in self.conv:  # (all-reduced already: free)
@@ -902,12 +912,12 @@ class _Rewrite:
             self.conv[key] = out
         return self.conv[key]
 
-    def _gathered(self, old: torch.fx.Node, key: tuple) -> torch.fx.Node | None:
-        """The all-gathered value ``old`` transposes, where gathered already (the gradient a row-parallel
-        matmul's backward reads twice, as dY and as dY^T: gathered once)."""
-        if old.target is not aten.t.default:
-            return None
-        return self.conv.get((old.args[0], *key[1:]))
+    def _view_of_split(self, old: torch.fx.Node) -> bool:
+        """Whether ``old`` is a view or transpose of a split value (the norm's output each linear views, the
+        gradient a row-parallel matmul's backward reads as dY and dY^T: each gathered once)."""
+        src = old.args[0] if old.target in _VIEWS and old.args else None
+        pl = self.a.values.get(src) if isinstance(src, torch.fx.Node) else None
+        return isinstance(pl, Placement) and pl.kind == "S"
 
     def args(self, node: torch.fx.Node):
         needs = self.a.needs.get(node, {})
@@ -1122,7 +1132,8 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
     if tg.tensor_parallel == tp and tg.sequence_parallel == sequence_parallel:
         return tg
     if tg.tensor_parallel != 1:
-        raise TensorSplitError(f"a trace split for tp={tg.tensor_parallel} cannot be split for tp={tp}")
+        raise TensorSplitError(f"a trace split for tp={tg.tensor_parallel} (sequence_parallel={tg.sequence_parallel}) "
+                               f"cannot be split for tp={tp} (sequence_parallel={sequence_parallel})")
     if tg.batch_symbols:
         raise TensorSplitError("tensor parallelism runs concrete traces (not mc.trace(symbolic_batch=True)) for now")
     analysis = analyse(tg, tp, sequence_parallel)
