@@ -135,8 +135,11 @@ def test_each_covering_case_is_its_row(covering):
             row["nodes"] == "2x2 hierarchical")
         assert plan.param_dtype == dtype[row["precision"]] and plan.codegen == row["codegen"]
         assert plan.optimizer_sharding == row["optimizer_sharding"]
-        assert {"none": False, "full": True, "selective": "selective", "offload": plan.checkpoint}[row["checkpoint"]] \
+        assert {"none": False, "full": True, "selective": "selective", "attention": "attention",
+                "offload": plan.checkpoint}[row["checkpoint"]] \
             == plan.checkpoint and plan.offload_activations == (row["checkpoint"] == "offload")
+        assert (rp.tensor, plan.sequence_parallel) == {"tp=1": (1, False), "tp=2": (2, False),
+                                                       "tp=2 sequence": (2, True)}[row["tensor"]]
         assert case.meta == (row["meta"] == "meta") and case.arena == (row["arena"] == "arena")
         assert case.counted == (row["loss"] == "token") and case.opt == row["optimizer"]
         assert (case.clip is None) == (row["clip"] == "none") and (case.clip == float("inf")) == (row["clip"] == "inf")

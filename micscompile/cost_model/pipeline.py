@@ -61,10 +61,10 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
     simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations one rank of chunk c sends
     per micro-batch; ``gathered_bytes``: of them, the whole bytes its peer's tensor group all-gathers after a
-    scattered send, ``pipeline_split.Transfer.pieces``). A chunk's second hops (its buckets' all-reduces over the replicas) start in its last
-    backward and run on the rank's replication stream, one chunk's after another's, under the rest of
-    the schedule; the boundary (loss all-reduce, optimizer) follows once every rank's compute and this
-    rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
+    scattered send, ``pipeline_split.Transfer.pieces``). A chunk's second hops (its buckets' all-reduces over
+    the replicas) start in its last backward and run on the rank's replication stream, one chunk's after
+    another's, under the rest of the schedule; the boundary (loss all-reduce, optimizer) follows once every
+    rank's compute and this rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
     behind its compute (bubbles are ``bubble_fraction``). ``record``: keep every stage's forward and
     backward spans, and its second hops, as events (what the timeline picture and trace draw)."""
     m = rp.micro_batches

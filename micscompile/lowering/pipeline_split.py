@@ -38,8 +38,8 @@ import torch.fx
 
 from micscompile.core.pipeline_schedule import make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
-from micscompile.core.tensor_layout import R
 from micscompile.core.program import Action, Kind
+from micscompile.core.tensor_layout import R
 from micscompile.cost_model.node_cost import NodeWork, node_work
 from micscompile.cost_model.simulator import compute_time_s
 from micscompile.cost_model.specs import A100_40GB, GpuSpec
