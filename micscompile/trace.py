@@ -178,7 +178,6 @@ class TrainGraph:
         """The micro-batch size the recorded values are for."""
         return self.input_specs[0][0][0]
 
-
     def at_batch(self, batch):
         """This trace with every node's bytes, FLOPs and shape evaluated at micro-batch size ``batch``
         (a symbolic-batch trace; the graph is copied, its shape arithmetic folded to constants). At

@@ -37,7 +37,7 @@ def _gpt_trace(cfg=GPT_CFG, batch=2, source_lines=False):
 def test_the_split_sum_reference_rounds_each_partial_product_of_a_weights_matmul():
     # the fuzzer's tensor-parallel floor (docs/design.md): in bf16 a weight's matmul summed as 2 rounded
     # partial products moves the result; in fp32 it stays within fp32's rounding
-    from micscompile.cli.parity import train_reference_mixed
+    from micscompile.cli.parity import state_error, train_reference_mixed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
@@ -47,7 +47,6 @@ def test_the_split_sum_reference_rounds_each_partial_product_of_a_weights_matmul
     def run(dtype, parts):
         return train_reference_mixed(copy.deepcopy(model), lambda m: torch.nn.functional.mse_loss, sgd, batches, 1,
                                      dtype, split_sums=parts)
-    from micscompile.cli.parity import state_error
     assert state_error(run(torch.float32, 2)[1], run(torch.float32, 1)[1])[0] < 1e-6
     assert state_error(run(torch.bfloat16, 2)[1], run(torch.bfloat16, 1)[1])[0] > 1e-4
 

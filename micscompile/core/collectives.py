@@ -573,11 +573,6 @@ def _hierarchical_reduce_scatter(comm: Comm, layout: BucketLayout, flat: torch.T
 # op's input). ``comm`` is None while the split propagates shapes: each then returns a value of its
 # result's shape alone. Bytes are counted as for every collective (ring_wire_bytes over the group).
 
-TENSOR_ALL_REDUCE = "tensor_all_reduce"
-TENSOR_ALL_GATHER = "tensor_all_gather"
-TENSOR_REDUCE_SCATTER = "tensor_reduce_scatter"
-
-
 def tensor_all_reduce(comm: Comm | None, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """A partial value summed (or its maximum taken, ``op="max"``) over the tensor-parallel ranks."""
     if comm is None:
