@@ -89,6 +89,12 @@ BERT_15B = bert(190, 2560, 40, 32008)
 BERT_20B = bert(64, 5120, 40, 32008)
 BERT_52B = bert(64, 8192, 64, 50000)
 BERT_104B = bert(128, 8192, 64, 50000)
+# §3.5.1.3: BERT 10B's hidden and intermediate sizes at 128 layers; the wide variant: 80 layers, intermediate 8x hidden
+BERT_10B_128 = bert(128, 2560, 40, 32008)
+BERT_10B_WIDE = dataclasses.replace(bert(80, 2560, 40, 32008), mlp_ratio=8)
+# the Megatron-LM paper's GPT-3 (Table 2, Fig. 12) and its 530B model (Table 1)
+GPT3_175B = GPTConfig(vocab_size=51200, seq_len=2048, layers=96, hidden=12288, heads=96)
+GPT_530B = GPTConfig(vocab_size=51200, seq_len=2048, layers=105, hidden=20480, heads=128)
 
 
 def dtype_of(preset: str) -> torch.dtype:
@@ -208,6 +214,45 @@ def mics_zero3(cfg, preset, nodes, b, s) -> float:
     return tflops(cfg, preset, nodes, b, s, 8 * nodes, False)
 
 
+@functools.lru_cache(maxsize=None)
+def megatron(cfg: GPTConfig, preset: str, nodes: int, micro_batch: int, global_batch: int, t: int, S: int,
+             v: int = 1) -> float:
+    """TFLOP/s per GPU (the papers' formula, recomputation counted) of Megatron-LM's PTD-P as it ran in 2021
+    (``system="megatron"``, docs/peer-models.md): t-way tensor groups, S stages (v chunks each: interleaved),
+    d = n / (t S) replicas, every layer recomputed, fp16 (the SC21 runs' and the thesis's)."""
+    cluster = mc.Cluster.preset(preset, nodes=nodes)
+    n = cluster.world_size
+    m = global_batch // (micro_batch * (n // (t * S)))
+    plan = mc.Plan(tensor_parallel_size=t, pipeline_stages=S, pipeline_chunks=v, micro_batches=m, checkpoint=True,
+                   pipeline_schedule="interleaved" if v > 1 else "1f1b", param_dtype=torch.float16,
+                   reduce_dtype=torch.float16)
+    flops = mc.transformer_flops(global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size) / n
+    return mc.simulate(_trace(cfg, micro_batch, torch.float16), plan, cluster, flops_per_step=flops, scaling=False,
+                       system="megatron").tflops_per_gpu
+
+
+@functools.lru_cache(maxsize=None)
+def zero3_dgx(cfg: GPTConfig, nodes: int, micro_batch: int, global_batch: int) -> float:
+    """The Megatron-LM paper's ZeRO-3 rows (Table 2): DeepSpeed ZeRO-3 without model parallelism over every
+    rank of ``nodes`` DGX A100, fp16, the batch split into G / (b n) micro-steps, every layer recomputed, priced as
+    the DeepSpeed of spring 2021 (``system="deepspeed-zero3-v0.3"``: v0.3.12-v0.5.5, docs/peer-models.md)."""
+    cluster = mc.Cluster.preset("dgx-a100", nodes=nodes)
+    n = cluster.world_size
+    plan = mc.Plan(micro_batches=max(1, global_batch // (micro_batch * n)), checkpoint=True,
+                   param_dtype=torch.float16, reduce_dtype=torch.float16)
+    flops = mc.transformer_flops(global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size) / n
+    return mc.simulate(_trace(cfg, micro_batch, torch.float16), plan, cluster, flops_per_step=flops, scaling=False,
+                       system="deepspeed-zero3-v0.3").tflops_per_gpu
+
+
+MEGATRON_175B = (8, 12, 4)
+"""(t, S, v) of the paper's GPT-3 runs: model-parallel size 96 (Table 2) is not split in the paper; its 175B scripts
+(examples/sc21, Fig. 12 and 18: ``--tensor-model-parallel-size 8 --pipeline-model-parallel-size 12
+--num-layers-per-virtual-pipeline-stage 2``) give t = 8, S = 12, v = 4 (inferred; docs/peer-models.md)."""
+MEGATRON_530B = (8, 35, 3)
+"""530B: model-parallel size 280 = t 8 x S 35; v = 3 as its Table 1 script (examples/sc21/run_table_1.sh)."""
+
+
 def algbw(cluster: mc.Cluster, gpus: int, nbytes: float) -> float:
     """Effective all-gather bandwidth (N / T, GB/s) over the first ``gpus`` ranks of ``cluster``."""
     return effective_bandwidth_bps(ALL_GATHER, nbytes, tuple(range(gpus)), cluster) / 1e9
@@ -323,6 +368,55 @@ def rows() -> list[Row]:
         return max(chapter4(cfg, 1024, "mics", g, 8) / chapter4(cfg, 1024, "pipe", g, 2)
                    for cfg in (BERT_52B, BERT_104B) for g in (1024, 2048, 4096))
 
+    def megatron_3d(cfg, nodes):  # Table 3-II's configurations (t, S) = (8, 1), (4, 4), (2, 8): b = 8, G = 4096
+        return [megatron(cfg, p3, nodes, 8, 4096, t, S) for t, S in ((8, 1), (4, 4), (2, 8))]
+
+    def mics_3d(cfg, nodes):  # the thesis's MiCS at p = 8 on the same setup
+        return tflops(cfg, p3, nodes, 8, steps_of(4096, 8, 8 * nodes), 8)
+
+    def megatron_3_over_1():
+        return max(c[2] / c[0] for c in (megatron_3d(BERT_10B_128, n) for n in (2, 4, 8)))
+
+    def mics_over_megatron():
+        return max(mics_3d(BERT_10B_128, n) / max(megatron_3d(BERT_10B_128, n)) for n in (2, 4, 8))
+
+    def wide_megatron_3_over_mics():
+        ratios = [megatron_3d(BERT_10B_WIDE, n)[2] / mics_3d(BERT_10B_WIDE, n) for n in (2, 4, 8)]
+        return min(ratios), max(ratios)
+
+    def ptdp(cfg, gpus, batch):
+        t, S, v = MEGATRON_175B if cfg is GPT3_175B else MEGATRON_530B
+        return megatron(cfg, "dgx-a100", gpus // 8, 1, batch, t, S, v)
+
+    def interleaving(batch):  # Fig. 12: 175B on 96 GPUs (t = 8, S = 12, d = 1), interleaved (v = 4) over 1F1B
+        return megatron(GPT3_175B, "dgx-a100", 12, 1, batch, 8, 12, 4) / megatron(GPT3_175B, "dgx-a100", 12, 1, batch, 8, 12)
+
+    z3_175b = {384: 4, 768: 2, 1536: 1}  # GPUs: micro-batch (Table 2, global batch 1536)
+    z3_530b = {640: (4, 2560), 1120: (2, 2240), 2240: (1, 2240)}  # GPUs: (micro-batch, global batch)
+    megatron_rows = [
+        *(Row(f"Megatron-LM Table 2: GPT-3 175B PTD-P TFLOP/s, {g} A100 (t=8, S=12, v=4) [peer: Megatron-LM]",
+              "TFLOP/s", pub, functools.partial(ptdp, GPT3_175B, g, 1536), quote="PTD Parallelism 174.6 96 1536")
+          for g, pub in ((384, 153), (768, 149), (1536, 141))),
+        *(Row(f"Megatron-LM Table 2: GPT-3 175B ZeRO-3 TFLOP/s, {g} A100, b={b} [peer: DeepSpeed 2021]", "TFLOP/s", pub,
+              functools.partial(zero3_dgx, GPT3_175B, g // 8, b, 1536), quote="ZeRO-3 without Model Parallelism")
+          for (g, b), pub in zip(z3_175b.items(), (144, 88, 44))),
+        Row("Megatron-LM Table 2: GPT-3 175B ZeRO-3 throughput 384 -> 1536 A100, drop [peer: DeepSpeed 2021]", "x",
+            144 / 44, lambda: zero3_dgx(GPT3_175B, 48, 4, 1536) / zero3_dgx(GPT3_175B, 192, 1, 1536),
+            quote="144 ... 88 ... 44", holds=lambda r: r >= 2.5),
+        Row("Megatron-LM §5.2: GPT-3 175B PTD-P / ZeRO-3, 768 A100 [peers: Megatron-LM, DeepSpeed 2021]", "x", 149 / 88,
+            lambda: ptdp(GPT3_175B, 768, 1536) / zero3_dgx(GPT3_175B, 96, 2, 1536),
+            quote="PTD-P outperforms ZeRO-3 by 70% for both models", holds=lambda r: r > 1),
+        *(Row(f"Megatron-LM Table 2: 530B PTD-P TFLOP/s, {g} A100 (t=8, S=35, v=3) [peer: Megatron-LM]", "TFLOP/s", pub,
+              functools.partial(ptdp, GPT_530B, g, 2240), quote="PTD Parallelism 529.6 280 2240")
+          for g, pub in ((560, 171), (1120, 167), (2240, 159))),
+        *(Row(f"Megatron-LM Table 2: 530B ZeRO-3 TFLOP/s, {g} A100, b={b}, G={gb} [peer: DeepSpeed 2021]", "TFLOP/s",
+              pub, functools.partial(zero3_dgx, GPT_530B, g // 8, b, gb), quote="ZeRO-3 without Model Parallelism")
+          for (g, (b, gb)), pub in zip(z3_530b.items(), (138, 98, 48))),
+        Row("Megatron-LM Fig. 12: GPT-3 175B interleaved / 1F1B, 96 A100, batch 12 [peer: Megatron-LM]", "x", 1.10,
+            functools.partial(interleaving, 12), quote="can improve throughput by as much as 10%",
+            holds=lambda r: r > 1),
+    ]
+
     return [
         Row("§3.3.2 all-gather in one p3dn node (B_part)", "GB/s", 128, lambda: p3dn_figures()["B_part GB/s"], "fit",
             "we get Bpart ≃ 128GB/s and Ball ≃ 11GB/s", fast=True),
@@ -349,6 +443,16 @@ def rows() -> list[Row]:
             quote="The maximum gain we observe is 223.7%"),
         Row("§3.5.1.1 BERT 15B MiCS / ZeRO-3, max over 16-128 V100 [peer: DeepSpeed]", "x", 2.82, bert15b_ratio,
             quote="up to 2.82x that of DeepSpeed for the BERT 15B model"),
+        Row("§3.5.1.3 BERT 10B (128 layers) Megatron-LM-3D (2, 8) / (8, 1), max over 16-64 V100 [peer: Megatron-LM]",
+            "x", 1.38, megatron_3_over_1, quote="configuration (3) is 38% better than configuration (1)",
+            holds=lambda r: r > 1),
+        Row("§3.5.1.3 BERT 10B (128 layers) MiCS / best Megatron-LM-3D, max over 16-64 V100 [peer: Megatron-LM]",
+            "x", 1.31, mics_over_megatron, quote="MiCS is up to 31% faster than the best results from Megatron-LM-3D",
+            holds=lambda r: r > 1),
+        Row("§3.5.1.3 wide BERT 10B (80 layers, MLP 8x) Megatron-LM-3D (2, 8) / MiCS, 16-64 V100 [peer: Megatron-LM]",
+            "x", (1.0, 1.015), wide_megatron_3_over_mics,
+            quote="configuration (3) is slightly better than MiCS. The performance gaps are within 1.5%",
+            holds=lambda r: r[1] >= 1 / 1.015),
         Row("§3.5.2.1 BERT 10B p=8 / p=64, 64 V100", "x", 1.6, p8_vs_p64,
             quote="The throughput of partition group size 8 is 1.6x that of partition group size 64"),
         Row("§3.5.2.2 hierarchical gain end to end, BERT 15B p=16, 16-128 V100", "%", (30.6, 38.0), hier_end_to_end,
@@ -392,6 +496,7 @@ def rows() -> list[Row]:
             holds=lambda g: g == 2048, scale="setting"),
         Row("§4.5.1 seq 1024 MiCS (b=8) / MiCS-Pipe (b=2), max over 52B/104B, G 1024-4096", "x", 1.325,
             mics_over_pipe_1024, quote="MiCS is up to 32.5% ... with respect to MiCS-Pipe", holds=lambda r: r > 1),
+        *megatron_rows,
     ]
 
 
@@ -587,9 +692,10 @@ def main() -> None:
     table = rows()
     chosen = [i for i, row in enumerate(table)
               if not ((args.fast and not table[i].fast) or (args.only and args.only not in row.claim))]
-    # two processes (this machine's cores): the thesis's chapter 3 rows and its chapter 4 rows share no trace
-    shares = [[i for i in chosen if not table[i].claim.startswith("§4")],
-              [i for i in chosen if table[i].claim.startswith("§4")]]
+    # two processes (this machine's cores): the thesis's chapter 3 rows, and its chapter 4 rows with the Megatron-LM
+    # paper's (they share no trace)
+    second = [table[i].claim.startswith(("§4", "Megatron")) for i in range(len(table))]
+    shares = [[i for i in chosen if not second[i]], [i for i in chosen if second[i]]]
     with concurrent.futures.ProcessPoolExecutor(max_workers=2) as pool:
         results = dict(zip(shares[0] + shares[1], [x for f in [pool.submit(_simulate_rows, s) for s in shares]
                                                    for x in f.result()]))

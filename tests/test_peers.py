@@ -196,3 +196,43 @@ def test_deepspeed_mics_keeps_the_plan_and_runs_hierarchical_stages_on_its_strea
                              hierarchical_on_stream=False)  # (a cost given by the caller wins)
     assert ds.compute_s < on_compute.compute_s
     assert ds.stream_busy_s["comm:shard"] > on_compute.stream_busy_s["comm:shard"]
+
+
+def test_deepspeed_2021_pays_its_hosts_loop_over_the_ranks_for_every_call(lm_trace):
+    """The Megatron-LM paper's DeepSpeed (v0.3.12-v0.5.5): v0.5.x's per-parameter calls and synchronize, and the
+    host's list-API loops over the group's ranks before every call (and over the persistent parameters after
+    the step), on the compute stream: the host time a step pays grows with the world size, twice the ranks
+    twice the time. Mutation caught: the host time not multiplied by the world size (equal at 8 and 16)."""
+    plan = mc.Plan(micro_batches=2)
+    host_s = {}
+    for nodes in (1, 2):
+        cluster = Cluster.preset("dgx-a100", nodes=nodes)
+        old = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.3")
+        bare = mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.3", host_per_call_s=(0.0, 0.0),
+                           host_per_step_s=0.0)
+        host_s[nodes] = old.compute_s - bare.compute_s
+        assert old.step_time_s > mc.simulate(lm_trace, plan, cluster, system="deepspeed-zero3-v0.5").step_time_s
+    assert host_s[1] > 0 and host_s[2] == pytest.approx(2 * host_s[1])
+    ds = peer("deepspeed-zero3-v0.3", plan, 16)
+    assert ds.per_parameter and ds.sync_at_fetch and ds.copy_out == "parameter"
+    assert ds.host_per_call_s == pytest.approx((16 * 9e-6, 16 * 10e-6))
+
+
+def test_megatron_keeps_the_plans_tensor_groups_unsharded_and_all_reduces_after_the_backward(lm_trace):
+    """Megatron-LM v2.5 (the SC21 paper's): the plan's tensor groups and pipeline, nothing sharded, no sequence
+    parallelism, and the data-parallel all-reduce once the rank's whole backward is done: a longer step than
+    the same all-reduces started in the last backward (micscompile's second hops), in a flat plan and in a
+    pipeline. Mutation caught: ``grad_sync_after_backward`` ignored (the same step)."""
+    plan = mc.Plan(partition_size=4, tensor_parallel_size=2, sequence_parallel=True, micro_batches=2)
+    megatron = peer("megatron", plan, 16)
+    assert megatron.plan.partition_size == 1 and megatron.plan.tensor_parallel_size == 2
+    assert not megatron.plan.sequence_parallel and megatron.grad_sync_after_backward
+    assert peer("deepspeed-zero3", plan, 16).plan.tensor_parallel_size == 1  # (data parallelism alone)
+    cluster = Cluster.preset("p4d.24xlarge", nodes=2)
+    for stages in (1, 2):
+        p = dataclasses.replace(plan, pipeline_stages=stages, micro_batches=2 * stages)
+        after = mc.simulate(lm_trace, p, cluster, system="megatron")
+        beside = mc.simulate(lm_trace, p, cluster, system="megatron", grad_sync_after_backward=False)
+        assert after.step_time_s > beside.step_time_s, stages
+        assert after.exposed_boundary_s > beside.exposed_boundary_s, stages
+        assert after.compute_s == pytest.approx(beside.compute_s)

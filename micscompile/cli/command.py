@@ -215,11 +215,6 @@ def _compare_peers(args: argparse.Namespace) -> int:
     from micscompile.tune.compare import check_nodes, compare_peers, format_table
 
     check_nodes(args.nodes)  # before the trace
-    if args.tp > 1:
-        from micscompile.cli.model_specs import SpecError
-
-        raise SpecError(f"--compare-peers prices the peers without tensor parallelism (a Megatron-LM peer is "
-                        f"issue 55): use --tp 1, or price --tp {args.tp} plans without --compare-peers")
     cluster = _cluster(args)
     plan = _plans(args, cluster)[0]
     tg = _trace(args, cluster)

@@ -56,7 +56,7 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
                       cluster: Cluster, *, record: bool = True, gathered_bytes: Sequence[int] = (),
-                      **costs) -> Prediction:
+                      grad_sync_after_backward: bool = False, **costs) -> Prediction:
     """One optimizer step of a pipeline on ``cluster``: each chunk's forward and backward are its
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
     simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations one rank of chunk c sends
@@ -66,7 +66,9 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     another's, under the rest of the schedule; the boundary (loss all-reduce, optimizer) follows once every
     rank's compute and this rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
     behind its compute (bubbles are ``bubble_fraction``). ``record``: keep every stage's forward and
-    backward spans, and its second hops, as events (what the timeline picture and trace draw)."""
+    backward spans, and its second hops, as events (what the timeline picture and trace draw).
+    ``grad_sync_after_backward``: a rank's second hops start once its last backward has ended (Megatron-LM's
+    data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts."""
     m = rp.micro_batches
     fwd, bwd, edge, exposed, static, acts, saved, hop_end, hop_busy = [], [], [], [], [], [], [], [], []
     priced: dict[int, tuple] = {}  # chunks of one shape share their Program (mc.autotune): priced once
@@ -106,9 +108,14 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
     # each rank's second hops, chunk by chunk as their last backwards start, one after another on its links
     replicated, events = [], []
+    if grad_sync_after_backward:  # (nothing left to overlap: each takes its busy time)
+        hop_end = list(hop_busy)
     for r, spans in enumerate(timeline.spans):
         last_start = {a.chunk: start for a, start, _ in spans if a.op is Op.BACKWARD}  # (the last one wins)
         free = 0.0
+        if grad_sync_after_backward:  # every chunk's hops after the rank's whole schedule, one after another
+            done = max((end for _, _, end in spans), default=0.0)
+            last_start = dict.fromkeys(last_start, done)
         for c in sorted((c for c in ranks[r] if hop_busy[c]), key=last_start.__getitem__):
             start = max(last_start[c], free)
             free = max(last_start[c] + hop_end[c], free + hop_busy[c])

@@ -195,6 +195,8 @@ def simulate_program(
     copy_out_ops: Mapping[int, int] | None = None,
     host_per_micro_step_s: float = 0.0,
     host_per_step_s: float = 0.0,
+    grad_sync_after_backward: bool = False,
+    host_per_call_s: tuple[float, float] = (0.0, 0.0),
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
@@ -221,7 +223,12 @@ def simulate_program(
     gathered byte read and written once. ``host_per_micro_step_s`` / ``host_per_step_s``: compute-stream
     time a peer's runtime adds per micro-step (spread over its gathers' waits: its hooks) and per step
     (its optimizer), where the host is the device (a CPU run; ``benchmarks/bench_peers.py --predict``
-    measures them at world size 1).
+    measures them at world size 1). ``grad_sync_after_backward``: the gradients' all-reduces over the
+    replicas (the second hops) are issued once the step's last backward has computed, not as each bucket is
+    reduced (Megatron-LM's data-parallel all-reduce, ``allreduce_gradients`` after the whole backward).
+    ``host_per_call_s``: (gather, reduce-scatter) host time per collective call (per piece of ``gather_pieces``
+    / ``reduce_pieces``), on the compute stream before the call is launched: a peer whose host builds each
+    call's per-rank tensor lists while the device is synchronized (DeepSpeed 2021, ``lowering.peers``).
     """
     if replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
         program = program.without_second_hops()
@@ -284,6 +291,9 @@ def simulate_program(
                       for b in ((a.tensor_bytes,) if pieces is None else pieces)]
             priced[key] = tuple(sum(s) for s in zip(*stages)) if stages else (0.0, 0.0, 0.0)
         duration, reorder, intra = priced[key]
+        host_s = host_per_call_s[0] if a.kind in GATHERS else host_per_call_s[1] if a.kind is Kind.REDUCE_SCATTER else 0
+        if host_s:  # (the host's loops over the group's ranks, one call after another)
+            run_compute(host_s * (1 if pieces is None else len(pieces)), (f"host {a}" if record else ""))
         if a.hierarchical and hierarchical_on_stream:
             duration, reorder, intra = duration + reorder + intra, 0.0, 0.0
         if a.hierarchical:
@@ -408,6 +418,7 @@ def simulate_program(
         wait_until(max(updates.values()))
         updates.clear()
     micro_batches = program.plan.micro_batches
+    deferred: list[Action] = []  # second hops issued after the last backward (grad_sync_after_backward)
     mb, seen = 0, None
     while mb < micro_batches:
         if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
@@ -456,6 +467,9 @@ def simulate_program(
                     pending[(a.kind, a.bucket)].append(flight)
                     end = flight.end_s
             elif a.kind is Kind.SECOND_HOP:
+                if grad_sync_after_backward:
+                    deferred.append(a)
+                    continue
                 flight = issue(a)
                 pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
                 end = flight.end_s
@@ -483,6 +497,8 @@ def simulate_program(
         if accumulate:  # (not for a pipeline chunk's forward half)
             run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
         mb += 1
+    for a in deferred:
+        pending[(a.kind, a.bucket)].append(issue(a))
 
     ends = []
     boundary_exposed = 0.0

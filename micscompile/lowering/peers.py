@@ -25,6 +25,10 @@ reducing the next bucket (``reduction_stream.synchronize()`` in ``reduce_ipg_gra
 fetch ends in ``torch.cuda.synchronize()``, which waits for every stream, the reductions in flight
 included (``sync_at_fetch``). Today's DeepSpeed copies each fetched parameter out of the gathered
 buffer at the fetch's wait (``copy_out="parameter"``); v0.5.x gathered each into its own storage.
+``"deepspeed-zero3-v0.3"`` is 2021's before that (v0.3.12-v0.5.5, what the Megatron-LM paper's Table 2
+measured): v0.5.x's per-parameter calls and synchronize, through torch's list API: the host loops over the
+group's ranks for every call (``host_per_call_s``, ``DS_2021_HOST_S_PER_RANK``) and after each step for every
+persistent parameter, c10d copies each gathered parameter out of its flat buffer (``copy_out="parameter"``).
 
 DeepSpeed-MiCS (``deepspeed/runtime/zero/mics.py``, the thesis's MiCS upstream): the user's partition
 group, hierarchical gathers and 2-hop gradient sync as micscompile's, DeepSpeed's fetch
@@ -38,6 +42,13 @@ under HSDP (partition size < world), the replicate all-reduce of each reduced sh
 it, every micro-batch, on its own stream; its streams overlap collectives with compute as
 micscompile's do; each gathered unit is copied out into its parameters on the compute stream
 (``copy_out="unit"``).
+
+Megatron-LM (docs/peer-models.md#megatron-lm-ptd-p, v2.5 as the SC21 paper ran it): the plan's tensor
+groups, pipeline stages and interleaving; no sharding (``partition_size=1``: each data-parallel rank keeps
+its stage's whole fp16 weights, fp32 master weights and Adam state); no sequence parallelism (2022); the
+gradients all-reduced over the d data-parallel replicas once the rank's whole backward is done, one
+flattened all-reduce per model chunk (``allreduce_gradients`` after ``forward_backward_func``,
+``grad_sync_after_backward``); the tensor all-reduces on the compute stream, as micscompile's.
 """
 
 from __future__ import annotations
@@ -50,7 +61,8 @@ from micscompile.core.plan import Plan
 from micscompile.core.program import Prefetch
 from micscompile.core.sharding import BucketLayout
 
-SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-mics", "fsdp2")
+SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-zero3-v0.3", "deepspeed-mics", "fsdp2",
+           "megatron")
 
 DS_PREFETCH_BUCKET_ELEMENTS = 50_000_000
 """``stage3_prefetch_bucket_size`` default (deepspeed/runtime/zero/config.py)."""
@@ -64,6 +76,17 @@ elements is not released (coordinator l.653-662)."""
 DS_CONFIG_KEYS = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "reduce_bucket_size",
                   "stage3_max_reuse_distance")
 """The DeepSpeed config keys ``mc.simulate(..., peer_config=...)`` takes for its DeepSpeed peers."""
+DS_2021_HOST_S_PER_RANK = (9e-6, 10e-6, 12e-6)
+"""DeepSpeed 2021's (v0.3.12-v0.5.5, on PyTorch 1.7-1.8) host time per rank of the group, per collective call:
+(a parameter's all-gather, a parameter's reduce-scatter, one persistent parameter's copy after the step). Its
+calls take torch's list API: DeepSpeed builds the world's partitions in a Python loop (``for i in
+range(self.world_size)``: a ``narrow`` each, partition_parameters.py l.623, l.741 at v0.3.13) and c10d copies
+each of them in or out of its flat buffer (``ProcessGroupNCCL::allgather``: one ``copy_`` per output tensor);
+after the step the persistent parameters are copied out rank by rank (l.681). Component estimates, not fitted
+on any row: a Python ``narrow`` 2.5 us (measured on this machine, torch 2.13; 2.8 us in pytorch#28890's op
+benchmark), a CUDA ``copy_`` launch with its ``recordStream`` about 5 us, 1-2 us of list and rank bookkeeping;
+the post-step loop does two narrows, a view and a copy from Python. The measurement that would pin them: one
+GPU timing N ``narrow`` + N ``copy_`` at N = 1536 on torch 1.8 (docs/peer-models.md)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +123,14 @@ class Peer:
     its wait: ``"unit"`` one copy per gathered bucket (FSDP2's ``split_with_sizes_copy`` in
     ``wait_for_unshard``), ``"parameter"`` one per fetched parameter (DeepSpeed's ``torch.cat`` in
     ``AllGatherCoalescedHandle.wait``); docs/peer-models.md cites the lines."""
+    grad_sync_after_backward: bool = False
+    """The gradients' all-reduces over the replicas start once the rank's whole backward is done (Megatron-LM
+    v2.5: ``model.allreduce_gradients()`` in ``train_step`` after every micro-batch's backward)."""
+    host_per_call_s: tuple[float, float] = (0.0, 0.0)
+    """(gather, reduce-scatter) host time of each collective call, on the compute stream before its launch
+    (DeepSpeed 2021: its per-rank list loops, with the device synchronized before every gather)."""
+    host_per_persistent_s: float = 0.0
+    """Host time per persistent parameter after each step (DeepSpeed 2021: its rank-by-rank copy-out)."""
 
     def kept_live(self, layouts: Sequence[BucketLayout]) -> int:
         """Buckets whose forward gather stays live into backward: between a bucket's forward and its
@@ -129,6 +160,13 @@ class Peer:
             out["replicate_every_micro_step"] = True
         if self.sync_at_fetch:
             out["sync_at_fetch"] = True
+        if self.grad_sync_after_backward:
+            out["grad_sync_after_backward"] = True
+        if any(self.host_per_call_s):
+            out["host_per_call_s"] = self.host_per_call_s
+        if self.host_per_persistent_s:
+            out["host_per_step_s"] = self.host_per_persistent_s * sum(
+                s.numel <= self.persistence_threshold for lay in layouts for s in lay.slots)
         if self.copy_out is not None:
             out["copy_out_ops"] = {lay.index: sum(s.numel > self.persistence_threshold for s in lay.slots)
                                    if self.copy_out == "parameter" else 1 for lay in layouts}
@@ -202,18 +240,30 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
         DS_PREFETCH_BUCKET_ELEMENTS, DS_PERSISTENCE_THRESHOLD, DS_REDUCE_BUCKET_ELEMENTS, DS_MAX_REUSE_DISTANCE))}
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
         plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
+        tensor_parallel_size=1, sequence_parallel=False,  # (data parallelism alone)
         bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager",
         optimizer_sharding="partition")
     deepspeed = dict(prefetch=(Prefetch(distance=1),), fetch_elements=ds["stage3_prefetch_bucket_size"],
                      persistence_threshold=ds["stage3_param_persistence_threshold"],
                      reduce_elements=ds["reduce_bucket_size"], max_reuse_distance=ds["stage3_max_reuse_distance"])
-    if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5"):
+    if system in ("deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-zero3-v0.3"):
+        old = system != "deepspeed-zero3"
+        host = {}
+        if system.endswith("v0.3"):  # 2021's list API: per-rank host loops, c10d's copy out of its flat buffer
+            g, r, post = DS_2021_HOST_S_PER_RANK
+            host = dict(host_per_call_s=(g * world_size, r * world_size), host_per_persistent_s=post * world_size)
         return Peer(system, dataclasses.replace(base, partition_size=world_size), **deepspeed,
-                    per_parameter=system.endswith("v0.5"), sync_at_fetch=system.endswith("v0.5"),
-                    copy_out=None if system.endswith("v0.5") else "parameter")
+                    per_parameter=old, sync_at_fetch=old,
+                    copy_out=None if system.endswith("v0.5") else "parameter", **host)
     if system == "deepspeed-mics":
-        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition"),
+        return Peer(system, dataclasses.replace(plan, bucket_bytes=None, codegen="eager", optimizer_sharding="partition",
+                                                tensor_parallel_size=1, sequence_parallel=False),
                     **deepspeed, hierarchical_on_stream=True)
+    if system == "megatron":  # no sharding, no SP; the plan's tensor groups, pipeline and interleaving
+        megatron = dataclasses.replace(plan, partition_size=1, hierarchical=False, grad_sync="2hop", bucket_bytes=None,
+                                       sequence_parallel=False, optimizer_sharding="partition", codegen="eager",
+                                       memory_budget_bytes=None, max_gathers_in_flight=None)
+        return Peer(system, megatron, (Prefetch(distance=0),), grad_sync_after_backward=True)
     if system == "fsdp2":  # HSDP (partition_size < world size): the replicate all-reduce every micro-batch
         return Peer(system, base, (Prefetch(distance=1),), copy_out="unit",
                     replicate_every_micro_step=(plan.partition_size or world_size) < world_size)

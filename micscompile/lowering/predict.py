@@ -72,8 +72,9 @@ def simulate(
         lowered = _lower_keeping_live(trace, rp, cluster, prefetch, kept, costs)
     else:
         lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
-    if other.system != "micscompile":  # (a peer: a flat Program)
-        costs = {**other.costs(lowered.program.layouts), **costs}  # (what the caller gives wins)
+    if other.system != "micscompile":  # (a peer; only Megatron-LM's pipelines, whose rules need no layouts)
+        layouts = lowered.program.layouts if rp.stages == 1 else ()
+        costs = {**other.costs(layouts), **costs}  # (what the caller gives wins)
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
 

@@ -4,7 +4,8 @@ one trace (``micscompile simulate MODEL --compare-peers --nodes 2 4 8 ...``).
 Per cluster size: micscompile at each partition size (default: powers of two from one node to
 the whole cluster), with hierarchical and flat gathers across nodes (the fastest that fits the
 device memory is its row), DeepSpeed ZeRO-3, FSDP2
-full shard and FSDP2 HSDP sharded inside a node, each by its peer model
+full shard, FSDP2 HSDP sharded inside a node and Megatron-LM (tensor groups of a node, the fewest
+pipeline stages its model states fit in), each by its peer model
 (``lowering.peers``, docs/peer-models.md). Every figure carries the cluster's held-out error
 (``Prediction.uncertainty``).
 """
@@ -21,9 +22,9 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.predict import simulate
 from micscompile.trace import TrainGraph
 
-SYSTEM_ROWS = ("micscompile", "deepspeed-zero3", "fsdp2", "fsdp2-hsdp")
+SYSTEM_ROWS = ("micscompile", "deepspeed-zero3", "fsdp2", "fsdp2-hsdp", "megatron")
 LABELS = {"micscompile": "micscompile (best p)", "deepspeed-zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2 full shard",
-          "fsdp2-hsdp": "FSDP2 HSDP (shard in a node)"}
+          "fsdp2-hsdp": "FSDP2 HSDP (shard in a node)", "megatron": "Megatron-LM (PTD-P)"}
 
 
 @dataclass
@@ -35,6 +36,9 @@ class PeerRow:
     system: str
     """One of ``SYSTEM_ROWS``."""
     partition_size: int | None = None
+    tensor: int = 1
+    """Megatron-LM's tensor group size t (its row: t and S in the table)."""
+    stages: int = 1
     hierarchical: bool | str = False
     """Its gathers across nodes (micscompile: ``Plan.hierarchical``)."""
     prediction: Prediction | None = None
@@ -77,9 +81,41 @@ def compare_peers(trace: TrainGraph, cluster: Cluster, nodes: Sequence[int], pla
         rows.append(_row(trace, n, c, "fsdp2", dataclasses.replace(plan, partition_size=world)))
         if world > k:
             rows.append(_row(trace, n, c, "fsdp2-hsdp", dataclasses.replace(plan, partition_size=k)))
+        if (megatron := _megatron_row(trace, n, c, plan)) is not None:
+            rows.append(megatron)
         if progress:
             progress(f"{n} nodes priced")
     return rows
+
+
+def _megatron_row(trace: TrainGraph, nodes: int, cluster: Cluster, plan: Plan) -> PeerRow | None:
+    """Megatron-LM as its paper tunes it (§5.4: tensor groups inside a node, pipelines only for a model that does not
+    fit): for each tensor size t dividing a node (``plan.tensor_parallel_size`` alone where > 1), the fewest
+    pipeline stages S whose model states (16 B a parameter over t * S ranks) fit in 80% of the device; the fastest
+    that fits the device is the row. The same global batch: ``plan.micro_batches`` per rank, t * S times as many
+    per pipeline. None where no (t, S) splits the model (its heads, its blocks) or the cluster."""
+    from micscompile.core.plan import divisors
+    from micscompile.lowering.tensor_split import TensorSplitError
+
+    world = cluster.world_size
+    params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
+    sizes = [plan.tensor_parallel_size] if plan.tensor_parallel_size > 1 else divisors(min(cluster.gpus_per_node, world))
+    rows = []
+    for t in (t for t in sizes if world % t == 0):
+        S = next((S for S in divisors(world // t) if 16 * params / (t * S) <= 0.8 * cluster.gpu.memory_bytes),
+                 world // t)
+        if S > 1 and 2 * S > len(trace.blocks):
+            continue
+        megatron = dataclasses.replace(plan, tensor_parallel_size=t, pipeline_stages=S,
+                                       micro_batches=plan.micro_batches * t * S)
+        row = PeerRow(nodes, world, "megatron", tensor=t, stages=S)
+        try:
+            row.prediction = simulate(trace, megatron, cluster, scaling=False, system="megatron")
+        except (PlanError, TensorSplitError):
+            continue
+        row.fits = row.prediction.fits(cluster)
+        rows.append(row)
+    return min(rows, key=lambda r: (not r.fits, r.prediction.step_time_s), default=None)
 
 
 def check_nodes(nodes: Sequence[int]) -> None:
@@ -110,8 +146,9 @@ def format_table(rows: Sequence[PeerRow]) -> str:
             if r is None:
                 cells.append(f"{'-':>28}")
             else:
-                across = r.partition_size > r.gpus // r.nodes
+                across = (r.partition_size or 0) > r.gpus // r.nodes
                 p = f"p={r.partition_size}{' flat' if across and not r.hierarchical else ''} " if s == "micscompile" else ""
+                p = f"t={r.tensor} S={r.stages} " if s == "megatron" else p
                 cells.append(f"{p + f'{r.tflops_per_gpu:.3g}' + ('' if r.fits else '*'):>28}")
         ours = mine["micscompile"]
         peers = [r for s, r in mine.items() if s != "micscompile" and r.fits]

@@ -19,6 +19,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     causal: bool = True
     """False: bidirectional attention (a BERT-style encoder with the same blocks)."""
+    mlp_ratio: int = 4
+    """The MLP's intermediate size over the hidden size (the thesis's wide BERT 10B, §3.5.1.3: 8)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -42,8 +44,8 @@ class GPTBlock(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.hidden)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
-        self.out = nn.Linear(4 * cfg.hidden, cfg.hidden)
+        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
