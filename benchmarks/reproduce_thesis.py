@@ -527,7 +527,7 @@ def error(published, simulated) -> tuple[str, bool]:
 
 def fmt(v, unit: str) -> str:
     if isinstance(v, tuple):
-        return f"{v[0]:.1f}-{v[1]:.1f} {unit}"
+        return f"{v[0]:.2f}-{v[1]:.2f}x" if unit == "x" else f"{v[0]:.1f}-{v[1]:.1f} {unit}"
     if unit == "x":
         return f"{v:.2f}x"
     return f"{v:.0f} {unit}".rstrip() if float(v).is_integer() else f"{v:.3g} {unit}".rstrip()
@@ -539,8 +539,11 @@ def _simulate_rows(indices: list[int]) -> list:
     return [table[i].simulate() for i in indices]
 
 
-def _gpu(row: Row) -> str:
-    return "A100" if "A100" in row.claim or row.claim.startswith("§4") else "V100"
+def _preset(row: Row) -> str:
+    """The preset a row is measured on: the Megatron-LM paper's DGX A100 (Selene), the thesis's p4d or p3dn."""
+    if row.claim.startswith("Megatron-LM"):
+        return "dgx-a100"
+    return "p4d.24xlarge" if "A100" in row.claim or row.claim.startswith("§4") else "p3dn.24xlarge"
 
 
 def collective_figures(base: mc.Cluster, small: int = 128 * MB) -> list[tuple[str, float, float]]:
@@ -688,7 +691,7 @@ def main() -> None:
     print(__doc__.split("\n\n")[2].replace("\n", " "), "\n")
     print("| claim | role | published | simulated | error | within 20% |\n|---|---|---|---|---|---|")
     held, ok, claims, hold, checks, checked = 0, 0, 0, 0, 0, 0
-    by_gpu: dict[str, list[float]] = {"V100": [], "A100": []}
+    by_preset: dict[str, list[float]] = {"p3dn.24xlarge": [], "p4d.24xlarge": [], "dgx-a100": []}
     table = rows()
     chosen = [i for i, row in enumerate(table)
               if not ((args.fast and not table[i].fast) or (args.only and args.only not in row.claim))]
@@ -708,7 +711,7 @@ def main() -> None:
         ok += good and row.role == "held out"
         if row.role == "held out":
             if (e := throughput_error(row, sim)) is not None:
-                by_gpu[_gpu(row)].append(abs(e))
+                by_preset[_preset(row)].append(abs(e))
         direction = ""
         if row.holds is not None:
             claims += 1
@@ -718,10 +721,10 @@ def main() -> None:
               f"{'yes' if good else 'NO'}{direction} |", flush=True)
     print(f"\nheld-out rows within 20%: {ok} of {held}; directional claims that hold: {hold} of {claims}; "
           f"collective checks (not fitted on) within 20%: {checked} of {checks}; {time.perf_counter() - t0:.0f} s")
-    for gpu, preset in (("V100", "p3dn.24xlarge"), ("A100", "p4d.24xlarge")):
-        if by_gpu[gpu]:  # what Cluster.prediction_error should say
-            print(f"median |error| of the held-out {gpu} rows in throughput ({len(by_gpu[gpu])} rows; gains and "
-                  f"losses as throughput ratios, settings left out): {statistics.median(by_gpu[gpu]):.0%} "
+    for preset, errors in by_preset.items():
+        if errors:  # what Cluster.prediction_error should say
+            print(f"median |error| of the held-out {preset} rows in throughput ({len(errors)} rows; gains and "
+                  f"losses as throughput ratios, settings left out): {statistics.median(errors):.0%} "
                   f"({preset}'s prediction_error: {mc.Cluster.preset(preset).prediction_error:.0%})")
 
 

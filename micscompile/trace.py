@@ -182,7 +182,7 @@ class TrainGraph:
         """This trace with every node's bytes, FLOPs and shape evaluated at micro-batch size ``batch``
         (a symbolic-batch trace; the graph is copied, its shape arithmetic folded to constants). At
         ``batch=1`` the values are those of the batch-generic graph (a trace made at size 1 records a
-        few views where this one copies). ``batch`` may also be a sequence of sizes:
+        few views where this one copies); the result is a concrete trace. ``batch`` may also be a sequence of sizes:
         then every batch-dependent value is a numpy array over them (what ``mc.autotune`` lowers
         once per plan structure and prices per size)."""
         if not self.batch_symbols:
@@ -220,6 +220,9 @@ class TrainGraph:
         specs = [(torch.Size((batch if isinstance(batch, int) else sizes[0], *shape[1:])), dtype)
                  for shape, dtype in self.input_specs]
         tokens = self.token_shape and (batch if isinstance(batch, int) else sizes[0], self.token_shape[1])
+        if isinstance(batch, int):  # a concrete trace (one size: what a trace at it records)
+            return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens, batch_symbols=(),
+                                       batch_guards=())
         return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens)
 
     @property

@@ -4,8 +4,10 @@ measure mode on 4 gloo ranks (the thesis's paper-scale cases: benchmarks/bench_a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from harness import launch
@@ -13,6 +15,7 @@ from harness import launch
 import micscompile as mc
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import lower_pipeline
+from micscompile.lowering.tensor_split import tensor_split
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
 from micscompile.tune import repricing
 from micscompile.tune.repricing import Pricer
@@ -127,16 +130,19 @@ def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
 
 def test_autotune_best_equals_brute_force(symbolic):
     """On a small space the best candidate is the brute-force minimum of mc.simulate over every
-    (plan, micro-batch size, prefetch) that fits; a device of the median peak makes half not fit."""
+    (plan, micro-batch size, prefetch) that fits, tensor groups with and without sequence parallelism
+    included (each tensor-split candidate priced as mc.simulate prices it); a device of the median peak
+    makes half not fit."""
     opts = dict(partition_sizes=(1, 2, 8), pipeline_stages=(1, 2), micro_batch_sizes=(1, 4), checkpoint=(False, True),
-                offload=(False,))
+                offload=(False,), tensor=((1, False), (2, True)))
     cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
     space = configs(cl.world_size, cl.gpus_per_node, 32, len(symbolic.blocks), hierarchical=("auto", False), **opts)
     brute = []
+    split = functools.cache(lambda b, t, sp: tensor_split(symbolic.at_batch(b), t, sp))  # (mc.simulate's first step)
     for cfg in space:
         plan = cfg.plan(mc.Plan(gpus_per_node=cl.gpus_per_node))
         for pf in prefetches(cfg):
-            pred = mc.simulate(symbolic.at_batch(cfg.micro_batch), plan, cl, prefetch=[pf], scaling=False)
+            pred = mc.simulate(split(cfg.micro_batch, cfg.tensor, cfg.sequence), plan, cl, prefetch=[pf], scaling=False)
             brute.append((pred.step_time_s, pred.peak_memory_bytes, plan, cfg.micro_batch, pf))
     capacity = sorted(x[1] for x in brute)[len(brute) // 2]
     cl = _small_cluster(capacity)
@@ -156,6 +162,49 @@ def test_autotune_best_equals_brute_force(symbolic):
     assert all(c.feasible for c in ranked[:len(feasible)])
     assert all("exceeds" in c.reason or "model states" in c.reason for c in ranked[len(feasible):])
     assert all(c.why for c in ranked[:len(feasible) - 1])
+    assert {c.family for c in ranked} == {"MiCS", "MiCS-Pipe", "PTD-P"}
+    # every candidate is the simulation of its plan: the tensor-split ones too (mutation caught: the split's
+    # per-size metadata left at the traced size)
+    by = {(x[2], x[3], x[4]): x[0] for x in brute}
+    assert all(c.step_time_s == pytest.approx(by[c.plan, c.micro_batch_size, c.prefetch], rel=1e-9)
+               for c in ranked if c.prediction is not None)
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_one_tensor_split_evaluated_at_every_size_is_each_sizes_own_split(symbolic, sequence):
+    """autotune splits a symbolic trace twice (its two smallest sizes above 1) and evaluates every byte, FLOP and
+    shape count at the other sizes on the line through them: node for node what splitting at each size gives.
+    Mutation caught: the counts left at the first size (every larger size's differ)."""
+    from micscompile.lowering.tensor_split import tensor_split
+    from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE
+    from micscompile.tune.repricing import split_over_sizes
+
+    sizes = [2, 3, 5, 8]
+    over = split_over_sizes(symbolic, 2, sequence, sizes)
+    assert over is not None and split_over_sizes(symbolic, 2, sequence, [1, 2, 3]) is None  # (a batch of 1: alone)
+    for i, b in enumerate(sizes):
+        own = tensor_split(symbolic.at_batch(b), 2, sequence)
+        pairs = list(zip(over.gm.graph.nodes, own.gm.graph.nodes))
+        assert len(pairs) == len(own.gm.graph.nodes)
+        for x, y in pairs:
+            for key in (META_BYTES, META_FLOPS):
+                assert int(np.asarray(x.meta.get(key, 0)).reshape(-1)[i if np.ndim(x.meta.get(key)) else 0]) == \
+                    y.meta.get(key, 0), (b, x.name, key)
+            if y.meta.get(META_SHAPE) is not None:
+                assert tuple(int(d[i]) if np.ndim(d) else d for d in x.meta[META_SHAPE]) == y.meta[META_SHAPE], x.name
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_symbolic_trace_at_a_size_splits_as_a_trace_made_at_that_size(model, symbolic, sequence):
+    """Tensor parallelism splits a concrete trace; ``at_batch(b)`` of a symbolic one is one, and its split (the
+    shapes it reads are the ones recorded at b, the token ids' (b, s) included) prices as a trace made at b."""
+    cl = mc.Cluster.preset("p4d.24xlarge")
+    plan = mc.Plan(tensor_parallel_size=2, sequence_parallel=sequence, micro_batches=2)
+    for b in (1, 3):
+        got = mc.simulate(symbolic.at_batch(b), plan, cl, scaling=False)
+        want = mc.simulate(mc.trace(model, _batch(b), lm_loss), plan, cl, scaling=False)
+        assert (got.step_time_s, got.peak_memory_bytes) == (want.step_time_s, want.peak_memory_bytes)
+    assert not symbolic.at_batch(3).batch_symbols and symbolic.batch_symbols
 
 
 def test_autotune_rejects_an_impossible_batch(symbolic):
@@ -174,7 +223,7 @@ def _measure_worker(rank: int, world: int) -> list[tuple]:
     trace = mc.trace(model, _batch(2), lm_loss, symbolic_batch=True)
     cluster = dataclasses.replace(mc.Cluster.preset("p4d.24xlarge"), nodes=1, gpus_per_node=world)  # 4 ranks
     ranked = mc.autotune(trace, cluster, global_batch_size=16, micro_batch_sizes=(2, 4), pipeline_stages=(1,),
-                         checkpoint=(False,), offload=(False,), verbose=rank == 0, progress=False,
+                         checkpoint=(False,), offload=(False,), tensor=((1, False),), verbose=rank == 0, progress=False,
                          measure=True, model=model, loss_fn=lm_loss, make_batch=lambda n: _batch(n), top_k=3, steps=2)
     return [(c.label(), c.step_time_s, c.measured_step_s) for c in ranked[:4]]
 

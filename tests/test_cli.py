@@ -78,8 +78,11 @@ def test_simulate_compares_the_peers_across_cluster_sizes(tmp_path):
 
 def test_autotune_prints_its_table():
     out = ok(run("autotune", "gpt:tiny", "--cluster", "p3dn.24xlarge", "--global-batch-size", "16", "--top", "3",
-                 "--no-pipelines"))
+                 "--no-pipelines", "--tp", "1", "2"))
     assert "TFLOP/s" in out and "searched" in out
+    families = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["MiCS"], ["PTD-P"])}
+    assert set(families) == {"MiCS", "PTD-P"} and "the best is " in out, out  # the family table
+    assert "tp=2" in families["PTD-P"] and ("best" in families["PTD-P"] or "%" in families["PTD-P"]), out
     assert len([line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]) >= 3, out
 
 

@@ -66,6 +66,9 @@ def command_lines(draw) -> list[str]:
                                st.just(["--global-batch-size", "64"])))
         argv += draw(_maybe("--top", number(1, 3, 10, huge=10_000)))
         argv += draw(st.sampled_from([[], ["--no-pipelines"]]))
+        # (tensor groups of every size multiply the space by seven: a few sizes keep each example short)
+        argv += draw(st.sampled_from([["--tp", "1"], ["--tp", "1", "2"], ["--tp", "2", "--no-sequence-parallel"],
+                                      ["--tp", "3"], ["--tp", "128"]]))
         argv += draw(_maybe("--optimizer-sharding", st.lists(st.sampled_from(["partition", "world", "nowhere"]),
                                                             min_size=1, max_size=2)))
         return argv
@@ -164,8 +167,8 @@ def check_outputs(argv: list[str], out: str) -> None:
         rows = [r.split() for r in table if r.strip() and r.split()[0].isdigit()]
         assert rows, out[-2000:]
         for r in rows:
-            stages, _, p, d, _, m = (int(x) for x in r[1:7])
-            assert d >= 1 and stages * p * d == world, r
+            stages, _, tp, p, d, _, m = (int(x.rstrip("s")) for x in r[1:8])
+            assert d >= 1 and stages * tp * p * d == world, r
             assert m >= stages, r  # a filled pipeline: Megatron's (S - 1) / m under 100% of its work
             step, tflops = float(r[-5].rstrip("~")), float(r[-4])
             bubble = r[-1]  # (simulated: with the hops of a tiny model's stages it may exceed (S - 1) / m)

@@ -108,7 +108,10 @@ def _cluster(args: argparse.Namespace):
         raise SpecError(f"one --nodes (got {len(args.nodes)}); several are for `simulate --compare-peers`")
     if args.cluster.endswith(".json"):
         return Cluster.load(args.cluster).with_nodes(args.nodes[0])
-    return Cluster.preset(args.cluster, nodes=args.nodes[0])
+    cluster = Cluster.preset(args.cluster, nodes=args.nodes[0])
+    if cluster.era:  # (what a prediction on it stands for)
+        _say(f"{cluster.name}: {cluster.era}")
+    return cluster
 
 
 def _dtype(args: argparse.Namespace, cluster):
@@ -125,11 +128,12 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
     from micscompile.cli.model_specs import load
 
     t0 = time.perf_counter()
+    tp = getattr(args, "tp", 1) or [1]  # (autotune: the sizes it searches)
     model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
                                    seq_len=args.seq)
     tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
                   device=cluster.gpu.device_type,  # the attention kernel the cluster's devices run
-                  source_lines=getattr(args, "tp", 1) > 1)  # (where a tensor-parallel refusal points)
+                  source_lines=max(tp if isinstance(tp, list) else [tp]) > 1)  # (where a tensor-parallel refusal points)
     _say(f"{args.model}: {tg.summary()}; traced on meta in {time.perf_counter() - t0:.1f} s")
     return tg
 
@@ -254,14 +258,17 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _autotune(args: argparse.Namespace) -> int:
     import micscompile as mc
-    from micscompile.tune.search_space import check_global_batch
+    from micscompile.tune.search_space import TENSOR, check_global_batch
 
     cluster = _cluster(args)
     check_global_batch(cluster.world_size, args.global_batch_size)  # before the trace
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
+    tensor = TENSOR if args.tp is None else [(t, sp) for t in args.tp for sp in ((False, True) if t > 1 else (False,))]
+    tensor = [(t, sp) for t, sp in tensor if args.sequence_parallel or not sp]
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
-                         pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding)
+                         pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
+                         tensor=tensor)
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
     if not ranked[0].feasible:
         from micscompile.core.plan import PlanError
@@ -349,6 +356,10 @@ def parser() -> argparse.ArgumentParser:
                       help="where the optimizer states may live: over the partition group, over all p*d ranks")
     tune.add_argument("--pipelines", action=argparse.BooleanOptionalAction, default=True,
                       help="search pipeline stages too")
+    tune.add_argument("--tp", type=_count("--tp", 64), nargs="+", default=None, dest="tp",
+                      help="tensor group sizes to search (default: 1 2 4 8, those dividing a node)")
+    tune.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                      help="search each tensor group size > 1 with sequence parallelism too")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
     cal.add_argument("--nproc", type=_count("--nproc", 1024), default=4, help="ranks to measure with (when not under torchrun)")
     cal.add_argument("--out", default=None, help="where to write the calibrated cluster (default: ./local_cluster.json "

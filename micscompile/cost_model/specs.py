@@ -114,6 +114,9 @@ class Cluster:
     present it replaces ``(1 - overlap) * duration + collective_overhead_s``."""
     collective_fits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Measured alpha/beta per collective kind from calibration: {kind: {"alpha_s", "beta_s_per_byte"}}."""
+    era: str = ""
+    """Which software the constants stand for (the presets': what they were fitted on; "" for a calibration of
+    this machine, which stands for its own). A prediction on a preset is one for that era's stack."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -188,7 +191,7 @@ H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e
 def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float, nics: int, nic_latency_s: float,
                      *, nvlink_efficiency: float = 1.0, nic_efficiency: float = 1.0, fabric_nodes: int = 0,
                      fabric_oversubscription: float = 1.0, nic_node_exponent: float = 0.0,
-                     prediction_error: float = 0.0) -> Cluster:
+                     prediction_error: float = 0.0, era: str = "") -> Cluster:
     """A cluster of 8-GPU nodes: per-GPU NVLink/NVSwitch inside, ``nics`` NICs per node across, each
     link at the fraction of its line rate a ring achieves."""
     return Cluster(name=name, nodes=1, gpus_per_node=8, gpu=gpu,
@@ -196,7 +199,7 @@ def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float
                    inter=Link(bandwidth_bps=nic_gbps * GBPS_TO_BPS * nic_efficiency, latency_s=nic_latency_s),
                    nics_per_node=nics, fabric_nodes=fabric_nodes, fabric_oversubscription=fabric_oversubscription,
                    nic_node_exponent=nic_node_exponent,
-                   prediction_error=prediction_error)
+                   prediction_error=prediction_error, era=era)
 
 
 EFA_STEP_LATENCY_S = 220e-6
@@ -213,6 +216,12 @@ P4D_HELD_OUT_ERROR = 0.08
 of a discrete setting, a micro-batch or a global batch, left out): a median, so half of them are
 further off (docs/cost-model.md#uncertainty)."""
 
+DGX_A100_HELD_OUT_ERROR = 0.15
+"""The same of its held-out rows, the Megatron-LM paper's on Selene (issue 55: Table 2's PTD-P at 175B 10, 9, 6% and
+530B 16, 15, 12%; ZeRO-3 as DeepSpeed ran in 2021 at 175B 6, 15, 0% and 530B 18, 28, 39%; the 384 -> 1536 drop 5%,
+PTD-P / ZeRO-3 at 768 GPUs 21%, Fig. 12's interleaving 37%): the preset's constants are spec sheets and A100's
+compute fit, none fitted on a Selene row."""
+
 P4D_NIC_EFFICIENCY, P4D_NIC_NODE_EXPONENT = 0.71, 0.23
 """p4d's EFA NICs: 0.71 of line rate for a ring over 2 nodes, falling as ``(m / 2) ** -0.23`` over m
 nodes (``Cluster.nic_node_exponent``). Fitted on one software version's node sweep only: nccl-tests
@@ -222,6 +231,12 @@ with NCCL 2.7.8 (aws/aws-ofi-nccl#65) come within 18-20%, and the exponent is th
 sweep shows (aws/aws-ofi-nccl#19: 70% of InfiniBand's rate on 8 nodes, 60% on 16, 0.22). Until issue
 26's stop of 2026-11-26 (session 5) the rate was 0.6 at every node count."""
 
+ERA_2021 = ("2021-22 software: NCCL 2.7-2.9, PyTorch 1.x without fused attention kernels, DeepSpeed v0.5 (fitted on "
+            "the MiCS thesis's collective and end-to-end rows)")
+ERA_SPEC = ("spec-sheet links at line rate with A100's 2021-22 compute fit (judged on the Megatron-LM paper's 2021 "
+            "rows: NCCL 2.8, PyTorch 1.8)")
+ERA_NONE = "spec sheets only: links at line rate, compute at half of peak (no row fitted or judged)"
+
 PRESETS: dict[str, Cluster] = {
     # fitted on collective measurements only (thesis §3.3.2, Fig. 3-2, §3.5.2.2; nccl-tests on 2 nodes,
     # aws-ofi-nccl#33; reproduce_thesis.py --fit): B_part -> NVLink ring efficiency, B_all -> NIC
@@ -229,7 +244,7 @@ PRESETS: dict[str, Cluster] = {
     # poor bandwidth utilization on 16 and 32 nodes"), it and the small all-reduces -> the latency
     "p3dn.24xlarge": _eight_gpu_nodes("p3dn.24xlarge", V100_32GB, 150e9, 100, 1, EFA_STEP_LATENCY_S,
                                       nvlink_efficiency=0.75, nic_efficiency=1.0, fabric_nodes=8,
-                                      fabric_oversubscription=4.0, prediction_error=P3DN_HELD_OUT_ERROR),
+                                      fabric_oversubscription=4.0, prediction_error=P3DN_HELD_OUT_ERROR, era=ERA_2021),
     # public measurements, none from the thesis: nccl-tests all-reduce bus bandwidth on one p4d node,
     # 230.8 GB/s of 300, and on 3 and 4 nodes, 31.8 and 29.6 GB/s of 50 (NVIDIA/nccl#527, NCCL 2.9.9:
     # P4D_NIC_EFFICIENCY and its fall with the node count), EC2 UltraClusters' non-blocking fabric,
@@ -238,13 +253,16 @@ PRESETS: dict[str, Cluster] = {
     # stas00/ml-engineering, network/README.md, a figure without a log; Fig. 4-1 rules it out.)
     "p4d.24xlarge": _eight_gpu_nodes("p4d.24xlarge", A100_40GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
                                      nvlink_efficiency=0.77, nic_efficiency=P4D_NIC_EFFICIENCY,
-                                     nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR),
+                                     nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR,
+                                     era=ERA_2021),
     "p4de.24xlarge": _eight_gpu_nodes("p4de.24xlarge", A100_80GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
                                       nvlink_efficiency=0.77, nic_efficiency=P4D_NIC_EFFICIENCY,
-                                      nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR),
+                                      nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR,
+                                     era=ERA_2021),
     # spec sheets (InfiniBand, NVSwitch), not calibrated
-    "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6),
-    "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6),
+    "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6, prediction_error=DGX_A100_HELD_OUT_ERROR,
+                                 era=ERA_SPEC),
+    "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6, era=ERA_NONE),
 }
 
 

@@ -39,7 +39,7 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
 from micscompile.core.tensor_layout import P, Placement, R, S
-from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, TrainGraph, source_line
+from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, META_SHAPE, TrainGraph, source_line
 
 aten = torch.ops.aten
 MAX_RESEGMENTS = 4
@@ -66,8 +66,12 @@ class _Resegment(Exception):  # noqa: N818 - control flow, not an error
 
 
 def _shape(node) -> tuple[int, ...]:
+    """A tensor node's shape as recorded (a symbolic-batch trace's at the size ``at_batch`` evaluated it at)."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    if not isinstance(val, torch.Tensor):
+        return ()
+    shape = node.meta.get(META_SHAPE)
+    return tuple(shape) if shape is not None and len(shape) == val.dim() else tuple(val.shape)
 
 
 def _ndim(node) -> int:
@@ -1135,7 +1139,8 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
         raise TensorSplitError(f"a trace split for tp={tg.tensor_parallel} (sequence_parallel={tg.sequence_parallel}) "
                                f"cannot be split for tp={tp} (sequence_parallel={sequence_parallel})")
     if tg.batch_symbols:
-        raise TensorSplitError("tensor parallelism runs concrete traces (not mc.trace(symbolic_batch=True)) for now")
+        raise TensorSplitError("tensor parallelism splits a concrete trace: a symbolic-batch one at a size first "
+                               "(trace.at_batch(b))")
     analysis = analyse(tg, tp, sequence_parallel)
     rw = _Rewrite(tg, analysis)
     graph = rw.run()
@@ -1164,10 +1169,11 @@ def _propagate_meta(gm: torch.fx.GraphModule, tg: TrainGraph, analysis: Analysis
     names = dict(zip(old, tg.param_names))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
-    for n in old:
+    for n in old:  # (the recorded shape: a symbolic-batch trace's at the size at_batch evaluated it at)
         val = n.meta["val"]
         pl = analysis.params.get(names[n], R) if n in names else R
-        inputs.append(mode.from_tensor(torch.empty(local_shape(tuple(val.shape), pl, analysis.tp), dtype=val.dtype,
+        shape = tuple(n.meta.get(META_SHAPE) or val.shape)
+        inputs.append(mode.from_tensor(torch.empty(local_shape(shape, pl, analysis.tp), dtype=val.dtype,
                                                    device="meta")))
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     for new_node, old_node in zip((n for n in gm.graph.nodes if n.op == "placeholder"), old):

@@ -34,12 +34,15 @@ from micscompile.core.program import Prefetch
 from micscompile.cost_model.calibrate import device_sync
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.tensor_split import TensorSplitError
 from micscompile.runtime.compile import compile as compile_step
 from micscompile.trace import TrainGraph
 from micscompile.tune.repricing import Pricer
 from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
     OPTIMIZER_SHARDING,
+    TENSOR,
+    Config,
     check_global_batch,
     configs,
     prefetches,
@@ -68,6 +71,13 @@ class Candidate:
     prediction cannot tell them apart; measure them (``measure=True``)."""
 
     @property
+    def family(self) -> str:
+        """"MiCS", "MiCS-Pipe" or "PTD-P" (``search_space.Config.family``)."""
+        p = self.plan
+        return Config(p.pipeline_stages, p.partition_size, self.micro_batch_size, p.micro_batches, p.checkpoint,
+                      p.offload_activations, p.hierarchical, tensor=p.tensor_parallel_size).family
+
+    @property
     def step_time_s(self) -> float | None:
         return self.prediction.step_time_s if self.prediction else None
 
@@ -88,6 +98,8 @@ class Candidate:
         pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
         parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
                  f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
+        if p.tensor_parallel_size > 1:
+            parts.insert(1, f"tp={p.tensor_parallel_size}" + (" sp" if p.sequence_parallel else ""))
         if p.checkpoint:
             parts.append("ckpt" if p.checkpoint is True else "sel-ckpt")
         if p.offload_activations:
@@ -144,23 +156,52 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         print(f"predicted step times {rows[0].prediction.interval()} (held-out error on this cluster); "
               f"~: a tie with the best", file=file)
     measured = any(c.measured_step_s is not None for c in rows)
-    head = (f"{'#':>3} {'S':>3} {'v':>2} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} {'hier':>5} {'opt':>5} "
+    head = (f"{'#':>3} {'S':>3} {'v':>2} {'tp':>3} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} "
+            f"{'hier':>5} {'opt':>5} "
             f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
     head += f" {'measured s':>10}" if measured else ""
     print(head, file=file)
     print("-" * len(head), file=file)
     for i, c in enumerate(rows):
         p, pred = c.plan, c.prediction
-        d = pred.world_size // (p.pipeline_stages * p.partition_size)
+        d = pred.world_size // (p.pipeline_stages * p.partition_size * p.tensor_parallel_size)
+        tp = f"{p.tensor_parallel_size}{'s' if p.sequence_parallel else ''}"
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
         ck = {False: "-", True: "full", "selective": "sel", "attention": "attn"}[p.checkpoint]
-        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {p.partition_size:>5} {d:>5} {c.micro_batch_size:>3} "
+        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {tp:>3} {p.partition_size:>5} {d:>5} "
+                f"{c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
                 f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} "
                 f"{pred.step_time_s:>7.4f}{'~' if c.tie else ' '} {pred.tflops_per_gpu:>8.3g} "
                 f"{fmt_bytes(pred.peak_memory_bytes):>10} {pred.exposed_comm_s:>10.3f} {bubble:>7}")
         line += f" {c.measured_step_s:>10.4f}" if measured and c.measured_step_s is not None else ""
         print(line, file=file)
+
+
+FAMILIES = ("MiCS", "MiCS-Pipe", "PTD-P")
+
+
+def print_families(cands: Sequence[Candidate], file=None) -> None:
+    """The best candidate of each family of the seeds (MiCS: sharding alone; MiCS-Pipe: stages of sharded ranks;
+    PTD-P: tensor groups, with stages or not, sharded or not) and how far behind the best it is; a family whose
+    interval overlaps the best's is a tie."""
+    good = [c for c in cands if c.feasible]
+    if not good:
+        return
+    best = good[0]
+    print(f"{'family':<10} {'candidates':>10} {'best':<58} {'step s':>8} {'TFLOP/s':>8} {'vs best':>9}", file=file)
+    for fam in FAMILIES:
+        mine = [c for c in cands if c.family == fam]
+        top = next((c for c in good if c.family == fam), None)
+        if top is None:
+            why = "no candidate" if not mine else f"none fits ({mine[0].reason or 'not priced'})"
+            print(f"{fam:<10} {len(mine):>10} {why[:80]}", file=file)
+            continue
+        behind = top.step_time_s / best.step_time_s - 1
+        vs = "best" if top is best else f"+{behind:.1%}" + ("~" if overlaps(best.prediction, top.prediction) else "")
+        print(f"{fam:<10} {len(mine):>10} {top.label()[:58]:<58} {top.step_time_s:>8.3f} {top.tflops_per_gpu:>8.3g} "
+              f"{vs:>9}", file=file)
+    print(f"the best is {best.family}; ~: within the predictions' {best.prediction.interval()}, a tie", file=file)
 
 
 def autotune(
@@ -177,6 +218,7 @@ def autotune(
     hierarchical: Sequence = ("auto", False),
     pipeline_chunks: Sequence[int] = (1, 2),
     optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
+    tensor: Sequence[tuple[int, bool]] = TENSOR,
     flops_per_sample: float | None = None,
     progress: bool = True,
     top: int = 10,
@@ -192,7 +234,8 @@ def autotune(
     size up to 32 that splits the batch); a concrete trace searches only its own micro-batch size.
     ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
     compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
-    where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1).
+    where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1; ``tensor``: the
+    (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without).
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
@@ -203,12 +246,16 @@ def autotune(
         raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
                          f"prices each as a candidate, where 'auto' would choose inside one), got {unknown}")
     n, k = cluster.world_size, cluster.gpus_per_node
+    if not any(k % t == 0 and n % t == 0 for t, _ in tensor):
+        raise PlanError(f"no tensor group size of {sorted({t for t, _ in tensor})} divides a node of {k} GPUs "
+                        f"(and the {n} ranks)")
     base = base_plan or Plan(param_dtype=trace.compute_dtype or torch.float32)
     base = dataclasses.replace(base, gpus_per_node=k)
     sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
     narrowed = dict(gpus_per_node=k, units=len(trace.blocks), partition_sizes=partition_sizes,
                     pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint, offload=offload,
-                    hierarchical=hierarchical, chunks=pipeline_chunks, optimizer_sharding=optimizer_sharding)
+                    hierarchical=hierarchical, chunks=pipeline_chunks, optimizer_sharding=optimizer_sharding,
+                    tensor=tensor)
     space = configs(n, global_batch=global_batch_size, **narrowed)
     if not space:
         smallest = smallest_batch(n, global_batch_size, **narrowed)
@@ -238,7 +285,11 @@ def autotune(
                                      f"Adam's 8 over d times more with optimizer_sharding='world'), "
                                      f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
                 continue
-            pred = pricer.predict(plan, cfg.micro_batch, pf)
+            try:
+                pred = pricer.predict(plan, cfg.micro_batch, pf)
+            except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
+                out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0]))
+                continue
             pred.flops_per_step = per_sample * global_batch_size / n
             feasible = pred.fits(cluster)
             reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
@@ -250,10 +301,14 @@ def autotune(
         ranked = measure_top(ranked, **measure_kwargs)
     if verbose:
         good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
+        unsplit = sum(c.reason.startswith("not priced") for c in ranked)
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
-              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced} ruled out by their model states "
-              f"alone), {good} feasible")
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit} ruled out by their model states "
+              f"alone" + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
+              + f"), {good} feasible")
         print_table(ranked, top)
+        print()
+        print_families(ranked)
     return ranked
 
 

@@ -66,6 +66,7 @@ class ChunkKeys:
                         readers.setdefault(p, set()).add(u)
         self.shared = [frozenset(us) for us in readers.values() if len(us) > 1]
         self._free: dict[torch.fx.Node, tuple] = {}
+        self._numbers: dict[tuple, int] = {}
         self.signatures = [hash(tuple(self._describe(n, u) for n in m)) for u, m in enumerate(members)]
 
     def _arg(self, i: torch.fx.Node, u: int) -> tuple:
@@ -75,8 +76,11 @@ class ChunkKeys:
         if i.op == "placeholder":
             return "input", repr(i.meta.get(META_SHAPE)), repr(i.meta.get(META_DTYPE))
         if i not in self._free:  # computed from parameters, inputs or constants alone: recomputed by each reader
-            self._free[i] = ("free", str(i.target), repr(i.meta.get(META_SHAPE)),
-                             repr(torch.fx.node.map_arg((i.args, i.kwargs), lambda j: self._arg(j, u))))
+            what = (str(i.target), repr(i.meta.get(META_SHAPE)),
+                    repr(torch.fx.node.map_arg((i.args, i.kwargs), lambda j: self._arg(j, u))))
+            # (numbered, not nested: a chain of such nodes with shared inputs, a tensor-split loss, would repeat
+            # each input's description once per path)
+            self._free[i] = ("free", self._numbers.setdefault(what, len(self._numbers)))
         return self._free[i]
 
     def _describe(self, n: torch.fx.Node, u: int) -> tuple:

@@ -44,9 +44,10 @@ from micscompile.lowering.pipeline_split import (
     unit_state,
 )
 from micscompile.lowering.predict import model_buffer_bytes
+from micscompile.lowering.tensor_split import tensor_split
 from micscompile.passes.context import make_context
 from micscompile.passes.manager import build_pass_list, run_passes
-from micscompile.trace import META_FLOPS, TrainGraph
+from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
@@ -60,8 +61,8 @@ def _pick(value, i: int):
 def at_index(program: Program, i: int) -> Program:
     """The Program of the ``i``-th micro-batch size of a Program lowered over several."""
     def one(a: Action) -> Action:
-        if a.kind is not Kind.COMPUTE:
-            return a
+        if a.kind is not Kind.COMPUTE:  # (a tensor collective's bytes follow the batch)
+            return a._replace(tensor_bytes=_pick(a.tensor_bytes, i)) if isinstance(a.tensor_bytes, np.ndarray) else a
         return a._replace(**{f: _pick(getattr(a, f), i) for f in _PER_SIZE})
     return dataclasses.replace(program, micro_step=[one(a) for a in program.micro_step])
 
@@ -104,14 +105,54 @@ def _structure(rp: ResolvedPlan) -> tuple:
     return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1, rp.optimizer_shards
 
 
+def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int]) -> TrainGraph | None:
+    """``trace`` (symbolic batch) tensor-split and evaluated at every size of ``sizes``, all at least 2 (what
+    ``at_batch(sizes)`` is for t = 1): split at the two smallest, each byte, FLOP and shape count taken as the line
+    through the two (a transformer's are affine in the batch: the split divides dims other than the batch, or the
+    tokens b * s by t; a batch of 1 is not on the line, its dims of size 1 split and view differently). None
+    where the two splits differ node for node, or a count is not affine on integers (then each size is split
+    on its own). Tested: node for node each size's own split (test_autotune.py)."""
+    if not trace.batch_symbols or len(sizes) < 2 or min(sizes) < 2:
+        return None
+    b1, b2 = sorted(sizes)[:2]
+    one, two = (tensor_split(trace.at_batch(b), tp, sequence_parallel) for b in (b1, b2))
+    first, second = list(one.gm.graph.nodes), list(two.gm.graph.nodes)
+    if len(first) != len(second) or any(x.target != y.target for x, y in zip(first, second)):
+        return None
+    at = np.array(sizes, dtype=np.int64)
+
+    def line(v1, v2):
+        if not isinstance(v1, int) or v1 == v2:
+            return v1
+        step, rest = divmod(v2 - v1, b2 - b1)
+        if rest:
+            raise ValueError("not affine")
+        return v1 + step * (at - b1)
+
+    try:
+        for x, y in zip(first, second):
+            for key in (META_BYTES, META_FLOPS):
+                if key in x.meta:
+                    x.meta[key] = line(x.meta[key], y.meta[key])
+            if x.meta.get(META_SHAPE) is not None:
+                x.meta[META_SHAPE] = tuple(line(d1, d2) for d1, d2 in zip(x.meta[META_SHAPE], y.meta[META_SHAPE]))
+    except ValueError:
+        return None
+    return dataclasses.replace(one, batch_symbols=trace.batch_symbols)
+
+
 class Pricer:
     """Predictions for any plan and micro-batch size in ``sizes`` from one symbolic-batch trace."""
 
-    def __init__(self, trace: TrainGraph, cluster: Cluster, sizes: Sequence[int], **costs) -> None:
+    def __init__(self, trace: TrainGraph, cluster: Cluster, sizes: Sequence[int], *, evaluated: TrainGraph | None = None,
+                 **costs) -> None:
+        """``evaluated``: ``trace`` already evaluated at ``sizes`` (a tensor split over them, ``_tensor``)."""
         self.cluster, self.costs = cluster, costs
+        self.source = trace
+        self._tensor_pricers: dict[tuple, Pricer] = {}
         self.sizes = list(sizes)
-        self.trace = trace.at_batch(self.sizes) if trace.batch_symbols else trace
-        if not trace.batch_symbols and self.sizes != [trace.batch_size]:
+        self.trace = evaluated or (trace.at_batch(self.sizes) if trace.batch_symbols else trace)
+        if evaluated is None and not trace.batch_symbols and self.sizes != [trace.batch_size]:
             raise ValueError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
                              "mc.trace(..., symbolic_batch=True) to search micro-batch sizes")
         self.buffer_bytes = model_buffer_bytes(self.trace)
@@ -221,5 +262,24 @@ class Pricer:
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, **self.costs)
 
+    def _tensor(self, plan: Plan, b: int) -> Pricer:
+        """The Pricer of ``plan``'s tensor split (cached): the trace each tensor rank runs
+        (``lowering.tensor_split``, which splits a concrete trace). A symbolic one is split at its two smallest
+        searched sizes and evaluated at every size from them (``split_over_sizes``): one Pricer, lowered once per
+        structure for all of them, as for t = 1; where the two do not line up, one Pricer per size."""
+        t, sp = plan.tensor_parallel_size, plan.sequence_parallel
+        if (t, sp) not in self._tensor_pricers:
+            sizes = [n for n in self.sizes if n > 1]
+            split = split_over_sizes(self.source, t, sp, sizes)
+            self._tensor_pricers[t, sp] = split and Pricer(split, self.cluster, sizes, evaluated=split, **self.costs)
+        if b > 1 and self._tensor_pricers[t, sp] is not None:
+            return self._tensor_pricers[t, sp]
+        if (t, sp, b) not in self._tensor_pricers:
+            tg = self.source.at_batch(b) if self.source.batch_symbols else self.source
+            self._tensor_pricers[t, sp, b] = Pricer(tensor_split(tg, t, sp), self.cluster, [b], **self.costs)
+        return self._tensor_pricers[t, sp, b]
+
     def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+        if plan.tensor_parallel_size != self.source.tensor_parallel:  # (a Pricer of the split trace prices it)
+            return self._tensor(plan, b).predict(plan, b, prefetch)
         return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)

@@ -1,11 +1,12 @@
 """The plans ``mc.autotune`` searches, and the ones it can rule out before pricing.
 
-A point of the space is a :class:`Config`: pipeline stages S, partition size p (the intra-stage
-t when S > 1), micro-batch size b (the micro-batch count follows from the global batch: every
-rank of a stage trains on its own samples, so s = G / (b d p) = G S / (b n), docs/design.md's
-m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing, offload,
-hierarchical collectives and where the optimizer states live (``Plan.optimizer_sharding``). Each is
-priced with every prefetch choice (``passes.context.Prefetch``) that applies to it.
+A point of the space is a :class:`Config`: pipeline stages S, tensor groups of t ranks (sequence
+parallelism or not), partition size p (over the data-parallel ranks of a stage; a stage's p * t ranks
+inside a node when S > 1), micro-batch size b (the micro-batch count follows from the global batch:
+every data-parallel rank of a stage trains on its own samples, so s = G / (b d p) = G S t / (b n),
+docs/design.md's m = G / (b d t)), model chunks per pipeline rank v (interleaved 1F1B), checkpointing,
+offload, hierarchical collectives and where the optimizer states live (``Plan.optimizer_sharding``).
+Each is priced with every prefetch choice (``passes.context.Prefetch``) that applies to it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ OPTIMIZER_SHARDING = ("partition", "world")
 """Over the partition group, or over all p * d ranks (only where d > 1: with one replica they are the same)."""
 CHUNKS = (1, 2)
 """v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
+TENSOR = ((1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True))
+"""(t, sequence parallelism): Megatron's tensor groups, each size that divides a node (8 GPUs at most)."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,15 @@ class Config:
     """``Plan.optimizer_sharding``."""
     replicas: int = 1
     """d: ranks holding the same shard."""
+    tensor: int = 1
+    """t: ranks of a tensor group (``Plan.tensor_parallel_size``)."""
+    sequence: bool = False
+    """``Plan.sequence_parallel``."""
 
     def plan(self, base: Plan) -> Plan:
         return dataclasses.replace(
             base, partition_size=self.partition, pipeline_stages=self.stages, micro_batches=self.micro_batches,
+            tensor_parallel_size=self.tensor, sequence_parallel=self.sequence,
             checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical,
             pipeline_chunks=self.chunks, pipeline_schedule="interleaved" if self.chunks > 1 else base.pipeline_schedule,
             optimizer_sharding=self.optimizer)
@@ -59,14 +67,22 @@ class Config:
     @property
     def structure(self) -> tuple:
         """The Programs a candidate's pricing shares with others (``micscompile.tune.repricing``)."""
-        return self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1, self.optimizer
+        return (self.tensor, self.sequence, self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1,
+                self.optimizer)
+
+    @property
+    def family(self) -> str:
+        """Which of the seeds' systems the point is: "MiCS" (sharding alone), "MiCS-Pipe" (stages of sharded
+        ranks), "PTD-P" (tensor groups, with stages or not, sharded over p or not)."""
+        return "PTD-P" if self.tensor > 1 else "MiCS-Pipe" if self.stages > 1 else "MiCS"
 
 
 def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
             partition_sizes: Sequence[int] | None = None, pipeline_stages: Sequence[int] | None = None,
             micro_batch_sizes: Sequence[int] | None = None, checkpoint: Sequence = CHECKPOINT,
             offload: Sequence[bool] = OFFLOAD, hierarchical: Sequence = HIERARCHICAL,
-            chunks: Sequence[int] = CHUNKS, optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING) -> list[Config]:
+            chunks: Sequence[int] = CHUNKS, optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
+            tensor: Sequence[tuple[int, bool]] = ((1, False),)) -> list[Config]:
     """Every valid point: S * p divides the world, b * n / S divides the global batch (default b: every
     such size up to MAX_MICRO_BATCH), a stage's partition group inside one node, at least two of the
     ``units`` blocks per chunk, interleaving (v > 1) where m is a multiple of S, offload only with
@@ -75,17 +91,19 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
     stages: with fewer it never fills, its bubble ((S - 1) / m of its work) exceeds its work, and the
     same batch leaves most of the ranks idle most of the step (issue 53: 7 samples on 16 ranks were
     ranked as 16-stage pipelines idle 13 times as long as they computed). So every plan needs a global
-    batch of at least n * b: one sample per rank, in each stage's data-parallel ranks (``smallest_batch``)."""
+    batch of at least n * b: one sample per rank, in each stage's data-parallel ranks (``smallest_batch``).
+    ``tensor``: the (t, sequence parallelism) pairs; a t must divide the node, and a pipeline stage's p * t
+    ranks stay inside one node."""
     stages = pipeline_stages or default_stages(world, units)
     out = []
-    for S in stages:
-        if world % S:
+    for (t, sp), S in itertools.product(tensor, stages):
+        if world % (S * t) or gpus_per_node % t or (sp and t == 1):
             continue
-        for p in partition_sizes or divisors(world // S):
-            if (world // S) % p or (S > 1 and p > gpus_per_node):  # a stage's group stays in a node
+        for p in partition_sizes or divisors(world // (S * t)):
+            if (world // (S * t)) % p or (S > 1 and p * t > gpus_per_node):  # a stage's group stays in a node
                 continue
-            ways = world // S  # data-parallel ranks per stage: d replicas of p
-            spans = p > gpus_per_node and p % gpus_per_node == 0
+            ways = world // (S * t)  # data-parallel ranks per stage: d replicas of p
+            spans = p * t > gpus_per_node and p * t % gpus_per_node == 0
             for b in micro_batch_sizes or range(1, MAX_MICRO_BATCH + 1):
                 if global_batch % (b * ways):
                     continue
@@ -99,7 +117,7 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                     if off and not ck:
                         continue
                     for hier in (hierarchical if spans else hierarchical[:1]):
-                        out.append(Config(S, p, b, s, ck, off, hier, v, opt, d))
+                        out.append(Config(S, p, b, s, ck, off, hier, v, opt, d, t, sp))
     return out
 
 
@@ -146,4 +164,5 @@ def state_floor_bytes(num_params: int, cfg: Config, bytes_per_param: int = 16,
     gradients and Adam state (``optimizer_bytes`` of the ``bytes_per_param``: over d times more ranks
     with the optimizer states over the world), evenly split (the busiest stage holds at least the average)."""
     shards = cfg.replicas if cfg.optimizer == "world" else 1
-    return num_params * (bytes_per_param - optimizer_bytes + optimizer_bytes / shards) / (cfg.stages * cfg.partition)
+    return num_params * (bytes_per_param - optimizer_bytes + optimizer_bytes / shards) / (
+        cfg.stages * cfg.partition * cfg.tensor)
