@@ -200,6 +200,12 @@ def simulate_program(
 ) -> Prediction:
     """Simulate ``program`` for one optimizer step on ``cluster``.
 
+    In phases: the static memory (model states); the previous step's update gathers; the micro-steps, each
+    action by its kind's handler (``micro_step``: compute, gathers, reductions, second hops, waits, tensor
+    collectives, releases), identical middle ones skipped ahead; the second hops a peer issues after its
+    backward; the boundary (``boundary``: loss, norm, optimizer). Every collective is priced and enqueued by
+    ``issue``: a new collective family joins with a handler there and its pricing in ``collective_time``.
+
     ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
     element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
     ``compute_dtype`` prices matmuls at that dtype's peak (default: the Plan's param_dtype;
@@ -417,8 +423,82 @@ def simulate_program(
     if updates and not any(a.kind in GATHERS for a in program.micro_step):
         wait_until(max(updates.values()))
         updates.clear()
+    # ---- the micro-steps: each action by its kind's handler (a new collective family joins here and in issue)
     micro_batches = program.plan.micro_batches
     deferred: list[Action] = []  # second hops issued after the last backward (grad_sync_after_backward)
+    host_s = [0.0]  # a peer's host time per gather wait this micro-step (host_per_micro_step_s)
+    SKIP = object()  # (an action issued later: no span now)
+
+    def on_compute(a: Action) -> None:
+        nonlocal activations
+        note_memory(a.activation_peak_bytes)
+        run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
+        activations = a.activation_bytes
+
+    def on_gather(a: Action) -> float:
+        nonlocal dynamic
+        if a.bucket in updates:
+            wait_until(updates.pop(a.bucket))
+        dynamic += a.tensor_bytes
+        note_memory(activations)
+        flight = issue(a)
+        if copy_out_ops is not None and a.bucket in copy_out_ops:
+            pieces = gather_pieces.get(a.bucket) if gather_pieces else None
+            gathered = a.tensor_bytes if pieces is None else sum(pieces)
+            flight.finish_s += _memory_time_s(2 * gathered, gpu, ops=copy_out_ops[a.bucket])
+        pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
+        return flight.end_s
+
+    def on_reduce(a: Action) -> float | None:
+        nonlocal dynamic
+        run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), (f"pack {a}" if record else ""))
+        dynamic += a.tensor_bytes
+        note_memory(activations)
+        if a.kind is Kind.PACK:
+            dynamic -= a.tensor_bytes  # consumed by accumulation right away
+            return None
+        flight = issue(a, frees_bytes=a.tensor_bytes)
+        if replicate_every_micro_step and a.kind is Kind.REDUCE_SCATTER and "replicate" in groups:
+            flight.end_s = all_reduce_after(flight.end_s, a.tensor_bytes // groups[a.group].size)
+        pending[(a.kind, a.bucket)].append(flight)
+        return flight.end_s
+
+    def on_second_hop(a: Action):
+        if grad_sync_after_backward:
+            deferred.append(a)
+            return SKIP
+        flight = issue(a)
+        pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
+        return flight.end_s
+
+    def on_wait(a: Action) -> None:
+        nonlocal dynamic
+        flight = pending[(a.waits_for, a.bucket)].popleft()
+        slowing[0] -= flight.slowdown > 0
+        wait_until(flight.end_s)
+        if host_per_micro_step_s and a.waits_for in GATHERS:
+            run_compute(host_s[0], "host")
+        if sync_at_fetch and a.waits_for in GATHERS:  # (the reductions stay queued for their own waits)
+            wait_until(max((f.end_s for (kind, _), queue in pending.items() if kind not in GATHERS
+                            for f in queue), default=t))
+        dynamic -= flight.frees_bytes
+        if flight.finish_s > 0:
+            run_compute(flight.finish_s, (f"after {a}" if record else ""))
+
+    def on_blocking(a: Action) -> float:  # a tensor collective: the next op reads it
+        end = issue(a).end_s
+        wait_until(end)
+        return end
+
+    def on_release(a: Action) -> None:
+        nonlocal dynamic
+        dynamic -= a.tensor_bytes
+        note_memory(activations)
+
+    micro_step = {Kind.COMPUTE: on_compute, **dict.fromkeys(GATHERS, on_gather),
+                  **dict.fromkeys((Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK), on_reduce),
+                  Kind.SECOND_HOP: on_second_hop, Kind.WAIT: on_wait, **dict.fromkeys(BLOCKING, on_blocking),
+                  Kind.RELEASE: on_release}
     mb, seen = 0, None
     while mb < micro_batches:
         if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
@@ -431,66 +511,17 @@ def simulate_program(
         if host_per_micro_step_s:  # (spread over the gathers' waits; at the start without any)
             waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and program.issues(a, mb)
                         for a in program.micro_step)
-            host_s = host_per_micro_step_s / max(waits, 1)
+            host_s[0] = host_per_micro_step_s / max(waits, 1)
             if not waits:
                 run_compute(host_per_micro_step_s, "host")
         for i, a in enumerate(program.micro_step):
             if not program.issues(a, mb):
                 continue
-            start, end = t, None
-            if a.kind is Kind.COMPUTE:
-                note_memory(a.activation_peak_bytes)
-                run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
-                activations = a.activation_bytes
-            elif a.kind in GATHERS:
-                if a.bucket in updates:
-                    wait_until(updates.pop(a.bucket))
-                dynamic += a.tensor_bytes
-                note_memory(activations)
-                flight = issue(a)
-                if copy_out_ops is not None and a.bucket in copy_out_ops:
-                    pieces = gather_pieces.get(a.bucket) if gather_pieces else None
-                    gathered = a.tensor_bytes if pieces is None else sum(pieces)
-                    flight.finish_s += _memory_time_s(2 * gathered, gpu, ops=copy_out_ops[a.bucket])
-                pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
-                end = flight.end_s
-            elif a.kind in (Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK):
-                run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), (f"pack {a}" if record else ""))
-                dynamic += a.tensor_bytes
-                note_memory(activations)
-                if a.kind is Kind.PACK:
-                    dynamic -= a.tensor_bytes  # consumed by accumulation right away
-                else:
-                    flight = issue(a, frees_bytes=a.tensor_bytes)
-                    if replicate_every_micro_step and a.kind is Kind.REDUCE_SCATTER and "replicate" in groups:
-                        flight.end_s = all_reduce_after(flight.end_s, a.tensor_bytes // groups[a.group].size)
-                    pending[(a.kind, a.bucket)].append(flight)
-                    end = flight.end_s
-            elif a.kind is Kind.SECOND_HOP:
-                if grad_sync_after_backward:
-                    deferred.append(a)
-                    continue
-                flight = issue(a)
-                pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
-                end = flight.end_s
-            elif a.kind is Kind.WAIT:
-                flight = pending[(a.waits_for, a.bucket)].popleft()
-                slowing[0] -= flight.slowdown > 0
-                wait_until(flight.end_s)
-                if host_per_micro_step_s and a.waits_for in GATHERS:
-                    run_compute(host_s, "host")
-                if sync_at_fetch and a.waits_for in GATHERS:  # (the reductions stay queued for their own waits)
-                    wait_until(max((f.end_s for (kind, _), queue in pending.items() if kind not in GATHERS
-                                    for f in queue), default=t))
-                dynamic -= flight.frees_bytes
-                if flight.finish_s > 0:
-                    run_compute(flight.finish_s, (f"after {a}" if record else ""))
-            elif a.kind in BLOCKING:  # a tensor collective: the next op reads it
-                end = issue(a).end_s
-                wait_until(end)
-            elif a.kind is Kind.RELEASE:
-                dynamic -= a.tensor_bytes
-                note_memory(activations)
+            start = t
+            handler = micro_step.get(a.kind)
+            end = handler(a) if handler is not None else None
+            if end is SKIP:
+                continue
             if mb == 0 or mb == micro_batches - 1:  # (an action the first one skips: as the last runs it)
                 note_span(start, t if end is None else end, i)
         # gradient accumulation into the shard accumulators
@@ -500,6 +531,7 @@ def simulate_program(
     for a in deferred:
         pending[(a.kind, a.bucket)].append(issue(a))
 
+    # ---- the boundary: the gradients' last reductions, the norm, the optimizer
     ends = []
     boundary_exposed = 0.0
 
@@ -509,31 +541,40 @@ def simulate_program(
         wait_until(end)
         boundary_exposed += exposed - before
 
+    def at_loss(a: Action) -> float:
+        ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
+        return ends[-1]
+
+    def at_update(a: Action) -> float:  # issued at the step's start (the previous step's), above
+        return t
+
+    def at_wait(a: Action) -> float:  # a second hop started in the last micro-step
+        flight = pending[(a.waits_for, a.bucket)].popleft()
+        slowing[0] -= flight.slowdown > 0
+        ends.append(flight.end_s)
+        return t
+
+    def at_norm(a: Action) -> float:  # the norm of the summed gradients: after the sums
+        wait_boundary(max(ends, default=t))
+        ends[:] = [issue(a).end_s]
+        return ends[-1]
+
+    def at_optimizer(a: Action) -> float:
+        wait_boundary(max([*ends, *updates.values()], default=t))
+        n_params = sum(len(lay.slots) for lay in layouts)
+        if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
+            opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s
+        else:
+            opt_s = _memory_time_s(optimizer_bytes_per_param * opt_numel, gpu, ops=10 * n_params)
+        run_compute(opt_s + host_per_step_s, "optimizer")
+        return t
+
+    boundary = {Kind.LOSS_ALL_REDUCE: at_loss, Kind.UPDATE_GATHER: at_update, Kind.WAIT: at_wait,
+                Kind.NORM_ALL_REDUCE: at_norm, Kind.OPTIMIZER: at_optimizer}
     for i, a in enumerate(program.boundary, start=len(program.micro_step)):
         start = t
-        if a.kind is Kind.LOSS_ALL_REDUCE:
-            ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
-            note_span(start, ends[-1], i)
-        elif a.kind is Kind.UPDATE_GATHER:  # issued at the step's start (the previous step's), above
-            note_span(start, start, i)
-        elif a.kind is Kind.WAIT:  # a second hop started in the last micro-step
-            flight = pending[(a.waits_for, a.bucket)].popleft()
-            slowing[0] -= flight.slowdown > 0
-            ends.append(flight.end_s)
-            note_span(start, start, i)
-        elif a.kind is Kind.NORM_ALL_REDUCE:  # the norm of the summed gradients: after the sums
-            wait_boundary(max(ends, default=t))
-            ends = [issue(a).end_s]
-            note_span(start, ends[-1], i)
-        elif a.kind is Kind.OPTIMIZER:
-            wait_boundary(max([*ends, *updates.values()], default=t))
-            n_params = sum(len(lay.slots) for lay in layouts)
-            if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
-                opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s
-            else:
-                opt_s = _memory_time_s(optimizer_bytes_per_param * opt_numel, gpu, ops=10 * n_params)
-            run_compute(opt_s + host_per_step_s, "optimizer")
-            note_span(start, t, i)
+        if a.kind in boundary:
+            note_span(start, boundary[a.kind](a), i)
     step = max([t, *stream_free.values()])
     charged = busy.pop("charged", 0.0)
     graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
