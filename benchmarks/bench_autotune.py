@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/bench_autotune.py                 # all cases
     .venv/bin/python benchmarks/bench_autotune.py --case gpt3     # one of: gpt3 bert10b bert104b-4096 bert104b-1024
+    .venv/bin/python benchmarks/bench_autotune.py --case gpt3 --tp 1   # tensor groups narrowed (default: 1 2 4 8, +-SP)
 
 One symbolic-batch meta trace per model, priced with the cost model only (no GPU needed).
-gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (the speed acceptance: >= 1000
-candidates in < 60 s including the trace). bert10b: thesis Table 3-I on 64 V100s, micro-batch 8
+gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (issue 55's speed acceptance: >= 2000
+candidates, the whole 3D space, in < 60 s including the trace; not met, docs/autotune.md).
+bert10b: thesis Table 3-I on 64 V100s, micro-batch 8
 (MiCS partitions over one node). bert104b: thesis Table 4-I on 128 A100-40GB, seq 4096 (MiCS-Pipe
 wins) and seq 1024 with a global batch of 1024 (pure MiCS wins).
 """
@@ -36,7 +38,7 @@ CASES = {
 }
 
 
-def run(name: str, nic_efficiency: float = 1.0) -> None:
+def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None) -> None:
     cfg, dtype, preset, nodes, batch, opts = CASES[name]
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -51,6 +53,8 @@ def run(name: str, nic_efficiency: float = 1.0) -> None:
     print(f"\n== {name}: {trace.summary()}\n   on {cluster.world_size} x {cluster.gpu.name} (NICs at "
           f"{nic_efficiency:.0%} of the preset's rate), global batch {batch}; "
           f"traced in {t1 - t0:.1f} s")
+    if tp is not None:
+        opts = {**opts, "tensor": [(t, sp) for t in tp for sp in ((False, True) if t > 1 else (False,))]}
     ranked = mc.autotune(trace, cluster, global_batch_size=batch, **opts)
     t2 = time.perf_counter()
     best = ranked[0] if ranked[0].feasible else None
@@ -65,9 +69,10 @@ def main() -> None:
     ap.add_argument("--case", choices=list(CASES), action="append")
     ap.add_argument("--nic-efficiency", type=float, default=1.0,
                     help="inter-node bandwidth collectives achieve, as a fraction of the NICs' line rate")
+    ap.add_argument("--tp", type=int, nargs="+", default=None, help="tensor group sizes searched (default: 1 2 4 8)")
     args = ap.parse_args()
     for name in args.case or CASES:
-        run(name, args.nic_efficiency)
+        run(name, args.nic_efficiency, args.tp)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ def command_lines(draw) -> list[str]:
         argv += draw(_maybe("--top", number(1, 3, 10, huge=10_000)))
         argv += draw(st.sampled_from([[], ["--no-pipelines"]]))
         # (tensor groups of every size multiply the space by seven: a few sizes keep each example short)
-        argv += draw(st.sampled_from([["--tp", "1"], ["--tp", "1", "2"], ["--tp", "2", "--no-sequence-parallel"],
-                                      ["--tp", "3"], ["--tp", "128"]]))
+        argv += draw(st.sampled_from([["--tp", "1"], ["--tp", "2", "--no-sequence-parallel"], ["--tp", "3"],
+                                      ["--tp", "128"]]))
         argv += draw(_maybe("--optimizer-sharding", st.lists(st.sampled_from(["partition", "world", "nowhere"]),
                                                             min_size=1, max_size=2)))
         return argv
