@@ -21,6 +21,7 @@ import time
 import torch
 
 import micscompile as mc
+from micscompile.tune.search_space import tensor_choices
 from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
 
 BERT_104B = GPTConfig(vocab_size=50000, seq_len=4096, layers=128, hidden=8192, heads=64, causal=False)
@@ -54,7 +55,7 @@ def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None) -> 
           f"{nic_efficiency:.0%} of the preset's rate), global batch {batch}; "
           f"traced in {t1 - t0:.1f} s")
     if tp is not None:
-        opts = {**opts, "tensor": [(t, sp) for t in tp for sp in ((False, True) if t > 1 else (False,))]}
+        opts = {**opts, "tensor": tensor_choices(tp)}
     ranked = mc.autotune(trace, cluster, global_batch_size=batch, **opts)
     t2 = time.perf_counter()
     best = ranked[0] if ranked[0].feasible else None

@@ -220,10 +220,8 @@ class TrainGraph:
         specs = [(torch.Size((batch if isinstance(batch, int) else sizes[0], *shape[1:])), dtype)
                  for shape, dtype in self.input_specs]
         tokens = self.token_shape and (batch if isinstance(batch, int) else sizes[0], self.token_shape[1])
-        if isinstance(batch, int):  # a concrete trace (one size: what a trace at it records)
-            return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens, batch_symbols=(),
-                                       batch_guards=())
-        return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens)
+        concrete = dict(batch_symbols=(), batch_guards=()) if isinstance(batch, int) else {}  # (what a trace at it records)
+        return dataclasses.replace(self, gm=gm, input_specs=specs, token_shape=tokens, **concrete)
 
     @property
     def num_params(self) -> int:

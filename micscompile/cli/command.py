@@ -128,7 +128,7 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
     from micscompile.cli.model_specs import load
 
     t0 = time.perf_counter()
-    tp = getattr(args, "tp", 1) or [1]  # (autotune: the sizes it searches)
+    tp = getattr(args, "tp", None) or 1  # (autotune: the sizes it searches, a list)
     model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
                                    seq_len=args.seq)
     tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
@@ -258,14 +258,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _autotune(args: argparse.Namespace) -> int:
     import micscompile as mc
-    from micscompile.tune.search_space import TENSOR, check_global_batch
+    from micscompile.tune.search_space import TENSOR_SIZES, check_global_batch, tensor_choices
 
     cluster = _cluster(args)
     check_global_batch(cluster.world_size, args.global_batch_size)  # before the trace
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
-    tensor = TENSOR if args.tp is None else [(t, sp) for t in args.tp for sp in ((False, True) if t > 1 else (False,))]
-    tensor = [(t, sp) for t, sp in tensor if args.sequence_parallel or not sp]
+    tensor = tensor_choices(args.tp or TENSOR_SIZES, args.sequence_parallel)
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
                          tensor=tensor)

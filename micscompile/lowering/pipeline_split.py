@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy
+import numpy as np
 import torch
 import torch.fx
 
@@ -89,7 +89,7 @@ def scattered(node: torch.fx.Node, tp: int) -> int:
     """``Transfer.pieces`` of a value crossing a cut: ``tp`` where it is whole on every tensor rank and its
     elements divide into tp pieces (at every micro-batch size ``mc.autotune`` evaluates the shape at), else 1."""
     shape = node.meta[META_SHAPE]
-    if tp == 1 or node.meta.get(META_PLACEMENT) != R or (numpy.asarray(math.prod(shape)) % tp).any():
+    if tp == 1 or node.meta.get(META_PLACEMENT) != R or (np.asarray(math.prod(shape)) % tp).any():
         return 1
     return tp
 

@@ -42,9 +42,9 @@ from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
     OPTIMIZER_SHARDING,
     TENSOR,
-    Config,
     check_global_batch,
     configs,
+    family,
     prefetches,
     smallest_batch,
     state_floor_bytes,
@@ -72,10 +72,8 @@ class Candidate:
 
     @property
     def family(self) -> str:
-        """"MiCS", "MiCS-Pipe" or "PTD-P" (``search_space.Config.family``)."""
-        p = self.plan
-        return Config(p.pipeline_stages, p.partition_size, self.micro_batch_size, p.micro_batches, p.checkpoint,
-                      p.offload_activations, p.hierarchical, tensor=p.tensor_parallel_size).family
+        """"MiCS", "MiCS-Pipe" or "PTD-P" (``search_space.family``)."""
+        return family(self.plan.pipeline_stages, self.plan.tensor_parallel_size)
 
     @property
     def step_time_s(self) -> float | None:
@@ -268,6 +266,7 @@ def autotune(
     num_params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
     capacity = cluster.gpu.memory_bytes
     out: list[Candidate] = []
+    unsplit = 0  # candidates whose tensor groups the model's shapes do not split
     # one structure at a time: its lowering is shared by all its candidates
     space.sort(key=lambda c: (str(c.structure), c.partition, str(c.hierarchical), c.micro_batch))
     bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan",
@@ -288,6 +287,7 @@ def autotune(
             try:
                 pred = pricer.predict(plan, cfg.micro_batch, pf)
             except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
+                unsplit += 1
                 out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0]))
                 continue
             pred.flops_per_step = per_sample * global_batch_size / n
@@ -301,7 +301,6 @@ def autotune(
         ranked = measure_top(ranked, **measure_kwargs)
     if verbose:
         good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
-        unsplit = sum(c.reason.startswith("not priced") for c in ranked)
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
               f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit} ruled out by their model states "
               f"alone" + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")

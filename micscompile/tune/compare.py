@@ -16,10 +16,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from micscompile.core.plan import Plan, PlanError
+from micscompile.core.plan import Plan, PlanError, divisors
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.predict import simulate
+from micscompile.lowering.tensor_split import TensorSplitError
 from micscompile.trace import TrainGraph
 
 SYSTEM_ROWS = ("micscompile", "deepspeed-zero3", "fsdp2", "fsdp2-hsdp", "megatron")
@@ -94,9 +95,6 @@ def _megatron_row(trace: TrainGraph, nodes: int, cluster: Cluster, plan: Plan) -
     pipeline stages S whose model states (16 B a parameter over t * S ranks) fit in 80% of the device; the fastest
     that fits the device is the row. The same global batch: ``plan.micro_batches`` per rank, t * S times as many
     per pipeline. None where no (t, S) splits the model (its heads, its blocks) or the cluster."""
-    from micscompile.core.plan import divisors
-    from micscompile.lowering.tensor_split import TensorSplitError
-
     world = cluster.world_size
     params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
     sizes = [plan.tensor_parallel_size] if plan.tensor_parallel_size > 1 else divisors(min(cluster.gpus_per_node, world))

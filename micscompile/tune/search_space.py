@@ -33,8 +33,24 @@ OPTIMIZER_SHARDING = ("partition", "world")
 """Over the partition group, or over all p * d ranks (only where d > 1: with one replica they are the same)."""
 CHUNKS = (1, 2)
 """v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
-TENSOR = ((1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True))
-"""(t, sequence parallelism): Megatron's tensor groups, each size that divides a node (8 GPUs at most)."""
+
+
+def tensor_choices(sizes: Sequence[int], sequence_parallel: bool = True) -> tuple[tuple[int, bool], ...]:
+    """The (t, sequence parallelism) pairs of tensor group sizes ``sizes``: each t > 1 with and without sequence
+    parallelism (only without where ``sequence_parallel`` is False)."""
+    return tuple((t, sp) for t in sizes for sp in ((False, True) if t > 1 and sequence_parallel else (False,)))
+
+
+TENSOR_SIZES = (1, 2, 4, 8)
+"""Megatron's tensor group sizes: each that divides a node (8 GPUs at most)."""
+TENSOR = tensor_choices(TENSOR_SIZES)
+"""The (t, sequence parallelism) pairs ``mc.autotune`` searches by default."""
+
+
+def family(stages: int, tensor: int) -> str:
+    """Which of the seeds' systems a plan is: "MiCS" (sharding alone), "MiCS-Pipe" (stages of sharded ranks),
+    "PTD-P" (tensor groups, with stages or not, sharded over p or not)."""
+    return "PTD-P" if tensor > 1 else "MiCS-Pipe" if stages > 1 else "MiCS"
 
 
 @dataclass(frozen=True)
@@ -72,9 +88,7 @@ class Config:
 
     @property
     def family(self) -> str:
-        """Which of the seeds' systems the point is: "MiCS" (sharding alone), "MiCS-Pipe" (stages of sharded
-        ranks), "PTD-P" (tensor groups, with stages or not, sharded over p or not)."""
-        return "PTD-P" if self.tensor > 1 else "MiCS-Pipe" if self.stages > 1 else "MiCS"
+        return family(self.stages, self.tensor)
 
 
 def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
