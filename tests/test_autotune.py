@@ -373,3 +373,44 @@ def test_pricing_the_partition_size_of_a_pipeline_and_of_a_plan_nothing_fits(mod
     choice = choose_partition_size(trace, mc.Plan(), tiny)
     assert choice.plan.partition_size == 8 and "none of 4 sizes fits" in choice.why, choice.why
     assert all(r.prediction is None and "alone are" in r.skipped for r in choice.priced)
+
+
+@pytest.mark.parametrize("overhead", [0.0, 1e-3])
+def test_coalesced_runs_price_as_their_actions(symbolic, overhead):
+    """Without a timeline a run of compute and blocking tensor collectives is priced as one action
+    (``simulator.coalesced``): the same step, exposed communication, compute, streams and peak as each action
+    priced alone (the timeline's simulation), with collectives charged part of their time (overlap 0.4) and
+    with a charge longer than a collective (1 ms of overhead each)."""
+    from micscompile.cost_model.simulator import RUN, coalesced, simulate_program
+    from micscompile.lowering.lowered import lower
+
+    cluster = dataclasses.replace(mc.Cluster.preset("p4d.24xlarge"), nodes=1, gpus_per_node=4, overlap=0.4,
+                                  collective_overhead_s=overhead)
+    for sequence, ck in ((False, False), (True, "selective")):
+        rp = mc.Plan(partition_size=2, tensor_parallel_size=2, sequence_parallel=sequence, micro_batches=3,
+                     checkpoint=ck).resolve(4, 4)
+        program = lower(tensor_split(symbolic.at_batch(2), 2, sequence), rp, cluster, planned_groups(rp),
+                        need_graph=False).program
+        runs = coalesced(program, cluster, "float32")
+        assert sum(a.kind is RUN for a in runs) >= 4 and len(runs) < 0.6 * len(program.micro_step)
+        each, one = simulate_program(program, cluster), simulate_program(program, cluster, record=False)
+        for field in ("step_time_s", "exposed_comm_s", "compute_s", "comm_charged_s"):
+            assert getattr(one, field) == pytest.approx(getattr(each, field), rel=1e-9), field
+        assert one.peak_memory_bytes == each.peak_memory_bytes
+        assert one.stream_busy_s == pytest.approx(each.stream_busy_s, rel=1e-9)
+
+
+def test_a_pricer_over_sizes_prices_sequence_parallel_plans_as_simulate_does_every_time(symbolic):
+    """The Pricer of a tensor split evaluated over several sizes (``split_over_sizes``: the counts are numpy
+    arrays the lowering must not change in place) prices flat and pipelined sequence-parallel plans as
+    ``mc.simulate`` prices each size's own split, and the same the second time (mutation caught: the lowering
+    scaled a reduce-scatter's bytes by t in place, and each prediction grew t-fold on the last)."""
+    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
+    pricer = Pricer(symbolic, cl, [1, 2, 3])
+    for stages, p in ((1, 2), (2, 1)):
+        plan = mc.Plan(tensor_parallel_size=2, sequence_parallel=True, micro_batches=4, pipeline_stages=stages,
+                       partition_size=p, gpus_per_node=cl.gpus_per_node)
+        want = mc.simulate(tensor_split(symbolic.at_batch(3), 2, True), plan, cl, prefetch=[mc.Prefetch(1)],
+                           scaling=False).step_time_s
+        for _ in range(2):
+            assert pricer.predict(plan, 3, mc.Prefetch(1)).step_time_s == pytest.approx(want, rel=1e-9), stages

@@ -36,6 +36,7 @@ import json
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 from micscompile.core.collectives import fmt_bytes
@@ -170,6 +171,79 @@ def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> floa
         + action.mem_bytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
         + action.ops * gpu.op_overhead_s
     )
+
+
+class _Run(NamedTuple):
+    """Consecutive COMPUTE and blocking tensor-collective actions, priced as one (``coalesced``)."""
+
+    kind: object
+    time_s: float
+    """How far the run moves the compute stream: its compute, and each collective's duration (blocking: the
+    next op waits for it) or its charge where the charge is longer."""
+    compute_s: float
+    """Compute-stream busy time: the compute and the collectives' charges."""
+    charged_s: float
+    exposed_s: float
+    comm: tuple[tuple[str, float], ...]
+    """(stream, busy time) of its collectives."""
+    activation_peak_bytes: int | None
+    """Most activation bytes alive during its computes (None: it has none)."""
+    activation_bytes: int
+    carried: bool = False
+
+
+RUN = object()
+"""The kind of a ``_Run``."""
+
+
+def coalesced(program: Program, cluster: Cluster, compute_dtype: str) -> list:
+    """``program.micro_step`` with each run of consecutive COMPUTE and blocking (tensor) collectives as one
+    ``_Run``, for a simulation without a timeline on a cluster without calibrated interference: there a compute
+    action moves the compute stream by its time alone, and a blocking collective, on a stream nothing else uses
+    (each one is done before the next action), by its duration or its charge, whichever is longer. The same
+    prediction up to float rounding (tested: ``test_coalesced_runs_price_as_their_actions``), with a third of
+    the handler calls on a tensor-parallel Program."""
+    gpu, out, run = cluster.gpu, [], []
+    priced: dict[tuple, float] = {}
+
+    def close() -> None:
+        if len(run) < 2:
+            out.extend(run)
+        else:
+            time = compute = charged = exposed = 0.0
+            comm: dict[str, float] = defaultdict(float)
+            peak, act = None, 0
+            for a in run:
+                if a.kind is Kind.COMPUTE:
+                    d = compute_time_s(a, gpu, compute_dtype)
+                    time, compute = time + d, compute + d
+                    peak = a.activation_peak_bytes if peak is None else max(peak, a.activation_peak_bytes)
+                    act = a.activation_bytes
+                    continue
+                key = (a.kind, a.tensor_bytes, a.group)
+                if key not in priced:
+                    priced[key] = collective_time_s(program.collective_of(a), a.tensor_bytes,
+                                                    program.groups[a.group].ranks, cluster)
+                d = priced[key]
+                if d <= 0:
+                    continue
+                charge = (1 - cluster.overlap) * d + cluster.collective_overhead_s
+                time += max(d, charge)
+                compute, charged, exposed = compute + charge, charged + charge, exposed + max(d - charge, 0.0)
+                comm[f"comm:{a.group}"] += d
+            if peak is None:  # (collectives alone: the activations stay as they were)
+                act = None
+            out.append(_Run(RUN, time, compute, charged, exposed, tuple(comm.items()), peak, act))
+        run.clear()
+
+    for a in program.micro_step:
+        if a.kind is Kind.COMPUTE or (a.kind in BLOCKING and not a.hierarchical):
+            run.append(a)
+        else:
+            close()
+            out.append(a)
+    close()
+    return out
 
 
 def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
@@ -485,6 +559,19 @@ def simulate_program(
         if flight.finish_s > 0:
             run_compute(flight.finish_s, (f"after {a}" if record else ""))
 
+    def on_run(a: _Run) -> None:  # (``coalesced``: no timeline, no interference)
+        nonlocal t, exposed, activations
+        if a.activation_peak_bytes is not None:
+            note_memory(a.activation_peak_bytes)
+            activations = a.activation_bytes
+        t += a.time_s
+        busy["compute"] += a.compute_s
+        busy["charged"] += a.charged_s
+        exposed += a.exposed_s
+        for stream, d in a.comm:
+            busy[stream] += d
+            stream_free[stream] = t
+
     def on_blocking(a: Action) -> float:  # a tensor collective: the next op reads it
         end = issue(a).end_s
         wait_until(end)
@@ -498,7 +585,9 @@ def simulate_program(
     micro_step = {Kind.COMPUTE: on_compute, **dict.fromkeys(GATHERS, on_gather),
                   **dict.fromkeys((Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK), on_reduce),
                   Kind.SECOND_HOP: on_second_hop, Kind.WAIT: on_wait, **dict.fromkeys(BLOCKING, on_blocking),
-                  Kind.RELEASE: on_release}
+                  Kind.RELEASE: on_release, RUN: on_run}
+    steps = program.micro_step if record or cluster.collective_interference else coalesced(program, cluster,
+                                                                                              compute_dtype)
     mb, seen = 0, None
     while mb < micro_batches:
         if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
@@ -509,12 +598,11 @@ def simulate_program(
                 continue
             seen = state, (t, dict(busy), exposed)
         if host_per_micro_step_s:  # (spread over the gathers' waits; at the start without any)
-            waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and program.issues(a, mb)
-                        for a in program.micro_step)
+            waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and program.issues(a, mb) for a in steps)
             host_s[0] = host_per_micro_step_s / max(waits, 1)
             if not waits:
                 run_compute(host_per_micro_step_s, "host")
-        for i, a in enumerate(program.micro_step):
+        for i, a in enumerate(steps):
             if not program.issues(a, mb):
                 continue
             start = t

@@ -59,7 +59,7 @@ def build_program(
             flush()
             nbytes = node.meta.get(META_BYTES, 0)
             if node.target is C.tensor_reduce_scatter:
-                nbytes *= node.args[4]  # (its input: tp pieces like its output)
+                nbytes = nbytes * node.args[4]  # (its input: tp pieces like its output; not in place: an array's shared)
             actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=nbytes,
                                   region=node.meta.get(META_REGION, "")))
         elif node.target is C.collective_wait:

@@ -100,9 +100,11 @@ def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
 
 def _structure(rp: ResolvedPlan) -> tuple:
     """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph: not the
-    partition size (``for_partition``), the micro-batch size (``at_index``) or the pipeline's depth."""
-    plan = rp.plan
-    return plan.checkpoint, plan.checkpoint_every, plan.offload_activations, rp.partition_size == 1, rp.optimizer_shards
+    partition size or the optimizer states' sharding where anything is gathered (``for_partition`` lays the
+    buckets out again), the micro-batch size (``at_index``) or the pipeline's depth."""
+    plan, gathers = rp.plan, rp.partition_size > 1
+    return (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, not gathers,
+            None if gathers else rp.optimizer_shards)
 
 
 def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int]) -> TrainGraph | None:
