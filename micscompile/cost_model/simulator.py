@@ -36,8 +36,8 @@ import json
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.program import BLOCKING, Action, Kind, Program

@@ -30,7 +30,7 @@ from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
-from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets, lower_flat
+from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.lowering.pipeline_split import (
@@ -143,6 +143,15 @@ def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes:
     return dataclasses.replace(one, batch_symbols=trace.batch_symbols)
 
 
+def _lower(tg: TrainGraph, rp: ResolvedPlan) -> Program:
+    """``tg`` lowered under ``rp`` with every gather at its use (distance 0: ``apply_prefetch`` moves them), as
+    ``lower_flat`` lowers it, without its search, checks and fingerprint (``mc.compile`` makes them; each pass
+    here is the one it runs, unlinted)."""
+    ctx = make_context(tg, rp, prefetch=Prefetch(distance=0))
+    graph, _ = run_passes(tg.graph_copy(), ctx, build_pass_list(rp.plan), lint=False)
+    return build_program(graph, rp, ctx.layouts, planned_groups(rp), 0)
+
+
 class Pricer:
     """Predictions for any plan and micro-batch size in ``sizes`` from one symbolic-batch trace."""
 
@@ -164,6 +173,7 @@ class Pricer:
         self._flops: dict[int, int] = {}
         self._stages: dict = {}
         self._cut_cache: dict[tuple, tuple[int, ...]] = {}
+        self._schedules: dict[tuple, object] = {}
         self._units = None
 
     def graph_flops(self, b: int) -> int:
@@ -180,9 +190,7 @@ class Pricer:
         """The structure's Program at distance 0, lowered over every size (cached)."""
         key = _structure(rp)
         if key not in self._bases:
-            ctx = make_context(self.trace, rp, prefetch=Prefetch(distance=0))  # every gather at its use
-            graph, _ = run_passes(self.trace.graph_copy(), ctx, build_pass_list(rp.plan))
-            self._bases[key] = build_program(graph, rp, ctx.layouts, planned_groups(rp), 0)
+            self._bases[key] = _lower(self.trace, rp)
         return self._bases[key]
 
     def _sized(self, program: Program, tg: TrainGraph, rp: ResolvedPlan, i: int) -> Program:
@@ -249,18 +257,20 @@ class Pricer:
         i = self._index(b)
         starts = self._cuts(rp, i)
         keys, sp = self._split(rp, starts)
-        structure, groups = _structure(rp), planned_groups(rp)
+        structure = _structure(rp)
         chunks, priced = [], {}
         for key, st in zip(keys, sp.stages):
             key = (structure, key)
             if key not in self._bases:
-                lowered = lower_flat(st.graph, rp, None, groups, prefetch=[Prefetch(0)], need_graph=False)
-                self._bases[key] = lowered.program, st.graph
+                self._bases[key] = _lower(st.graph, rp), st.graph
             if key not in priced:
                 base, graph = self._bases[key]
                 priced[key] = LoweredFlat(apply_prefetch(self._sized(base, graph, rp, i), prefetch), (), prefetch)
             chunks.append(priced[key])
-        sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        how = (plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        if how not in self._schedules:  # (validated once: its NCCL order is the costly part)
+            self._schedules[how] = make_schedule(*how)
+        sched = self._schedules[how]
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, **self.costs)
 
