@@ -194,17 +194,19 @@ def test_every_command_line_ends_in_a_plan_or_one_clear_line(argv, workdir):
 
 @pytest.mark.parametrize("argv, says", [
     (["plan", "gpt:13b", "--nodes", "0"], "--nodes: expected 1 to 65,536, got 0"),
-    (["autotune", "gpt:13b", "--nodes", "2", "--global-batch-size", "7"], "the smallest that works is 16"),
+    (["autotune", "gpt:13b", "--nodes", "2", "--global-batch-size", "7", "--tp", "1"], "the smallest that works is 16"),
+    (["autotune", "gpt:13b", "--nodes", "2", "--global-batch-size", "1"], "tensor group of 8 ranks (a pipeline of S "
+     "stages at least S micro-batches); the smallest that works is 2"),
     (["autotune", "gpt:tiny", "--nodes", "2", "--global-batch-size", "0"], "--global-batch-size: expected 1 to"),
     (["plan", "gpt:tiny", "--seq", "0"], "--seq: expected 1 to"),
     (["plan", "gpt:tiny", "--nodes", "-1"], "--nodes: expected 1 to 65,536, got -1"),
     (["simulate", "gpt:tiny", "-m", "x"], "--micro-batches: expected an integer from 1 to 4,096, got 'x'"),
     (["simulate", "gpt:tiny", "--cluster", "bad.json"], "bad.json is not a cluster file"),
     (["autotune", "gpt:tiny"], "the following arguments are required: --global-batch-size"),
-], ids=["nodes-0", "batch-7", "batch-0", "seq-0", "nodes-neg", "m-text", "bad-json", "missing"])
+], ids=["nodes-0", "batch-7", "batch-1-tensor", "batch-0", "seq-0", "nodes-neg", "m-text", "bad-json", "missing"])
 def test_the_issues_commands_end_in_one_line_naming_what_is_valid(argv, says, workdir):
     """The five commands of issue 53 (a traceback, ten impossible plans, a traceback, a plan of a sequence of
-    length 0, an empty list of valid sizes), and three more: each exits 2 before tracing, with one line."""
+    length 0, an empty list of valid sizes), and four more: each exits 2 before tracing, with one line."""
     code, out, err = run_main(argv, workdir)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and says in lines[0], (code, lines, out[-500:])

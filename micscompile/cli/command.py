@@ -261,10 +261,11 @@ def _autotune(args: argparse.Namespace) -> int:
     from micscompile.tune.search_space import TENSOR_SIZES, check_global_batch, tensor_choices
 
     cluster = _cluster(args)
-    check_global_batch(cluster.world_size, args.global_batch_size)  # before the trace
+    tensor = tensor_choices(args.tp or TENSOR_SIZES, args.sequence_parallel)
+    check_global_batch(cluster.world_size, args.global_batch_size,  # before the trace
+                       max((t for t, _ in tensor if cluster.gpus_per_node % t == 0), default=1))
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
-    tensor = tensor_choices(args.tp or TENSOR_SIZES, args.sequence_parallel)
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
                          tensor=tensor)

@@ -246,12 +246,12 @@ def autotune(
     ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
-    check_global_batch(cluster.world_size, global_batch_size)
+    n, k = cluster.world_size, cluster.gpus_per_node
+    check_global_batch(n, global_batch_size, max((t for t, _ in tensor if k % t == 0 and n % t == 0), default=1))
     unknown = [o for o in optimizer_sharding if o not in OPTIMIZER_SHARDING]
     if unknown:
         raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
                          f"prices each as a candidate, where 'auto' would choose inside one), got {unknown}")
-    n, k = cluster.world_size, cluster.gpus_per_node
     if not any(k % t == 0 and n % t == 0 for t, _ in tensor):
         raise PlanError(f"no tensor group size of {sorted({t for t, _ in tensor})} divides a node of {k} GPUs "
                         f"(and the {n} ranks)")
