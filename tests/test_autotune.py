@@ -146,7 +146,7 @@ def test_autotune_best_equals_brute_force(symbolic):
             brute.append((pred.step_time_s, pred.peak_memory_bytes, plan, cfg.micro_batch, pf))
     capacity = sorted(x[1] for x in brute)[len(brute) // 2]
     cl = _small_cluster(capacity)
-    ranked = mc.autotune(symbolic, cl, global_batch_size=32, verbose=False, progress=False, prune=False, **opts)
+    ranked = mc.autotune(symbolic, cl, global_batch_size=32, verbose=False, progress=False, **opts)
     assert len(ranked) == len(brute)
     feasible = [x for x in brute if x[1] <= capacity]
     assert 0 < len(feasible) < len(brute)
@@ -414,30 +414,3 @@ def test_a_pricer_over_sizes_prices_sequence_parallel_plans_as_simulate_does_eve
                            scaling=False).step_time_s
         for _ in range(2):
             assert pricer.predict(plan, 3, mc.Prefetch(1)).step_time_s == pytest.approx(want, rel=1e-9), stages
-
-
-def test_pruning_by_the_compute_floor_changes_nothing_autotune_prints(symbolic, capsys):
-    """``prune=True`` skips flat candidates whose compute and tensor collectives alone (``Pricer.flat_floor``) are
-    slower than the best's interval, their family's best and the top-N: the tables it prints, the best, why it won
-    and the ties are those of pricing every candidate; some were skipped, and each floor is below its candidate's
-    priced step (mutations caught: the floor doubled skips candidates of the table; the family's best left out of
-    the limit drops a family's row)."""
-    opts = dict(partition_sizes=(1, 2, 8), pipeline_stages=(1, 2), micro_batch_sizes=(1, 2, 4),
-                checkpoint=(False, True), offload=(False,), tensor=((1, False), (2, True)), top=3)
-    cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
-    runs = {}
-    for prune in (False, True):
-        ranked = mc.autotune(symbolic, cl, global_batch_size=64, progress=False, prune=prune, **opts)
-        printed = capsys.readouterr().out.splitlines()
-        runs[prune] = ranked, printed[1:]  # (the first line counts what was simulated)
-    (every, shown), (pruned, shown_pruned) = runs[False], runs[True]
-    assert shown_pruned == shown
-    assert (pruned[0].label(), pruned[0].why) == (every[0].label(), every[0].why)
-    skipped = [c for c in pruned if "too slow to tie the best" in c.reason]
-    assert len(skipped) >= 10
-    pricer = Pricer(symbolic, cl, [1, 2, 4])
-    step = {(c.plan, c.micro_batch_size, c.prefetch): c.step_time_s for c in every if c.prediction is not None}
-    for c in every:
-        if c.plan.pipeline_stages == 1 and c.prediction is not None:
-            assert pricer.flat_floor(c.plan, c.micro_batch_size) <= c.step_time_s * (1 + 1e-12), c.label()
-    assert all((c.plan, c.micro_batch_size, c.prefetch) in step for c in skipped)

@@ -246,22 +246,6 @@ def coalesced(program: Program, cluster: Cluster, compute_dtype: str) -> list:
     return out
 
 
-def compute_floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None) -> float:
-    """A lower bound of ``simulate_program``'s step time on ``cluster`` whatever its prefetch, buckets and collectives:
-    every micro-step's compute and blocking (tensor) collectives, each of which moves the compute stream by at least
-    its own time (a blocking collective ends no sooner than its duration after its issue, and the next op waits for
-    it). ``mc.autotune`` skips a candidate whose floor shows it cannot tie the best."""
-    gpu = cluster.gpu
-    compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
-    total = 0.0
-    for a in program.micro_step:
-        if a.kind is Kind.COMPUTE:
-            total += compute_time_s(a, gpu, compute_dtype)
-        elif a.kind in BLOCKING:
-            total += collective_time_s(program.collective_of(a), a.tensor_bytes, program.groups[a.group].ranks, cluster)
-    return program.plan.micro_batches * total
-
-
 def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
     return nbytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + ops * gpu.op_overhead_s
 

@@ -6,9 +6,8 @@ expressions in the micro-batch size) and the cost model, without the cluster:
 1. ``search_space.configs`` lists every valid (S, p or t, b, checkpoint, offload, hierarchical)
    for the world size and global batch; each is priced with each prefetch choice that applies.
 2. A candidate whose model states alone exceed the device (a lower bound of its planned peak)
-   is infeasible without pricing; a flat one whose compute alone is too slow to matter (``prune``)
-   is skipped. Every other one is priced by ``repricing.Pricer``: the same passes, Program and
-   event simulation as ``mc.simulate``, lowered once per plan structure.
+   is infeasible without pricing. Every other one is priced by ``repricing.Pricer``: the same
+   passes, Program and event simulation as ``mc.simulate``, lowered once per plan structure.
    Its memory is the simulated peak of the planned Program (model states, gathered and reduced
    buckets, activations with their planned lifetimes, offloaded or not); over the device's
    capacity it is infeasible, with the reason kept.
@@ -20,9 +19,7 @@ expressions in the micro-batch size) and the cost model, without the cluster:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +42,6 @@ from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
     OPTIMIZER_SHARDING,
     TENSOR,
-    Config,
     check_global_batch,
     configs,
     family,
@@ -222,7 +218,6 @@ def autotune(
     optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
     tensor: Sequence[tuple[int, bool]] = TENSOR,
     flops_per_sample: float | None = None,
-    prune: bool = True,
     progress: bool = True,
     top: int = 10,
     verbose: bool = True,
@@ -240,10 +235,7 @@ def autotune(
     where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1; ``tensor``: the
     (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without).
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
-    recomputation). ``prune``: a flat candidate whose compute and tensor collectives alone (``Pricer.flat_floor``, a
-    lower bound of its step) are slower than what it must beat to tie the best, lead its family or enter the top
-    ``top`` is not priced (its reason says so); the tables, the best and the ties are those of ``prune=False``.
-    ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
+    recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
     n, k = cluster.world_size, cluster.gpus_per_node
@@ -274,19 +266,9 @@ def autotune(
     num_params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
     capacity = cluster.gpu.memory_bytes
     out: list[Candidate] = []
-    unsplit, bounded = 0, 0  # candidates whose tensor groups the model's shapes do not split; skipped by their floor
-    floors: dict[Config, float] = {}  # a flat candidate's step-time floor (Pricer.flat_floor), whatever its prefetch
-    for cfg in space:
-        if prune and cfg.stages == 1 and state_floor_bytes(num_params, cfg) <= capacity:
-            try:
-                floors[cfg] = pricer.flat_floor(cfg.plan(base), cfg.micro_batch)
-            except (PlanError, TensorSplitError):
-                pass  # (priced below, where it fails with its reason)
-    # one structure at a time: its lowering is shared by all its candidates; pipelines first, then the flat
-    # candidates from the lowest floor up, so that those skipped by it are skipped early
-    space.sort(key=lambda c: (c in floors, floors.get(c, 0.0), str(c.structure), c.partition, str(c.hierarchical),
-                              c.micro_batch))
-    best = _Best(top, cluster.prediction_error)
+    unsplit = 0  # candidates whose tensor groups the model's shapes do not split
+    # one structure at a time: its lowering is shared by all its candidates
+    space.sort(key=lambda c: (str(c.structure), c.partition, str(c.hierarchical), c.micro_batch))
     bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan",
                disable=None if progress else True,  # (None: off where stderr is no terminal)
                leave=False)
@@ -302,12 +284,6 @@ def autotune(
                                      f"Adam's 8 over d times more with optimizer_sharding='world'), "
                                      f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
                 continue
-            if cfg in floors and floors[cfg] > best.limit(cfg.family):
-                bounded += 1
-                out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: its compute and tensor "
-                                     f"collectives alone take {floors[cfg]:.4g} s a step, too slow to tie the best, "
-                                     f"lead its family or enter the top {top} (prune=False prices it)"))
-                continue
             try:
                 pred = pricer.predict(plan, cfg.micro_batch, pf)
             except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
@@ -319,8 +295,6 @@ def autotune(
             reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
                                           f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
             out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))
-            if feasible:
-                best.add(cfg.family, pred.step_time_s)
     bar.close()
     ranked = rank(out)
     if measure:
@@ -328,35 +302,13 @@ def autotune(
     if verbose:
         good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
-              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit - bounded} ruled out by their "
-              f"model states alone" + (f", {bounded} by their compute alone" if bounded else "")
-              + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit} ruled out by their model states "
+              f"alone" + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
               + f"), {good} feasible")
         print_table(ranked, top)
         print()
         print_families(ranked)
     return ranked
-
-
-class _Best:
-    """What a candidate must beat to change autotune's output: the best's interval (a tie), its family's best (the
-    family table) and the ``top``-th fastest (the printed table), of the feasible candidates priced so far."""
-
-    def __init__(self, top: int, uncertainty: float) -> None:
-        self.top, self.u = top, uncertainty
-        self.steps: list[float] = []  # the ``top`` fastest, sorted
-        self.family: dict[str, float] = {}
-
-    def add(self, family: str, step_s: float) -> None:
-        bisect.insort(self.steps, step_s)
-        del self.steps[self.top:]
-        self.family[family] = min(step_s, self.family.get(family, step_s))
-
-    def limit(self, family: str) -> float:
-        """A candidate slower than this cannot tie the best (``overlaps``), lead ``family`` or enter the top."""
-        if not self.steps or self.u >= 1 or family not in self.family or len(self.steps) < self.top:
-            return math.inf
-        return max(self.steps[0] * (1 + self.u) / (1 - self.u), self.family[family], self.steps[-1])
 
 
 def _sizes(sizes) -> str:

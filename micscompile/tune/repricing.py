@@ -27,7 +27,7 @@ import numpy as np
 from micscompile.core.pipeline_schedule import make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
-from micscompile.cost_model.simulator import Prediction, compute_floor_s, simulate_program
+from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets
@@ -174,7 +174,6 @@ class Pricer:
         self._stages: dict = {}
         self._cut_cache: dict[tuple, tuple[int, ...]] = {}
         self._schedules: dict[tuple, object] = {}
-        self._floors: dict[tuple, float] = {}
         self._units = None
 
     def graph_flops(self, b: int) -> int:
@@ -217,19 +216,6 @@ class Pricer:
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         program = apply_prefetch(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
         return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
-
-    def flat_floor(self, plan: Plan, b: int) -> float:
-        """A lower bound of ``flat``'s prediction for ``plan`` (S = 1) at ``b`` with any prefetch
-        (``simulator.compute_floor_s``: its micro-steps' compute and blocking tensor collectives)."""
-        if plan.tensor_parallel_size != self.source.tensor_parallel:
-            return self._tensor(plan, b).flat_floor(plan, b)
-        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
-        base, i = self._base_flat(rp), self._index(b)
-        key = (id(base), i, rp.micro_batches)
-        if key not in self._floors:
-            program = dataclasses.replace(at_index(base, i), plan=rp, groups=planned_groups(rp))
-            self._floors[key] = compute_floor_s(program, self.cluster)
-        return self._floors[key]
 
     def _unit_analysis(self) -> tuple:
         """(units, seconds per size, saved bytes per size, states by t, chunk keys), once."""
