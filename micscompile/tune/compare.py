@@ -22,6 +22,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.predict import simulate
 from micscompile.lowering.tensor_split import TensorSplitError
 from micscompile.trace import TrainGraph
+from micscompile.tune.search_space import Config, state_floor_bytes
 
 SYSTEM_ROWS = ("micscompile", "deepspeed-zero3", "fsdp2", "fsdp2-hsdp", "megatron")
 LABELS = {"micscompile": "micscompile (best p)", "deepspeed-zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2 full shard",
@@ -100,8 +101,9 @@ def _megatron_row(trace: TrainGraph, nodes: int, cluster: Cluster, plan: Plan) -
     sizes = [plan.tensor_parallel_size] if plan.tensor_parallel_size > 1 else divisors(min(cluster.gpus_per_node, world))
     rows = []
     for t in (t for t in sizes if world % t == 0):
-        S = next((S for S in divisors(world // t) if 16 * params / (t * S) <= 0.8 * cluster.gpu.memory_bytes),
-                 world // t)
+        S = next((S for S in divisors(world // t) if state_floor_bytes(params, Config(S, 1, 1, 1, False, False, "auto",
+                                                                                      tensor=t))
+                  <= 0.8 * cluster.gpu.memory_bytes), world // t)
         if S > 1 and 2 * S > len(trace.blocks):
             continue
         megatron = dataclasses.replace(plan, tensor_parallel_size=t, pipeline_stages=S,
