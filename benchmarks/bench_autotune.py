@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_autotune.py                 # all cases
     .venv/bin/python benchmarks/bench_autotune.py --case gpt3     # one of: gpt3 bert10b bert104b-4096 bert104b-1024
     .venv/bin/python benchmarks/bench_autotune.py --case gpt3 --tp 1   # tensor groups narrowed (default: 1 2 4 8, +-SP)
+    .venv/bin/python benchmarks/bench_autotune.py --case gpt3 --workers 2   # the (t, SP) groups in two processes
 
 One symbolic-batch meta trace per model, priced with the cost model only (no GPU needed).
 gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (issue 55's speed acceptance: >= 2000
@@ -39,7 +40,7 @@ CASES = {
 }
 
 
-def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None) -> None:
+def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None, workers: int = 1) -> None:
     cfg, dtype, preset, nodes, batch, opts = CASES[name]
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -56,7 +57,7 @@ def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None) -> 
           f"traced in {t1 - t0:.1f} s")
     if tp is not None:
         opts = {**opts, "tensor": tensor_choices(tp)}
-    ranked = mc.autotune(trace, cluster, global_batch_size=batch, **opts)
+    ranked = mc.autotune(trace, cluster, global_batch_size=batch, workers=workers, **opts)
     t2 = time.perf_counter()
     best = ranked[0] if ranked[0].feasible else None
     print(f"   {len(ranked)} candidates in {t2 - t1:.1f} s of search ({t2 - t0:.1f} s with the trace, "
@@ -71,9 +72,10 @@ def main() -> None:
     ap.add_argument("--nic-efficiency", type=float, default=1.0,
                     help="inter-node bandwidth collectives achieve, as a fraction of the NICs' line rate")
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="tensor group sizes searched (default: 1 2 4 8)")
+    ap.add_argument("--workers", type=int, default=1, help="processes pricing side by side (autotune(workers=))")
     args = ap.parse_args()
     for name in args.case or CASES:
-        run(name, args.nic_efficiency, args.tp)
+        run(name, args.nic_efficiency, args.tp, args.workers)
 
 
 if __name__ == "__main__":

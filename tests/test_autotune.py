@@ -414,3 +414,17 @@ def test_a_pricer_over_sizes_prices_sequence_parallel_plans_as_simulate_does_eve
                            scaling=False).step_time_s
         for _ in range(2):
             assert pricer.predict(plan, 3, mc.Prefetch(1)).step_time_s == pytest.approx(want, rel=1e-9), stages
+
+
+def test_autotune_in_two_processes_ranks_what_one_process_ranks(symbolic):
+    """``workers=2`` prices the (t, sequence parallelism) groups in forked processes: the same candidates, the same
+    predictions, in the same order (mutation caught: the groups' results concatenated in the order they finish)."""
+    opts = dict(partition_sizes=(1, 2), pipeline_stages=(1, 2), micro_batch_sizes=(2, 4), checkpoint=(False,),
+                offload=(False,), tensor=((1, False), (2, False), (2, True)), verbose=False, progress=False)
+    peaks = sorted(c.peak_memory_bytes for c in mc.autotune(symbolic, mc.Cluster.preset("p4d.24xlarge", nodes=2),
+                                                            global_batch_size=32, **opts))
+    cl = _small_cluster(peaks[len(peaks) // 2])  # half of them do not fit: listed after the rest, in priced order
+    one, two = (mc.autotune(symbolic, cl, global_batch_size=32, workers=w, **opts) for w in (1, 2))
+    assert [(c.label(), c.feasible, c.step_time_s, c.reason, c.why) for c in two] == \
+        [(c.label(), c.feasible, c.step_time_s, c.reason, c.why) for c in one]
+    assert len({c.plan.tensor_parallel_size for c in one}) == 2 and 0 < sum(c.feasible for c in one) < len(one)

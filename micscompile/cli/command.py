@@ -268,7 +268,7 @@ def _autotune(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
-                         tensor=tensor)
+                         tensor=tensor, workers=args.workers)
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
     if not ranked[0].feasible:
         from micscompile.core.plan import PlanError
@@ -360,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
                       help="tensor group sizes to search (default: 1 2 4 8, those dividing a node)")
     tune.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                       help="search each tensor group size > 1 with sequence parallelism too")
+    tune.add_argument("--workers", type=_count("--workers", 256), default=1,
+                      help="processes pricing the tensor groups' candidates side by side (default 1)")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
     cal.add_argument("--nproc", type=_count("--nproc", 1024), default=4, help="ranks to measure with (when not under torchrun)")
     cal.add_argument("--out", default=None, help="where to write the calibrated cluster (default: ./local_cluster.json "

@@ -20,6 +20,8 @@ expressions in the micro-batch size) and the cost model, without the cluster:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -218,6 +220,7 @@ def autotune(
     optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
     tensor: Sequence[tuple[int, bool]] = TENSOR,
     flops_per_sample: float | None = None,
+    workers: int = 1,
     progress: bool = True,
     top: int = 10,
     verbose: bool = True,
@@ -235,7 +238,9 @@ def autotune(
     where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1; ``tensor``: the
     (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without).
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
-    recomputation). ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
+    recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
+    group's tensor split and lowerings are its own; the same candidates in the same order).
+    ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
     n, k = cluster.world_size, cluster.gpus_per_node
@@ -263,39 +268,22 @@ def autotune(
                         + (f"the smallest that works here is {smallest}" if smallest else
                            "none works with these choices: widen them (pipeline stages, micro-batch sizes)"))
     pricer = Pricer(trace, cluster, sorted({c.micro_batch for c in space}))
-    num_params = sum(trace.param_shapes[name].numel() for name in trace.param_names)
-    capacity = cluster.gpu.memory_bytes
-    out: list[Candidate] = []
-    unsplit = 0  # candidates whose tensor groups the model's shapes do not split
-    # one structure at a time: its lowering is shared by all its candidates
+    # one structure at a time: its lowering is shared by all its candidates (and a tensor split by its (t, sp) group)
     space.sort(key=lambda c: (str(c.structure), c.partition, str(c.hierarchical), c.micro_batch))
-    bar = tqdm(total=sum(len(prefetches(c)) for c in space), desc="autotune", unit="plan",
+    groups = [list(g) for _, g in itertools.groupby(space, key=lambda c: (c.tensor, c.sequence))]
+    counts = [sum(len(prefetches(c)) for c in g) for g in groups]
+    bar = tqdm(total=sum(counts), desc="autotune", unit="plan",
                disable=None if progress else True,  # (None: off where stderr is no terminal)
                leave=False)
-    for cfg in space:
-        plan = cfg.plan(base)
-        floor = state_floor_bytes(num_params, cfg)
-        per_sample = flops_per_sample or pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
-        for pf in prefetches(cfg):
-            bar.update()
-            if floor > capacity:
-                out.append(Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need {fmt_bytes(floor)} "
-                                     f"per GPU (16 B per parameter over S*p = {cfg.stages * cfg.partition} ranks, "
-                                     f"Adam's 8 over d times more with optimizer_sharding='world'), "
-                                     f"more than the {fmt_bytes(capacity)} of a {cluster.gpu.name}"))
-                continue
-            try:
-                pred = pricer.predict(plan, cfg.micro_batch, pf)
-            except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
-                unsplit += 1
-                out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0]))
-                continue
-            pred.flops_per_step = per_sample * global_batch_size / n
-            feasible = pred.fits(cluster)
-            reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
-                                          f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
-            out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))
+    job = _Job(pricer, base, cluster, global_batch_size, flops_per_sample,
+               sum(trace.param_shapes[name].numel() for name in trace.param_names))
+    if workers > 1 and len(groups) > 1:
+        results = _in_processes(job, groups, counts, workers, bar)
+    else:
+        results = [job.price(g, bar) for g in groups]
     bar.close()
+    out = [c for group, _ in results for c in group]
+    unsplit = sum(u for _, u in results)  # candidates whose tensor groups the model's shapes do not split
     ranked = rank(out)
     if measure:
         ranked = measure_top(ranked, **measure_kwargs)
@@ -309,6 +297,74 @@ def autotune(
         print()
         print_families(ranked)
     return ranked
+
+
+@dataclass
+class _Job:
+    """What pricing a group of configurations needs (a forked worker inherits it)."""
+
+    pricer: Pricer
+    base: Plan
+    cluster: Cluster
+    global_batch: int
+    flops_per_sample: float | None
+    num_params: int
+
+    def price(self, space: Sequence, bar=None) -> tuple[list[Candidate], int]:
+        """Each configuration of ``space`` with each of its prefetch choices, in order; and how many were not
+        priced because the model's shapes do not split into their tensor groups."""
+        cluster, capacity, out, unsplit = self.cluster, self.cluster.gpu.memory_bytes, [], 0
+        for cfg in space:
+            plan = cfg.plan(self.base)
+            floor = state_floor_bytes(self.num_params, cfg)
+            per_sample = self.flops_per_sample or self.pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
+            for pf in prefetches(cfg):
+                if bar is not None:
+                    bar.update()
+                if floor > capacity:
+                    out.append(Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need "
+                                         f"{fmt_bytes(floor)} per GPU (16 B per parameter over S*p = "
+                                         f"{cfg.stages * cfg.partition} ranks, Adam's 8 over d times more with "
+                                         f"optimizer_sharding='world'), more than the {fmt_bytes(capacity)} of a "
+                                         f"{cluster.gpu.name}"))
+                    continue
+                try:
+                    pred = self.pricer.predict(plan, cfg.micro_batch, pf)
+                except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
+                    unsplit += 1
+                    out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0]))
+                    continue
+                pred.flops_per_step = per_sample * self.global_batch / cluster.world_size
+                feasible = pred.fits(cluster)
+                reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
+                                              f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
+                out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))
+        return out, unsplit
+
+
+_FORKED: tuple | None = None
+"""(job, groups) of ``_in_processes``, which forked workers inherit rather than receive pickled."""
+
+
+def _price_group(i: int) -> tuple[list[Candidate], int]:
+    job, groups = _FORKED
+    return job.price(groups[i])
+
+
+def _in_processes(job: _Job, groups: list[list], sizes: list[int], workers: int, bar) -> list[tuple]:
+    """``job.price`` of each group in ``workers`` forked processes, the largest groups first; the results in the
+    groups' order (the candidates' order, and so the ranking's ties, those of pricing them one after another)."""
+    global _FORKED
+    order = sorted(range(len(groups)), key=lambda i: -sizes[i])
+    _FORKED, done = (job, groups), {}
+    try:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(groups))) as pool:
+            for i, result in zip(order, pool.imap(_price_group, order)):
+                done[i] = result
+                bar.update(sizes[i])
+    finally:
+        _FORKED = None
+    return [done[i] for i in range(len(groups))]
 
 
 def _sizes(sizes) -> str:
