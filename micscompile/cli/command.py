@@ -262,8 +262,7 @@ def _autotune(args: argparse.Namespace) -> int:
 
     cluster = _cluster(args)
     tensor = tensor_choices(args.tp or TENSOR_SIZES, args.sequence_parallel)
-    check_global_batch(cluster.world_size, args.global_batch_size,  # before the trace
-                       max((t for t, _ in tensor if cluster.gpus_per_node % t == 0), default=1))
+    check_global_batch(cluster.world_size, args.global_batch_size, tensor, cluster.gpus_per_node)  # before the trace
     tg = _trace(args, cluster, symbolic=True)
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,

@@ -173,6 +173,12 @@ def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> floa
     )
 
 
+def charge_s(cluster: Cluster, duration: float) -> float:
+    """The compute-stream time a collective of ``duration`` costs on a cluster without calibrated interference:
+    ``(1 - overlap) * duration + collective_overhead_s``."""
+    return (1 - cluster.overlap) * duration + cluster.collective_overhead_s
+
+
 class _Run(NamedTuple):
     """Consecutive COMPUTE and blocking tensor-collective actions, priced as one (``coalesced``)."""
 
@@ -188,7 +194,8 @@ class _Run(NamedTuple):
     """(stream, busy time) of its collectives."""
     activation_peak_bytes: int | None
     """Most activation bytes alive during its computes (None: it has none)."""
-    activation_bytes: int
+    activation_bytes: int | None
+    """Activation bytes alive after it (None: it has no compute, they stay as they were)."""
     carried: bool = False
 
 
@@ -227,7 +234,7 @@ def coalesced(program: Program, cluster: Cluster, compute_dtype: str) -> list:
                 d = priced[key]
                 if d <= 0:
                     continue
-                charge = (1 - cluster.overlap) * d + cluster.collective_overhead_s
+                charge = charge_s(cluster, d)
                 time += max(d, charge)
                 compute, charged, exposed = compute + charge, charged + charge, exposed + max(d - charge, 0.0)
                 comm[f"comm:{a.group}"] += d
@@ -415,8 +422,7 @@ def simulate_program(
         """Charge the compute stream a collective's exposed share: the calibrated ``cost``'s, else
         ``(1 - overlap) * duration + collective_overhead_s``; returns ``cost``."""
         name = f"comm cpu {what}" if record else ""
-        charge = ((1 - cluster.overlap) * duration + cluster.collective_overhead_s if cost is None else
-                  cost["exposed_fraction"] * duration)
+        charge = charge_s(cluster, duration) if cost is None else cost["exposed_fraction"] * duration
         run_compute(charge, name)
         busy["charged"] += charge  # (in busy so that skipping middle micro-steps scales it too; popped below)
         return cost

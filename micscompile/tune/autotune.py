@@ -244,7 +244,7 @@ def autotune(
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
     n, k = cluster.world_size, cluster.gpus_per_node
-    check_global_batch(n, global_batch_size, max((t for t, _ in tensor if k % t == 0 and n % t == 0), default=1))
+    check_global_batch(n, global_batch_size, tensor, k)
     unknown = [o for o in optimizer_sharding if o not in OPTIMIZER_SHARDING]
     if unknown:
         raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "

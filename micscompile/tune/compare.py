@@ -101,9 +101,10 @@ def _megatron_row(trace: TrainGraph, nodes: int, cluster: Cluster, plan: Plan) -
     sizes = [plan.tensor_parallel_size] if plan.tensor_parallel_size > 1 else divisors(min(cluster.gpus_per_node, world))
     rows = []
     for t in (t for t in sizes if world % t == 0):
-        S = next((S for S in divisors(world // t) if state_floor_bytes(params, Config(S, 1, 1, 1, False, False, "auto",
-                                                                                      tensor=t))
-                  <= 0.8 * cluster.gpu.memory_bytes), world // t)
+        unsharded = (Config(stages=S, partition=1, micro_batch=1, micro_batches=1, checkpoint=False, offload=False,
+                            hierarchical="auto", tensor=t) for S in divisors(world // t))
+        S = next((c.stages for c in unsharded if state_floor_bytes(params, c) <= 0.8 * cluster.gpu.memory_bytes),
+                 world // t)
         if S > 1 and 2 * S > len(trace.blocks):
             continue
         megatron = dataclasses.replace(plan, tensor_parallel_size=t, pipeline_stages=S,

@@ -135,15 +135,17 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
     return out
 
 
-def check_global_batch(world: int, global_batch: int, tensor: int = 1) -> None:
+def check_global_batch(world: int, global_batch: int, tensor: Sequence[tuple[int, bool]] = ((1, False),),
+                       gpus_per_node: int = 1) -> None:
     """Refuse, before anything is traced, a global batch no plan can split: every plan needs one sample per
-    tensor group at least (``configs``: b * n / t <= batch; ``tensor``: the largest t searched), and ``world``
-    samples always work (flat, b = 1, t = 1)."""
+    tensor group at least (``configs``: b * n / t <= batch; t the largest of ``tensor``'s sizes that divides the
+    node and the world), and ``world`` samples always work (flat, b = 1, t = 1)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise PlanError(f"global_batch_size must be a positive number of samples, got {global_batch!r}")
-    least = world // tensor
+    t = max((t for t, _ in tensor if gpus_per_node % t == 0 and world % t == 0), default=1)
+    least = world // t
     if global_batch < least:
-        groups = f"tensor group of {tensor} ranks" if tensor > 1 else "rank"
+        groups = f"tensor group of {t} ranks" if t > 1 else "rank"
         raise PlanError(f"a global batch of {global_batch} cannot keep {world} ranks busy: every plan trains at least "
                         f"one sample per {groups} (a pipeline of S stages at least S micro-batches); the smallest "
                         f"that works is {least}, or use fewer ranks")
