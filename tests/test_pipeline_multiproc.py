@@ -24,6 +24,7 @@ from micscompile.cli.parity import (
     train_reference_mixed,
 )
 from micscompile.core import collectives as C
+from micscompile.core.plan import ZERO_BUBBLE
 from micscompile.runtime.materialize import initialize
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
@@ -68,6 +69,10 @@ CASES = [
     PipeCase(2, 2, 3, model="convnet", param_dtype=torch.float16),
     # Inductor-compiled regions in every chunk's forward and backward (4 chunks: 2 per rank)
     PipeCase(2, 1, 4, "interleaved", 2, codegen="inductor"),
+    # zero-bubble: each backward split into B and W (passes.weight_split), W deferred into the bubbles
+    PipeCase(2, 2, 4, "zb-h1"), PipeCase(4, 1, 4, "zb-h1", opt="adamw"),
+    PipeCase(2, 1, 4, "zb-h1", checkpoint=True, param_dtype=torch.bfloat16),
+    PipeCase(2, 1, 4, "interleaved-zb", 2),
 ]
 
 
@@ -129,22 +134,28 @@ def run_case(case: PipeCase, rank: int, world: int) -> dict:
 @contextlib.contextmanager
 def _second_hops_logged(step):
     """Log, for each second hop the step starts (an all-reduce or reduce-scatter over the replicas),
-    the chunk whose backward was running and how many of that chunk's backwards had started."""
+    the chunk whose backward was running and how many of that chunk's backwards had started (its W's, for a
+    zero-bubble schedule: W accumulates the gradients)."""
     log, running, started = [], [None], {}
-    for ch in step._chunks.values():
-        def backward(args, c=ch.index, inner=ch.phases.backward):
-            running[0], started[c] = c, started.get(c, 0) + 1
+
+    def logged(inner, c, phase):
+        def run(args):
+            running[0], started[c, phase] = (c, phase), started.get((c, phase), 0) + 1
             try:
                 return inner(args)
             finally:
                 running[0] = None
-        ch.phases = dataclasses.replace(ch.phases, backward=backward)
+        return run
+
+    for ch in step._chunks.values():
+        weight = ch.phases.weight and logged(ch.phases.weight, ch.index, "W")
+        ch.phases = dataclasses.replace(ch.phases, backward=logged(ch.phases.backward, ch.index, "B"), weight=weight)
     real = {name: getattr(C, name) for name in ("all_reduce_start", "reduce_scatter_start")}
 
     def logged(fn):
         def start(*args, what=None, **kwargs):
             if what and "second-hop" in what:
-                log.append((running[0], started.get(running[0])))
+                log.append((running[0] and running[0][0], started.get(running[0]), running[0] and running[0][1]))
             return fn(*args, what=what, **kwargs)
         return start
     for name, fn in real.items():
@@ -273,12 +284,13 @@ def test_comm_stats_count_the_pipeline_sends_the_plan_predicts(results, case: Pi
 @pytest.mark.parametrize("case", [c for c in CASES if WORLD > c.stages * c.t], ids=lambda c: c.id)
 def test_each_chunk_starts_its_second_hops_in_its_last_backward(results, case: PipeCase):
     """2-hop over d > 1 replicas: every chunk a rank holds starts its buckets' all-reduces over the
-    replicas (the second hop) inside its own last backward, under the rest of the schedule, never in
-    an earlier backward nor at the boundary."""
+    replicas (the second hop) inside its own last backward (its last W where the backward is split: the
+    gradients are W's), under the rest of the schedule, never in an earlier backward nor at the boundary."""
+    phase = "W" if case.schedule in ZERO_BUBBLE else "B"
     for rank, res in enumerate(results):
         hops = res[case]["hops"]
-        assert hops and {c for c, _ in hops} == set(res[case]["chunks"]), (rank, hops)
-        assert all(n == case.m for _, n in hops), (rank, hops)
+        assert hops and {c for c, _, _ in hops} == set(res[case]["chunks"]), (rank, hops)
+        assert all(n == case.m and p == phase for _, n, p in hops), (rank, hops)
 
 
 def test_bad_pipeline_plans_are_refused_on_every_rank(results):

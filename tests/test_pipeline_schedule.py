@@ -14,6 +14,7 @@ from micscompile.core.pipeline_schedule import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zero_bubble,
 )
 
 GRID_1F1B_4x8 = """\
@@ -287,7 +288,65 @@ def test_interleaving_needs_whole_groups_of_micro_batches():
 def test_make_schedule_names_the_valid_kinds():
     assert make_schedule("interleaved", 2, 4, 2) == interleaved_1f1b(2, 4, 2)
     assert make_schedule("1f1b", 2, 4) == one_f_one_b(2, 4) and make_schedule("gpipe", 2, 4) == gpipe(2, 4)
-    with pytest.raises(ValueError, match="valid kinds are gpipe, 1f1b, interleaved"):
+    assert make_schedule("zb-h1", 2, 4) == zero_bubble(2, 4) and make_schedule("interleaved-zb", 2, 4, 2) == \
+        zero_bubble(2, 4, 2)
+    with pytest.raises(ValueError, match="valid kinds are 1f1b, interleaved, gpipe, zb-h1, interleaved-zb"):
         make_schedule("zero_bubble", 2, 4)
     with pytest.raises(ValueError, match="needs kind 'interleaved'"):
         make_schedule("1f1b", 2, 4, chunks=2)
+
+
+# ZB-H1, S=4 m=6, unit F, B and W: rank r defers each W r places (its B's come as 1F1B's backwards do)
+GRID_ZB_H1_4x6 = """\
+step 0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20
+r0   F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
+r1   .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
+r2   .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
+r3   .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"""
+
+
+def test_zb_h1_grid():
+    assert zero_bubble(4, 6).grid() == GRID_ZB_H1_4x6
+
+
+@pytest.mark.parametrize("stages, micro_batches, chunks", [(2, 2, 1), (2, 5, 1), (4, 4, 1), (4, 9, 1), (8, 16, 1),
+                                                           (2, 4, 2), (4, 8, 2), (4, 4, 2), (2, 6, 3), (8, 16, 2)])
+def test_zero_bubble_schedules_validate_and_shrink_the_bubble(stages, micro_batches, chunks):
+    """Every F, B and W once, each W after its B on the chunk's rank, deadlock-free with eager sends and
+    under NCCL's rules; with F = B = W the bubble is (S - 1)(F + B - W) = (S - 1) units (ZB-H1; the paper's
+    formula), a third of 1F1B's (S - 1)(F + B + W), and interleaving shrinks it further."""
+    zb = zero_bubble(stages, micro_batches, chunks)
+    zb.validate()
+    ref = (interleaved_1f1b if chunks > 1 else lambda s, m, v: one_f_one_b(s, m))(stages, micro_batches, chunks)
+    for r, acts in enumerate(zb.ranks):
+        steps = {a: i for i, a in enumerate(acts)}
+        weights = [a for a in acts if a.op is Op.WEIGHT]
+        assert len(weights) == micro_batches * chunks
+        assert all(steps[PipeAction(Op.BACKWARD, w.mb, w.chunk)] < steps[w] for w in weights)
+        # its F's and B's in the reference's order: W's only fill in
+        assert [a for a in acts if a.op in (Op.FORWARD, Op.BACKWARD)] == \
+            [a for a in ref.ranks[r] if a.op in (Op.FORWARD, Op.BACKWARD)]
+    assert zb.split_backward and not ref.split_backward
+    n = stages * chunks
+    unit = zb.simulate([1.0] * n, [1.0] * n, 0.0, [1.0] * n)
+    if chunks == 1:
+        assert unit.makespan_s == 3 * micro_batches + stages - 1
+    assert zb.bubble_fraction() < ref.bubble_fraction()
+
+
+def test_zero_bubble_in_flight_and_its_string_form():
+    """A micro-batch stays in flight until its W: ZB-H1's ranks each hold at most S, 1F1B's first rank's count."""
+    zb = zero_bubble(4, 8)
+    assert zb.max_in_flight() == [4, 4, 4, 4] and one_f_one_b(4, 8).max_in_flight() == [4, 3, 2, 1]
+    assert PipeSchedule.parse(str(zb)) == zb and "W0.3" in str(zb)
+    with pytest.raises(ValueError, match="needs 4 weight-gradient"):
+        zb.simulate([1.0] * 4, [1.0] * 4)
+
+
+@pytest.mark.parametrize("old, new, message", [
+    (" W3.1 AR", " AR", "W3.1 is missing"),  # a B without its W
+    ("RG1.0 B1.0 W1.0", "W1.0 RG1.0 B1.0", "must come after B1.0"),  # a W before its B
+])
+def test_broken_zero_bubble_schedules_are_refused(old, new, message):
+    with pytest.raises(ScheduleError, match=message):
+        edited(zero_bubble(2, 4), old, new).validate()

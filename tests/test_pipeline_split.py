@@ -311,3 +311,64 @@ def test_every_stage_fingerprints_the_pipeline_alike_with_offload():
     first, second = (lower(tg, rp, cluster, planned_groups(rp, r), r) for r in (0, 2))
     assert first.fingerprint() == second.fingerprint()
     assert first.collective_fingerprint() == second.collective_fingerprint()
+
+
+def _zb_chunks(p: int, checkpoint: bool = False):
+    """A tied LM lowered under ZB-H1 (S = 2, t = p): each rank's chunk's rewritten graph."""
+    from models import TiedLM
+
+    _, make_loss, make_batches = MODELS["tied_lm"]
+    torch.manual_seed(0)
+    model = TiedLM(layers=2)
+    x, y = make_batches(1, 4)[0]
+    tg = mc.trace(model, (x, y), make_loss(model))
+    rp = mc.Plan(partition_size=p, pipeline_stages=2, micro_batches=2, pipeline_schedule="zb-h1",
+                 checkpoint=checkpoint).resolve(2 * p, 2 * p)
+    return [lower_pipeline(tg, rp, None, planned_groups(rp, r), r).chunks[rp.stage_of(r)]
+            for r in (0, rp.world_size - 1)]
+
+
+@pytest.mark.parametrize("p, checkpoint", [(1, False), (2, False), (2, True)])
+def test_weight_split_puts_input_gradients_in_b_and_weight_gradients_in_w(p, checkpoint):
+    """B is what the input gradients the chunk sends back are computed from (the weights' gathers
+    included) and nothing else but releases; W the rest: every accumulation into a gradient bucket, its
+    reduction and second hop, and the weight-gradient matmuls. The backward runs B then W, and W's
+    values never feed B."""
+    from micscompile.core import collectives as C
+    from micscompile.passes.weight_split import backward_phases
+    from micscompile.trace import META_REGION
+
+    for chunk in _zb_chunks(p, checkpoint):
+        graph = chunk.graph
+        b, w = backward_phases(graph)
+        bwd = [n for n in graph.nodes if n.op == "call_function" and n.meta.get(META_REGION) == "bwd"]
+        assert bwd == b + w and w
+        output = next(n for n in graph.nodes if n.op == "output")
+        needed, todo = set(), [v for v in output.all_input_nodes if v in set(bwd)]
+        while todo:
+            n = todo.pop()
+            if n not in needed and n in set(bwd):
+                needed.add(n)
+                todo += n.all_input_nodes
+        assert {n for n in b if n.target is not C.release} == needed  # B: exactly the input gradients' ancestors
+        grads = (C.accumulate, C.accumulate_local, C.accumulate_mm, C.reduce_scatter_issue, C.second_hop)
+        assert not [n for n in b if n.target in grads]
+        assert [n for n in w if n.target in grads]
+        mms = [n for n in w if n.target is torch.ops.aten.mm.default]
+        assert mms, "W holds the weight-gradient matmuls"
+        if p > 1 and needed:  # the weights B multiplies by are gathered (and released) in B
+            assert [n for n in b if n.target is C.all_gather_issue] and [n for n in b if n.target is C.release]
+        assert not any(u in set(b) for n in w for u in n.users)
+
+
+def test_zero_bubble_prices_a_smaller_bubble_with_the_same_compute():
+    """ZB-H1 against 1F1B on one plan: the same work (B and W are the backward cut in two, the gradients'
+    accumulation priced once, in W), a bubble cut by more than half, a faster step."""
+    tg = meta_lm_trace(vocab=512, h=128, layers=8, batch=4, seq=64)
+    cluster = mc.Cluster.preset("p4d.24xlarge", nodes=1)
+    pred = {kind: mc.simulate(tg, mc.Plan(partition_size=1, pipeline_stages=4, micro_batches=8,
+                                          pipeline_schedule=kind), cluster) for kind in ("1f1b", "zb-h1")}
+    one, zb = pred["1f1b"], pred["zb-h1"]
+    assert zb.compute_s == pytest.approx(one.compute_s, rel=1e-9)
+    assert zb.bubble_fraction < one.bubble_fraction / 2
+    assert zb.step_time_s < one.step_time_s

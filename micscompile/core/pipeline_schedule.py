@@ -4,7 +4,9 @@ Terms. S pipeline ranks (positions 0..S-1 of one pipeline), v model chunks per r
 interleaves), m micro-batches. The model is cut into S*v chunks; chunk c lives on rank c % S,
 so rank r holds chunks r, r+S, r+2S, ... Activations flow c -> c+1, gradients c+1 -> c.
 
-Actions. F(mb, c) / B(mb, c) run micro-batch mb through chunk c. A P2P action names a chunk
+Actions. F(mb, c) / B(mb, c) run micro-batch mb through chunk c. A zero-bubble schedule splits each
+backward in two (``passes.weight_split``): B(mb, c) then computes only the gradient of the chunk's input
+(what the previous chunk waits for) and W(mb, c), later on the same rank, its weight gradients. A P2P action names a chunk
 of the rank that runs it: SA(mb, c) sends chunk c's output and matches RA(mb, c+1), which
 receives chunk c+1's input; SG(mb, c) sends the gradient of chunk c's input and matches
 RG(mb, c-1), which receives the gradient of chunk c-1's output. AR, the boundary gradient
@@ -49,7 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, product
 
-from micscompile.core.plan import PlanError
+from micscompile.core.plan import INTERLEAVED, SCHEDULES, ZERO_BUBBLE, PlanError
 
 
 class ScheduleError(PlanError):
@@ -59,6 +61,8 @@ class ScheduleError(PlanError):
 class Op(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
+    """A zero-bubble schedule's weight-gradient half of a backward (its B computed the input gradient)."""
     SEND_ACT = "SA"
     RECV_ACT = "RA"
     SEND_GRAD = "SG"
@@ -71,7 +75,8 @@ _SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 # the matching action of each P2P op: (its op, chunk offset)
 _PEER = {Op.SEND_ACT: (Op.RECV_ACT, 1), Op.RECV_ACT: (Op.SEND_ACT, -1),
          Op.SEND_GRAD: (Op.RECV_GRAD, -1), Op.RECV_GRAD: (Op.SEND_GRAD, 1)}
-_TOKEN = re.compile(r"(SA|RA|SG|RG|F|B)(\d+)\.(\d+)")
+_TOKEN = re.compile(r"(SA|RA|SG|RG|F|B|W)(\d+)\.(\d+)")
+_COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 _HEADER = re.compile(r"pipeline (\S+) stages=(\d+) chunks=(\d+) micro_batches=(\d+)")
 
 
@@ -91,7 +96,7 @@ class PipeAction:
         if token == "AR":
             return cls(Op.ALL_REDUCE)
         if not (match := _TOKEN.fullmatch(token)):
-            raise ScheduleError(f"bad action {token!r}: expected AR or <op><mb>.<chunk> with op in F B SA RA SG RG")
+            raise ScheduleError(f"bad action {token!r}: expected AR or <op><mb>.<chunk> with op in F B W SA RA SG RG")
         return cls(Op(match[1]), int(match[2]), int(match[3]))
 
 
@@ -106,7 +111,7 @@ class Timeline:
 
     makespan_s: float
     busy_s: list[float]  # compute time per rank
-    spans: list[list[tuple[PipeAction, float, float]]]  # per rank: (F/B action, start_s, end_s)
+    spans: list[list[tuple[PipeAction, float, float]]]  # per rank: (F/B/W action, start_s, end_s)
 
     @property
     def bubble_fraction(self) -> float:
@@ -137,6 +142,11 @@ class PipeSchedule:
     def rank_of(self, chunk: int) -> int:
         return chunk % self.stages
 
+    @functools.cached_property
+    def split_backward(self) -> bool:
+        """Whether each backward is split into B (input gradient) and W (weight gradients): a W action anywhere."""
+        return any(a.op is Op.WEIGHT for acts in self.ranks for a in acts)
+
     def chunks_of(self, rank: int) -> list[int]:
         return [rank + j * self.stages for j in range(self.chunks)]
 
@@ -166,6 +176,8 @@ class PipeSchedule:
         from another rank. These orders are what make receives carry every data dependency."""
         if a.op in _SENDS:
             return [PipeAction(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, a.mb, a.chunk)]
+        if a.op is Op.WEIGHT:
+            return [PipeAction(Op.BACKWARD, a.mb, a.chunk)]
         if a.op not in (Op.FORWARD, Op.BACKWARD):
             return []
         own = [PipeAction(Op.FORWARD, a.mb, a.chunk)] if a.op is Op.BACKWARD else []
@@ -199,7 +211,8 @@ class PipeSchedule:
                     if need not in seen:
                         raise ScheduleError(f"{where}: must come after {need}")
                 seen[a] = (r, i)
-        for c, mb, op in product(range(n), range(self.micro_batches), (Op.FORWARD, Op.BACKWARD)):
+        ops = _COMPUTE if self.split_backward else (Op.FORWARD, Op.BACKWARD)
+        for c, mb, op in product(range(n), range(self.micro_batches), ops):
             if PipeAction(op, mb, c) not in seen:
                 raise ScheduleError(f"rank {self.rank_of(c)}: {PipeAction(op, mb, c)} is missing")
         for a, (r, i) in seen.items():
@@ -227,7 +240,8 @@ class PipeSchedule:
                 out.append((a,) if a.op in _PEER else a)
         return out
 
-    def _execute(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float) -> Timeline:
+    def _execute(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float,
+                 weight_s: Sequence[float] = ()) -> Timeline:
         """Run the lists in the eager-send model, O(actions): a rank whose next compute reads a value
         not yet sent sleeps until the send is posted. Assumes _check_structure passed, so a compute's
         local inputs are done when its rank reaches it."""
@@ -242,14 +256,15 @@ class PipeSchedule:
             actions = self.ranks[r]
             while pos[r] < len(actions):
                 a = actions[pos[r]]
-                if a.op in (Op.FORWARD, Op.BACKWARD):
+                if a.op in _COMPUTE:
                     if (recv := self._input_recv(a)) is not None:
                         if (send := _peer(recv)) not in posted:
                             waiting[send] = r
                             break
                         clock[r] = max(clock[r], posted[send] + p2p_s)
                     start = clock[r]
-                    clock[r] = start + (forward_s if a.op is Op.FORWARD else backward_s)[a.chunk]
+                    times = forward_s if a.op is Op.FORWARD else backward_s if a.op is Op.BACKWARD else weight_s
+                    clock[r] = start + times[a.chunk]
                     busy[r] += clock[r] - start
                     spans[r].append((a, start, clock[r]))
                 elif a.op in _SENDS:
@@ -315,17 +330,21 @@ class PipeSchedule:
         or deadlocked with eager sends (gloo) or under NCCL's P2P rules."""
         self._check_structure()
         n = self.stages * self.chunks
-        self._execute([1.0] * n, [1.0] * n, 0.0)
+        self._execute([1.0] * n, [1.0] * n, 0.0, [1.0] * n)
         self.check_nccl()
 
-    def simulate(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float = 0.0) -> Timeline:
-        """Timeline for per-chunk compute times (len S*v each) and a fixed time per P2P hop."""
+    def simulate(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float = 0.0,
+                 weight_s: Sequence[float] | None = None) -> Timeline:
+        """Timeline for per-chunk compute times (len S*v each) and a fixed time per P2P hop. A split
+        schedule's ``backward_s`` are its B (input-gradient) times and ``weight_s`` its W times (required)."""
         n = self.stages * self.chunks
         if len(forward_s) != n or len(backward_s) != n:
             raise ValueError(f"need {n} forward and backward times (one per chunk), "
                              f"got {len(forward_s)} and {len(backward_s)}")
+        if self.split_backward and (weight_s is None or len(weight_s) != n):
+            raise ValueError(f"a zero-bubble schedule needs {n} weight-gradient (W) times, one per chunk")
         self._checked  # noqa: B018 (once per schedule: it is immutable)
-        return self._execute(forward_s, backward_s, p2p_s)
+        return self._execute(forward_s, backward_s, p2p_s, weight_s or ())
 
     @functools.cached_property
     def _checked(self) -> bool:
@@ -333,19 +352,24 @@ class PipeSchedule:
         return True
 
     def bubble_fraction(self, forward_s: float = 1.0, backward_s: float = 2.0) -> float:
-        """Bubble with a uniform model: each of a rank's v chunks takes 1/v of its forward/backward."""
-        n = self.stages * self.chunks
-        return self.simulate([forward_s / self.chunks] * n, [backward_s / self.chunks] * n).bubble_fraction
+        """Bubble with a uniform model: each of a rank's v chunks takes 1/v of its forward/backward (a split
+        backward: half of it in B, half in W)."""
+        n, v = self.stages * self.chunks, self.chunks
+        if self.split_backward:
+            return self.simulate([forward_s / v] * n, [backward_s / 2 / v] * n, 0.0, [backward_s / 2 / v] * n).bubble_fraction
+        return self.simulate([forward_s / v] * n, [backward_s / v] * n).bubble_fraction
 
     def max_in_flight(self) -> list[int]:
-        """Per rank, the most micro-batch-chunks forwarded but not yet backwarded (activation memory)."""
-        return [max(accumulate(((a.op is Op.FORWARD) - (a.op is Op.BACKWARD) for a in acts), initial=0))
+        """Per rank, the most micro-batch-chunks forwarded whose backward has not finished with them (their
+        B, or where the backward is split their W: activation memory)."""
+        done = Op.WEIGHT if self.split_backward else Op.BACKWARD
+        return [max(accumulate(((a.op is Op.FORWARD) - (a.op is done) for a in acts), initial=0))
                 for acts in self.ranks]
 
     def grid(self) -> str:
-        """Step x rank picture with unit-time F and B and free P2P; '.' marks idle steps."""
+        """Step x rank picture with unit-time F, B and W and free P2P; '.' marks idle steps."""
         n = self.stages * self.chunks
-        timeline = self.simulate([1.0] * n, [1.0] * n)
+        timeline = self.simulate([1.0] * n, [1.0] * n, 0.0, [1.0] * n)
         steps = round(timeline.makespan_s)
         cells = [["."] * steps for _ in self.ranks]
         for r, spans in enumerate(timeline.spans):
@@ -360,11 +384,15 @@ class PipeSchedule:
 
 def _build(name: str, stages: int, micro_batches: int, chunks: int,
            order: Callable[[int], list[tuple[Op, int, int]]]) -> PipeSchedule:
-    """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last."""
+    """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last
+    (a W neither receives nor sends)."""
     last, ranks = stages * chunks - 1, []
     for r in range(stages):
         acts: list[PipeAction] = []
         for op, mb, c in order(r):
+            if op is Op.WEIGHT:
+                acts.append(PipeAction(op, mb, c))
+                continue
             fwd = op is Op.FORWARD
             recv, send = stages > 1 and c != (0 if fwd else last), stages > 1 and c != (last if fwd else 0)
             acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
@@ -433,6 +461,8 @@ class _NcclModel:
         for r in range(self.schedule.stages):
             k = self.finished[r]
             for a in self.batches[r][k] if k < self.started[r] else ():
+                if a.op not in _SENDS:  # (a receive's late send cannot be posted earlier: its compute is not done)
+                    continue
                 q, j = self.home[recv := _peer(a)]
                 if j > self.finished[q]:
                     out.append((q, recv))
@@ -526,23 +556,52 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
     return _build("interleaved", stages, micro_batches, chunks, order)
 
 
+def zero_bubble(stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
+    """Zero-bubble pipelines (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): every backward split into
+    B, the input gradient the previous stage waits for, and W, the weight gradients nothing waits for; a rank
+    runs its F's and B's in (interleaved) 1F1B's order and defers its W's to fill the bubbles: after its r-th
+    B, rank r runs the W of the B r places before each B; the W's left over close its list. At v = 1 this is
+    ZB-H1: the last ranks' drain bubbles hold the deferred W's, and no rank holds more micro-batches than
+    1F1B's first rank (S). At v > 1 it is an interleaved zero-bubble schedule: W deferred as
+    torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble`` (the paper's ZB1P) defers them, on
+    interleaved 1F1B's warm-up of 2(S-1-r) + (v-1)S forwards (ZB1P's (v-1)S + S-1-r makes two ranks post
+    their sends and receives in orders NCCL cannot match, which it ignores tags to do)."""
+    S, v, total = stages, chunks, micro_batches * chunks
+    kind = "zb-h1" if v == 1 else "interleaved-zb"
+    check_schedule(kind, S, micro_batches, v)
+
+    def order(r: int) -> list[tuple[Op, int, int]]:
+        warmup = min(total, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)  # (interleaved 1F1B's)
+        seq = [(Op.FORWARD, k) for k in range(warmup)]
+        for j in range(total):  # the j-th B, after its steady-state forward; the W of the (j - r)-th
+            seq += ([(Op.FORWARD, warmup + j)] if warmup + j < total else []) + [(Op.BACKWARD, j)]
+            seq += [(Op.WEIGHT, j - r)] if j >= r else []
+        seq += [(Op.WEIGHT, j) for j in range(max(0, total - r), total)]
+        return [(op, (k // (S * v)) * S + k % S,
+                 r + S * (v - 1 - (k // S) % v if op is not Op.FORWARD else (k // S) % v)) for op, k in seq]
+    return _build(kind, stages, micro_batches, chunks, order)
+
+
 def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
     """Raise ScheduleError unless the named schedule exists for (S, m, v), without building it
     (``Plan.resolve`` asks before anything is traced; ``make_schedule`` before it builds)."""
-    if kind not in ("gpipe", "1f1b", "interleaved"):
-        raise ScheduleError(f"unknown pipeline schedule {kind!r}: valid kinds are gpipe, 1f1b, interleaved")
-    if kind != "interleaved" and chunks != 1:
-        raise ScheduleError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind 'interleaved'")
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {kind!r}: valid kinds are {', '.join(SCHEDULES)}")
+    if kind not in INTERLEAVED and chunks != 1:
+        raise ScheduleError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind "
+                            + " or ".join(repr(k) for k in INTERLEAVED))
     if chunks > 1 and micro_batches % stages:
         ok = [k * stages for k in range(max(1, micro_batches // stages), micro_batches // stages + 2)]
-        raise ScheduleError(f"interleaved 1F1B with chunks={chunks} needs micro_batches to be a multiple of "
+        raise ScheduleError(f"{kind} with chunks={chunks} needs micro_batches to be a multiple of "
                             f"stages={stages}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
 
 
 @functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
-    """The named schedule; only "interleaved" takes chunks > 1 (cached: schedules are immutable)."""
+    """The named schedule; the interleaved kinds take chunks > 1 (cached: schedules are immutable)."""
     check_schedule(kind, stages, micro_batches, chunks)
     if kind == "interleaved":
         return interleaved_1f1b(stages, micro_batches, chunks)
+    if kind in ZERO_BUBBLE:
+        return zero_bubble(stages, micro_batches, chunks)
     return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)

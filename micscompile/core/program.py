@@ -148,6 +148,9 @@ class Action(NamedTuple):
     carried: bool = False
     """For ALL_GATHER: after the first micro-step, the previous micro-step's ALL_GATHER_NEXT of
     this bucket issued it (the action issues nothing then)."""
+    weight: bool = False
+    """A zero-bubble pipeline's backward action of W, its weight-gradient phase (``passes.weight_split``;
+    the others are B's)."""
 
     def __str__(self) -> str:
         if self.kind is Kind.WAIT:

@@ -14,12 +14,14 @@ from micscompile.cost_model.simulator import Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 
 
-def halves(program: Program) -> tuple[Program, Program, Program]:
-    """(forward, backward, boundary) of a chunk's Program, each runnable by the simulator alone. The
-    backward half holds the second hops (2-hop over d > 1 replicas) that the chunk's last backward
-    starts; the boundary does not wait for them (``simulate_pipeline`` places them). Each half is one
-    micro-batch of one chunk: its plan says so (m = 1, one chunk), which the pipeline's own schedule
-    may not allow (interleaved needs m % S == 0), so the half's plan is a plain 1F1B one."""
+def halves(program: Program) -> tuple[Program, Program, Program, Program | None]:
+    """(forward, backward, boundary, W) of a chunk's Program, each runnable by the simulator alone; W is
+    a zero-bubble chunk's weight-gradient phase (its actions marked ``weight``; the backward is then B
+    alone), else None. The backward half (W where split) holds the second hops (2-hop over d > 1
+    replicas) that the chunk's last backward starts; the boundary does not wait for them
+    (``simulate_pipeline`` places them). Each half is one micro-batch of one chunk: its plan says so
+    (m = 1, one chunk), which the pipeline's own schedule may not allow (interleaved needs m % S == 0),
+    so the half's plan is a plain 1F1B one."""
     one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(
         micro_batches=1, pipeline_chunks=1, pipeline_schedule="1f1b"))
     acts = program.micro_step
@@ -29,7 +31,10 @@ def halves(program: Program) -> tuple[Program, Program, Program]:
     def part(micro, boundary):
         return dataclasses.replace(program, plan=one, micro_step=micro, boundary=boundary)
 
-    return part(acts[:cut], []), part(acts[cut:], []), part([], program.without_second_hops().boundary)
+    weight = [a for a in acts[cut:] if a.weight]
+    back = [a for a in acts[cut:] if not a.weight] if weight else acts[cut:]
+    return (part(acts[:cut], []), part(back, []), part([], program.without_second_hops().boundary),
+            part(weight, []) if weight else None)
 
 
 def _carried_bytes(forward: Program) -> int:
@@ -54,6 +59,23 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
     return most
 
 
+def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
+    """A zero-bubble rank's activation peak over its schedule: each F adds what its chunk saves (its own
+    peak on top while it runs), each B trades that for what W reads (its peak counted with its micro-batch's
+    saved values, as a backward's is), each W frees that (likewise). At v = 1 a 1F1B schedule walked so gives
+    ``simulate_pipeline``'s formula: (in flight - 1) saved micro-batches under the largest phase's peak."""
+    live = peak = 0
+    for a in actions:
+        if a.op is Op.FORWARD:
+            peak, live = max(peak, live + acts[a.chunk][0]), live + saved[a.chunk]
+        elif a.op is Op.BACKWARD:
+            peak = max(peak, live - saved[a.chunk] + acts[a.chunk][1])
+            live += w_saved[a.chunk] - saved[a.chunk]
+        elif a.op is Op.WEIGHT:
+            peak, live = max(peak, live - w_saved[a.chunk] + w_acts[a.chunk]), live - w_saved[a.chunk]
+    return peak
+
+
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
                       cluster: Cluster, *, record: bool = True, gathered_bytes: Sequence[int] = (),
                       grad_sync_after_backward: bool = False, **costs) -> Prediction:
@@ -70,27 +92,40 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ``grad_sync_after_backward``: a rank's second hops start once its last backward has ended (Megatron-LM's
     data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts."""
     m = rp.micro_batches
-    fwd, bwd, edge, exposed, static, acts, saved, hop_end, hop_busy = [], [], [], [], [], [], [], [], []
+    fwd, bwd, wgt, edge, exposed, static, acts, saved, hop_end, hop_busy = [], [], [], [], [], [], [], [], [], []
+    w_saved, w_acts = [], []
     priced: dict[int, tuple] = {}  # chunks of one shape share their Program (mc.autotune): priced once
     for program in programs:
         if id(program) not in priced:
-            f_half, b_half, boundary = halves(program)
+            f_half, b_half, boundary, w_half = halves(program)
             f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
-            b, e = (simulate_program(h, cluster, record=False, **costs) for h in (b_half.without_second_hops(), boundary))
-            has_hops = any(a.kind is Kind.SECOND_HOP for a in b_half.micro_step)
-            last = simulate_program(b_half, cluster, record=False, **costs) if has_hops else None
-            priced[id(program)] = f, b, e, last, _carried_bytes(f_half)
-        f, b, e, last, carried = priced[id(program)]
+            # (the gradients' accumulation is priced in the phase that accumulates them: W where split)
+            b = simulate_program(b_half.without_second_hops(), cluster, record=False, accumulate=w_half is None, **costs)
+            e = simulate_program(boundary, cluster, record=False, **costs)
+            w = simulate_program(w_half.without_second_hops(), cluster, record=False, **costs) if w_half else None
+            ends = w_half or b_half  # (the phase whose last run starts the second hops)
+            has_hops = any(a.kind is Kind.SECOND_HOP for a in ends.micro_step)
+            last = simulate_program(ends, cluster, record=False, **costs) if has_hops else None
+            carried = _carried_bytes(f_half)
+            # what W reads waits from B to W (all the forward saved, where B computes nothing: a first chunk's)
+            w_carried = (_carried_bytes(b_half) if any(a.kind is Kind.COMPUTE for a in b_half.micro_step)
+                         else carried) if w_half else 0
+            priced[id(program)] = f, b, e, last, carried, w, w_carried
+        f, b, e, last, carried, w, w_carried = priced[id(program)]
         fwd.append(f.step_time_s)
         bwd.append(b.step_time_s)
+        wgt.append(w.step_time_s if w else 0.0)
         edge.append(e)
-        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s) + e.exposed_comm_s)
-        # the last backward with its second hops: when they end (from its start), how long they hold the links
+        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s + (w.exposed_comm_s if w else 0.0))
+                       + e.exposed_comm_s)
+        # the last backward (W) with its second hops: when they end (from its start), how long they hold the links
         hop_end.append(last.step_time_s if last else 0.0)
         hop_busy.append(last.stream_busy_s.get("comm:replicate", 0.0) if last else 0.0)
         static.append(f.static_memory_bytes)
         acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
         saved.append(carried)
+        w_saved.append(w_carried)
+        w_acts.append(w.peak_memory_bytes - w.static_memory_bytes if w else 0)
     # the activations of one micro-batch crossing a cut, the p * tp ranks of a stage sharing the node link when
     # it crosses nodes; a scattered one then all-gathered inside the receiving tensor group
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
@@ -102,7 +137,8 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         if c < len(gathered_bytes) and gathered_bytes[c]:
             hop += collective_time_s(ALL_GATHER, gathered_bytes[c], list(rp.tensor_ranks(b)), cluster)
         hops.append(hop)
-    timeline = sched.simulate(fwd, bwd, max(hops, default=0.0))
+    split = sched.split_backward
+    timeline = sched.simulate(fwd, bwd, max(hops, default=0.0), wgt if split else None)
     makespan = timeline.makespan_s
     in_flight = chunk_in_flight(sched)
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
@@ -111,7 +147,8 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     if grad_sync_after_backward:  # (nothing left to overlap: each takes its busy time)
         hop_end = list(hop_busy)
     for r, spans in enumerate(timeline.spans):
-        last_start = {a.chunk: start for a, start, _ in spans if a.op is Op.BACKWARD}  # (the last one wins)
+        ender = Op.WEIGHT if split else Op.BACKWARD
+        last_start = {a.chunk: start for a, start, _ in spans if a.op is ender}  # (the last one wins)
         free = 0.0
         if grad_sync_after_backward:  # every chunk's hops after the rank's whole schedule, one after another
             done = max((end for _, _, end in spans), default=0.0)
@@ -125,9 +162,13 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
     # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
-    peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
-             for cs in ranks]
-    compute = [sum(m * (fwd[c] + bwd[c]) for c in cs) for cs in ranks]
+    if split:  # walked: a micro-batch holds what its F saved until its B, then what W reads until its W
+        peaks = [sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], saved, w_saved, acts, w_acts)
+                 for r, cs in enumerate(ranks)]
+    else:
+        peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
+                 for cs in ranks]
+    compute = [sum(m * (fwd[c] + bwd[c] + wgt[c]) for c in cs) for cs in ranks]
     flops = sum(a.flops for program in programs for a in program.micro_step)
     busy = {"compute": max(compute)}
     if any(hop_busy):

@@ -10,10 +10,11 @@ import torch.fx
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import GroupInfo
-from micscompile.core.plan import ResolvedPlan
+from micscompile.core.plan import ZERO_BUBBLE, ResolvedPlan
 from micscompile.core.program import ISSUE_KIND, REGION_BWD, TENSOR_KIND, Action, Kind, Program
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
+from micscompile.passes.weight_split import backward_phases
 from micscompile.trace import META_BYTES, META_FLOPS, META_FQN, META_REGION
 
 
@@ -34,6 +35,8 @@ def build_program(
     collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in TENSOR_KIND
                         or n.target in (C.collective_wait, C.accumulate)}
     live = activation_bytes(graph, exclude=collective_nodes)
+    split = plan.stages > 1 and plan.plan.pipeline_schedule in ZERO_BUBBLE
+    weight = set(backward_phases(graph)[1]) if split else set()
 
     def flush() -> None:
         if run:
@@ -45,7 +48,7 @@ def build_program(
                 Kind.COMPUTE, ops=work.ops, flops=sum(n.meta.get(META_FLOPS, 0) for n in run),
                 matmul_flops=work.matmul_flops, mem_bytes=work.mem_bytes, activation_bytes=live[run[-1]],
                 activation_peak_bytes=_peak(live[n] for n in run), region=region,
-                measured_s=sum(timed) if timed else None,
+                measured_s=sum(timed) if timed else None, weight=run[0] in weight,
             ))
             run.clear()
 
@@ -61,10 +64,11 @@ def build_program(
             if node.target is C.tensor_reduce_scatter:
                 nbytes = nbytes * node.args[4]  # (its input: tp pieces like its output; not in place: an array's shared)
             actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=nbytes,
-                                  region=node.meta.get(META_REGION, "")))
+                                  region=node.meta.get(META_REGION, ""), weight=node in weight))
         elif node.target is C.collective_wait:
             flush()
-            actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]]))
+            actions.append(Action(Kind.WAIT, node.args[1].args[1], waits_for=issued[node.args[1]],
+                                  weight=node in weight))
         elif kind is not None:
             flush()
             bucket = node.args[1]
@@ -75,11 +79,12 @@ def build_program(
                 lay.grad_shard_bytes if kind is Kind.SECOND_HOP else lay.full_bytes
             actions.append(Action(kind, bucket, group=group, tensor_bytes=nbytes,
                                   carried=node.target is C.all_gather_carried, region=node.meta.get(META_REGION, ""),
-                                  hierarchical=node.kwargs.get("hierarchical", False)))
+                                  hierarchical=node.kwargs.get("hierarchical", False), weight=node in weight))
             issued[node] = kind
         else:
-            if run and run[-1].meta.get(META_REGION) != node.meta.get(META_REGION):
-                flush()  # forward and backward never share a compute action (a pipeline runs them apart)
+            if run and (run[-1].meta.get(META_REGION) != node.meta.get(META_REGION)
+                        or (run[-1] in weight) != (node in weight)):
+                flush()  # forward, B and W never share a compute action (a pipeline runs them apart)
             run.append(node)
     flush()
     return Program(rank, plan, layouts, groups, actions, boundary_actions(plan, layouts, actions))
@@ -98,7 +103,7 @@ def with_second_hops(plan: ResolvedPlan, layouts: tuple[BucketLayout, ...], micr
         done = a.kind is Kind.PACK or (a.kind is Kind.WAIT and a.waits_for is Kind.REDUCE_SCATTER)
         if done and plan.second_hop_in_backward:
             out.append(Action(Kind.SECOND_HOP, a.bucket, group="replicate",
-                              tensor_bytes=layouts[a.bucket].grad_shard_bytes, region=REGION_BWD))
+                              tensor_bytes=layouts[a.bucket].grad_shard_bytes, region=REGION_BWD, weight=a.weight))
     return out
 
 

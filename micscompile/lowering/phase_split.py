@@ -9,6 +9,12 @@ forward (saved activations) become extra forward outputs and backward inputs.
 
     forward:  (*placeholders)          -> (*forward outputs, *saved)
     backward: [*placeholders, *saved]  -> (*the other outputs)   (boxed: it empties the list)
+
+A zero-bubble schedule's chunk (``passes.weight_split``: its backward ordered B then W) is cut
+once more, after B; W returns nothing (its work lands in the gradient accumulators):
+
+    backward: [*placeholders, *saved]            -> (*the other outputs, *carried)
+    weight:   [*placeholders, *saved, *carried]  -> ()                  (boxed)
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from micscompile.core import collectives as C
 from micscompile.core.program import REGION_BWD, ProgramError
+from micscompile.passes.weight_split import backward_phases
 from micscompile.trace import META_REGION
 
 
@@ -31,6 +38,10 @@ class Phases:
     """Boxed: call it with one list of its inputs, which it empties (saved values die at their last use)."""
     saved: int
     """How many saved values the forward returns after its own outputs."""
+    weight: torch.fx.GraphModule | None = None
+    """A zero-bubble chunk's W (boxed), else None."""
+    carried: int = 0
+    """How many values B returns after its outputs for W."""
 
 
 def placeholder_like(graph: torch.fx.Graph, like: torch.fx.Node, prefix: str = "") -> torch.fx.Node:
@@ -49,9 +60,9 @@ def flat_module(root: torch.nn.Module, graph: torch.fx.Graph, boxed: bool = Fals
     return _LazyGraphModule(root, graph)
 
 
-def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases:
+def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int], weight: bool = False) -> Phases:
     """``forward_outputs``: indices (into the output tuple) the forward returns; the rest are the
-    backward's, in their order."""
+    backward's, in their order. ``weight``: cut the backward again into B and W (``weight_split``)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
@@ -59,44 +70,53 @@ def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int]) -> Phases
     cut = next((i for i, n in enumerate(body) if n.op == "call_function"
                 and n.meta.get(META_REGION, REGION_BWD) == REGION_BWD), len(body))
     fwd, bwd = body[:cut], body[cut:]
-    in_fwd = set(fwd)
+    phases = [fwd, bwd]
+    if weight:
+        b, w = backward_phases(gm.graph)
+        phases = [fwd, b, w]
+    where = {n: i for i, phase in enumerate(phases) for n in phase}
     outs = list(output.args[0])
     bwd_outputs = [i for i in range(len(outs)) if i not in set(forward_outputs)]
-    for i in forward_outputs:
-        if isinstance(outs[i], torch.fx.Node) and outs[i] not in in_fwd and outs[i].op != "placeholder":
-            raise ProgramError(f"forward output {i} ({outs[i].name}) is computed in backward")
-    for n in bwd:
-        if n.target is C.collective_wait and n.args[1] in in_fwd:
-            raise ProgramError(f"{n.args[1].name} is issued in forward and waited in backward: a collective "
-                               f"may not stay in flight between a chunk's forward and backward")
-    saved = []
+    for k, indices in enumerate((forward_outputs, bwd_outputs)):
+        for i in indices:
+            if isinstance(outs[i], torch.fx.Node) and outs[i].op != "placeholder" and where[outs[i]] > k:
+                raise ProgramError(f"{'forward' if k == 0 else 'backward'} output {i} ({outs[i].name}) is computed "
+                                   f"in {'backward' if where[outs[i]] == 1 else 'W'}")
+    for n in body:
+        if n.target is C.collective_wait and n.args[1] in where and where[n.args[1]] != where[n]:
+            raise ProgramError(f"{n.args[1].name} is issued in one phase and waited in a later one: a collective "
+                               f"may not stay in flight between a chunk's forward and backward (or B and W)")
+    # what each phase hands on: values it computes that a later phase (or a later phase's output) reads
+    handed: list[list[torch.fx.Node]] = [[] for _ in phases]
     seen: set = set()
-    for user in [*bwd, *(outs[i] for i in bwd_outputs if isinstance(outs[i], torch.fx.Node))]:
-        reads = user.all_input_nodes if user in bwd else [user]
+    readers = [(where[n], n.all_input_nodes) for n in body if where[n] > 0]
+    readers += [(1, [outs[i]]) for i in bwd_outputs if isinstance(outs[i], torch.fx.Node)]
+    for k, reads in readers:
         for v in reads:
-            if v in in_fwd and v not in seen:
+            if v in where and where[v] < k and v not in seen:
                 seen.add(v)
-                saved.append(v)
+                handed[where[v]].append(v)
 
-    fg = torch.fx.Graph()
-    env_f = {p: placeholder_like(fg, p) for p in placeholders}
-    for n in fwd:
-        env_f[n] = fg.node_copy(n, env_f.__getitem__)
-    fg.output(tuple(env_f.get(outs[i], outs[i]) if isinstance(outs[i], torch.fx.Node) else outs[i]
-                    for i in forward_outputs) + tuple(env_f[v] for v in saved))
+    def module(k: int, own_outputs: tuple, boxed: bool) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        env = {p: placeholder_like(g, p) for p in placeholders}
+        for j in range(k):
+            env.update({v: placeholder_like(g, v, "saved_" if j == 0 else "carried_") for v in handed[j]})
+        for n in phases[k]:
+            env[n] = g.node_copy(n, env.__getitem__)
+        g.output(tuple(env.get(o, o) if isinstance(o, torch.fx.Node) else o for o in own_outputs)
+                 + tuple(env[v] for v in handed[k]))
+        return flat_module(gm, g, boxed=boxed)
 
-    bg = torch.fx.Graph()
-    env_b = {p: placeholder_like(bg, p) for p in placeholders}
-    env_b.update({v: placeholder_like(bg, v, "saved_") for v in saved})
-    for n in bwd:
-        env_b[n] = bg.node_copy(n, env_b.__getitem__)
-    bg.output(tuple(env_b[outs[i]] if isinstance(outs[i], torch.fx.Node) else outs[i] for i in bwd_outputs))
-
-    return Phases(flat_module(gm, fg), flat_module(gm, bg, boxed=True), len(saved))
+    forward = module(0, tuple(outs[i] for i in forward_outputs), False)
+    backward = module(1, tuple(outs[i] for i in bwd_outputs), True)
+    if not weight:
+        return Phases(forward, backward, len(handed[0]))
+    return Phases(forward, backward, len(handed[0]), module(2, (), True), len(handed[1]))
 
 
-def split_chunk(gm: torch.fx.GraphModule, n_send_act: int) -> Phases:
+def split_chunk(gm: torch.fx.GraphModule, n_send_act: int, weight: bool = False) -> Phases:
     """A chunk's rewritten graph split into its phases: its outputs are the loss, the ``n_send_act``
     activations it sends (the forward's) and the input gradients it sends back (the backward's); its
-    gradients stay inside (``collectives.accumulate``)."""
-    return split_phases(gm, list(range(1 + n_send_act)))
+    gradients stay inside (``collectives.accumulate``). ``weight``: a zero-bubble chunk's B and W apart."""
+    return split_phases(gm, list(range(1 + n_send_act)), weight)

@@ -52,6 +52,7 @@ from micscompile.memory.planner import Buffer, MemoryPlan, plan_memory
 from micscompile.passes.manager import run_passes, runtime_pass_list
 from micscompile.passes.offload import offload, offload_done, reload_issue, reload_wait
 from micscompile.passes.out_variants import OUT_PREFIX, arena_out
+from micscompile.passes.weight_split import backward_phases
 from micscompile.trace import META_REGION
 
 ARENA_KINDS = frozenset({"gathered", "gather_across", "gather_intra", "grad_bucket", "grad_reorder", "grad_partial",
@@ -237,10 +238,13 @@ def step_buffers(graph: torch.fx.Graph, program) -> list[Buffer]:
     return _finish(recs)
 
 
-class _Halves(NamedTuple):
+class _Phases(NamedTuple):
     lt: GraphLifetimes
     fwd: list[torch.fx.Node]
     bwd: list[torch.fx.Node]
+    """The backward's nodes; a zero-bubble chunk's B alone."""
+    weight: list[torch.fx.Node]
+    """A zero-bubble chunk's W (``passes.weight_split``), else empty."""
     sends: set[torch.fx.Node]
     """The values (roots) of the outputs sent to another chunk (held until the step ends)."""
     in_bwd: set[torch.fx.Node]
@@ -248,51 +252,55 @@ class _Halves(NamedTuple):
 
 def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
     """Every buffer one optimizer step of a pipeline plan allocates on ``rank`` (default: the
-    Program's), in allocation order: its chunks' forward and backward halves and receives, in
-    schedule order. A forward's saved values live until its backward; what it sends is held
-    until the step ends (the runtime waits for its sends then); a receive until the backward of
-    its micro-batch (the runtime keeps a forward's inputs for it)."""
+    Program's), in allocation order: its chunks' forward and backward phases and receives, in
+    schedule order. A forward's saved values live until the last backward phase that reads them
+    (a zero-bubble schedule's W reads some of them, and some of B's); what it sends is held until
+    the step ends (the runtime waits for its sends then); a receive until its micro-batch's
+    backward is done with it (the runtime keeps a forward's inputs for it), its W where split."""
     rank = pp.rank if rank is None else rank
     actions = pp.schedule.ranks[pp.plan.stage_of(rank)]
+    split = pp.schedule.split_backward
     chunks = {}
     for c in pp.my_chunks(rank):
         sched = pp.chunks[c]
         lt = GraphLifetimes(sched.graph, sched.program.layouts, sched.program.groups)
         body = [n for n in lt.nodes if n.op == "call_function"]
         cut = next((i for i, n in enumerate(body) if n.meta.get(META_REGION) == REGION_BWD), len(body))
+        b, w = backward_phases(sched.graph) if split else (body[cut:], [])
         outputs = list(lt.nodes[-1].args[0])
         sends = {lt.root[v] for v in outputs[1:] if isinstance(v, torch.fx.Node)}
-        chunks[c] = _Halves(lt, body[:cut], body[cut:], sends, set(body[cut:]))
+        chunks[c] = _Phases(lt, body[:cut], b, w, sends, set(b) | set(w))
     # pass 1: when each action runs (a compute action takes one step per node, plus one to hand
     # over its outputs; a P2P action one step)
     start: dict[tuple, int] = {}
+    length = {Op.FORWARD: lambda ch: len(ch.fwd), Op.BACKWARD: lambda ch: len(ch.bwd), Op.WEIGHT: lambda ch: len(ch.weight)}
     t = 0
     for a in actions:
         start[(a.op, a.mb, a.chunk)] = t
-        if a.op in (Op.FORWARD, Op.BACKWARD):
-            t += len(chunks[a.chunk].fwd if a.op is Op.FORWARD else chunks[a.chunk].bwd) + 1
-        else:
-            t += 1
+        t += length[a.op](chunks[a.chunk]) + 1 if a.op in length else 1
     step_end = t
+    last = Op.WEIGHT if split else Op.BACKWARD  # (the phase a micro-batch's backward ends with)
     # pass 2: the buffers, in the runtime's order
     recs: list[_Rec] = []
     for a in actions:
         t0 = start[(a.op, a.mb, a.chunk)]
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
             stage = pp.split.stages[a.chunk]
-            end = start[(Op.BACKWARD, a.mb, a.chunk)] + len(chunks[a.chunk].bwd) + 1
+            end = start[(last, a.mb, a.chunk)] + length[last](chunks[a.chunk]) + 1
             for tr in stage.recv_act if a.op is Op.RECV_ACT else stage.recv_grad:
                 recs.append(_Rec(tr.nbytes, t0, end, f"{a.op.value}{a.chunk}", "recv"))
-        elif a.op in (Op.FORWARD, Op.BACKWARD):
-            lt, fwd, bwd, sends, in_bwd = chunks[a.chunk]
+        elif a.op in length:
+            lt, fwd, bwd, weight, sends, in_bwd = chunks[a.chunk]
             f0, b0 = start[(Op.FORWARD, a.mb, a.chunk)], start[(Op.BACKWARD, a.mb, a.chunk)]
+            w0 = start[(Op.WEIGHT, a.mb, a.chunk)] if split else 0
             pos = {n: f0 + i for i, n in enumerate(fwd)} | {n: b0 + i for i, n in enumerate(bwd)}
+            pos |= {n: w0 + i for i, n in enumerate(weight)}
             f_end, b_end = f0 + len(fwd) + 1, b0 + len(bwd) + 1
 
             def held(n, sends=sends, in_bwd=in_bwd, f_end=f_end, b_end=b_end):
                 return step_end if n in sends else b_end if n in in_bwd else f_end
 
-            lt.run(pos.__getitem__, held, recs, nodes=fwd if a.op is Op.FORWARD else bwd)
+            lt.run(pos.__getitem__, held, recs, nodes={Op.FORWARD: fwd, Op.BACKWARD: bwd, Op.WEIGHT: weight}[a.op])
     return _finish(recs)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from micscompile.core.plan import Plan
+from micscompile.core.plan import ZERO_BUBBLE, Plan
 from micscompile.passes.accumulate_in_matmuls import accumulate_in_matmuls_pass
 from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.context import PassContext
@@ -26,6 +26,7 @@ from micscompile.passes.insert_collectives import insert_collectives_pass
 from micscompile.passes.offload import offload_pass
 from micscompile.passes.out_variants import out_variants_pass
 from micscompile.passes.retarget_device import retarget_device_pass
+from micscompile.passes.weight_split import weight_split_pass
 
 PassFn = Callable[[torch.fx.Graph, PassContext], torch.fx.Graph]
 
@@ -56,6 +57,8 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     passes.append(("insert_collectives", insert_collectives_pass))
     if plan.offload_activations:
         passes.append(("offload", offload_pass))
+    if plan.pipeline_stages > 1 and plan.pipeline_schedule in ZERO_BUBBLE:
+        passes.append(("weight_split", weight_split_pass))
     return passes
 
 

@@ -77,6 +77,8 @@ class _Chunk(Part):
     fwd_used: list[bool]
     """Which forward placeholders the forward reads (the others get None)."""
     bwd_used: list[bool]
+    w_used: list[bool]
+    """Which of W's placeholders W reads (a zero-bubble chunk; else empty)."""
 
 
 def _used(gm: torch.fx.GraphModule) -> list[bool]:
@@ -94,9 +96,12 @@ def split_chunks(pp: LoweredPipeline, device: torch.device) -> tuple[dict[int, P
     phases, regions, cache = {}, [], {}
     for c in pp.my_chunks():
         st, sched = pp.split.stages[c], pp.chunks[c]
-        phases[c] = split_chunk(torch.fx.GraphModule(st.graph.gm, sched.graph), len(st.send_act))
+        phases[c] = split_chunk(torch.fx.GraphModule(st.graph.gm, sched.graph), len(st.send_act),
+                                weight=pp.schedule.split_backward)
         if pp.plan.plan.codegen == "inductor":
-            for name, gm in ((f"chunk {c} forward", phases[c].forward), (f"chunk {c} backward", phases[c].backward)):
+            modules = [(f"chunk {c} forward", phases[c].forward), (f"chunk {c} backward", phases[c].backward)]
+            modules += [(f"chunk {c} weight", phases[c].weight)] if phases[c].weight is not None else []
+            for name, gm in modules:
                 regions += compile_regions(gm, device, graph_name=name, cache=cache, first_index=len(regions))
     return phases, (CodegenReport(regions) if pp.plan.plan.codegen == "inductor" else None)
 
@@ -153,7 +158,8 @@ class PipelineStep(Step):
             chunks.append(_Chunk(c, **part_fields(comm, sched.program, st.graph, state, shard_rank, device,
                                                   graph.unused_params, own_buffers=True),
                                  phases=phases, batch_inputs=st.batch_inputs, n_send_act=len(st.send_act),
-                                 fwd_used=_used(phases.forward), bwd_used=_used(phases.backward)))
+                                 fwd_used=_used(phases.forward), bwd_used=_used(phases.backward),
+                                 w_used=_used(phases.weight) if phases.weight is not None else []))
         self._tied = _tied_groups(pp, pp.rank, cache)
         super().__init__(program=pp, graph=graph, parts=chunks, groups=groups, stats=stats, arena=planned_arena,
                          optimizer_factory=optimizer_factory, state_keys=state_keys, device=device,
@@ -273,6 +279,8 @@ class PipelineStep(Step):
         saved: dict = {}
         posted: list[_Posted] = []
         backwards = dict.fromkeys(self._chunks, 0)  # per chunk: its backwards run so far this step
+        weights = dict.fromkeys(self._chunks, 0)  # (a zero-bubble schedule's W's)
+        later: dict = {}  # (mb, chunk) -> W's arguments, between its B and its W
         for a in pp.schedule.batched(self._stage):
             if isinstance(a, tuple):
                 self._post(a, outbox, inbox, posted)
@@ -293,14 +301,26 @@ class PipelineStep(Step):
                 ch = self._chunks[a.chunk]
                 inputs, acts, kept = saved.pop((a.mb, a.chunk))
                 grads_in = self._received(inbox, (Op.RECV_GRAD, a.mb, a.chunk))
-                args = _pick([ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept], ch.bwd_used)
-                del acts, kept, grads_in
+                every = [ch.comm, *ch.shards, *ch.buffers, *inputs, *acts, *grads_in, *kept]
+                args = _pick(every, ch.bwd_used)
+                if ch.phases.weight is not None:  # what W reads of them, held until W (the rest dies in B)
+                    later[(a.mb, a.chunk)] = _pick(every, ch.w_used)
+                del acts, kept, grads_in, every
                 ch.comm.micro_step = backwards[a.chunk]  # the first copies into the accumulators, the last
                 backwards[a.chunk] += 1                  # starts the second hops (collectives.accumulate)
                 out = ch.phases.backward(args)  # boxed: it empties args, so saved values die at their last use
+                if ch.phases.weight is not None:  # B's values W reads come last, after the forward's
+                    mine, n = later[(a.mb, a.chunk)], len(out) - ch.phases.carried
+                    mine += _pick(out[n:], ch.w_used[len(mine):])
+                    out = out[:n]
                 if out:
                     outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out
                 del out
+            elif a.op is Op.WEIGHT:  # a zero-bubble schedule's weight gradients, deferred
+                ch = self._chunks[a.chunk]
+                ch.comm.micro_step = weights[a.chunk]  # (W accumulates and starts the second hops: its count)
+                weights[a.chunk] += 1
+                ch.phases.weight(later.pop((a.mb, a.chunk)))
             elif a.op is not Op.ALL_REDUCE:  # AR, every rank's last action: the boundary, below
                 raise ProgramError(f"unknown pipeline action {a}")
         for work in posted:  # the sends (and any receive nothing read)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from micscompile.core.pipeline_schedule import make_schedule
-from micscompile.core.plan import Plan, ResolvedPlan
+from micscompile.core.plan import ZERO_BUBBLE, Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
@@ -99,12 +99,12 @@ def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
 
 
 def _structure(rp: ResolvedPlan) -> tuple:
-    """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph: not the
-    partition size or the optimizer states' sharding where anything is gathered (``for_partition`` lays the
+    """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph (a zero-bubble
+    schedule's backward split in two among it): not the partition size or the optimizer states' sharding where anything is gathered (``for_partition`` lays the
     buckets out again), the micro-batch size (``at_index``) or the pipeline's depth."""
     plan, gathers = rp.plan, rp.partition_size > 1
     return (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, not gathers,
-            None if gathers else rp.optimizer_shards)
+            None if gathers else rp.optimizer_shards, rp.stages > 1 and plan.pipeline_schedule in ZERO_BUBBLE)
 
 
 def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int]) -> TrainGraph | None:
