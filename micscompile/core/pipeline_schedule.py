@@ -556,7 +556,7 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
     return _build("interleaved", stages, micro_batches, chunks, order)
 
 
-def zero_bubble(stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
+def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tuple[int, ...] | None = None) -> PipeSchedule:
     """Zero-bubble pipelines (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): every backward split into
     B, the input gradient the previous stage waits for, and W, the weight gradients nothing waits for; a rank
     runs its F's and B's in (interleaved) 1F1B's order and defers its W's to fill the bubbles: after its r-th
@@ -565,21 +565,30 @@ def zero_bubble(stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedul
     1F1B's first rank (S). At v > 1 it is an interleaved zero-bubble schedule: W deferred as
     torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble`` (the paper's ZB1P) defers them, on
     interleaved 1F1B's warm-up of 2(S-1-r) + (v-1)S forwards (ZB1P's (v-1)S + S-1-r makes two ranks post
-    their sends and receives in orders NCCL cannot match, which it ignores tags to do)."""
-    S, v, total = stages, chunks, micro_batches * chunks
+    their sends and receives in orders NCCL cannot match, which it ignores tags to do). ``deferred``: per rank,
+    how many W's it holds back at most (default r; 0 runs each W right after its B). A W neither sends nor
+    receives, so any deferral is deadlock-free; ``cost_model.pipeline.memory_neutral`` picks ZB-H1's."""
+    S, v = stages, chunks
     kind = "zb-h1" if v == 1 else "interleaved-zb"
     check_schedule(kind, S, micro_batches, v)
+    if deferred is not None and (len(deferred) != S or min(deferred) < 0):
+        raise ScheduleError(f"deferred needs one count >= 0 per rank ({S}), got {deferred}")
+    return _build(kind, stages, micro_batches, chunks,
+                  lambda r: zero_bubble_order(S, micro_batches, v, r, r if deferred is None else deferred[r]))
 
-    def order(r: int) -> list[tuple[Op, int, int]]:
-        warmup = min(total, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)  # (interleaved 1F1B's)
-        seq = [(Op.FORWARD, k) for k in range(warmup)]
-        for j in range(total):  # the j-th B, after its steady-state forward; the W of the (j - r)-th
-            seq += ([(Op.FORWARD, warmup + j)] if warmup + j < total else []) + [(Op.BACKWARD, j)]
-            seq += [(Op.WEIGHT, j - r)] if j >= r else []
-        seq += [(Op.WEIGHT, j) for j in range(max(0, total - r), total)]
-        return [(op, (k // (S * v)) * S + k % S,
-                 r + S * (v - 1 - (k // S) % v if op is not Op.FORWARD else (k // S) % v)) for op, k in seq]
-    return _build(kind, stages, micro_batches, chunks, order)
+
+def zero_bubble_order(stages: int, micro_batches: int, chunks: int, rank: int, deferred: int) -> list[tuple[Op, int, int]]:
+    """``zero_bubble``'s computes on ``rank`` as (op, mb, chunk), W's held back by ``deferred`` B's."""
+    S, v, r, d = stages, chunks, rank, deferred
+    total = micro_batches * chunks
+    warmup = min(total, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)  # (interleaved 1F1B's)
+    seq = [(Op.FORWARD, k) for k in range(warmup)]
+    for j in range(total):  # the j-th B, after its steady-state forward; the W of the (j - d)-th
+        seq += ([(Op.FORWARD, warmup + j)] if warmup + j < total else []) + [(Op.BACKWARD, j)]
+        seq += [(Op.WEIGHT, j - d)] if j >= d else []
+    seq += [(Op.WEIGHT, j) for j in range(max(0, total - d), total)]
+    return [(op, (k // (S * v)) * S + k % S,
+             r + S * (v - 1 - (k // S) % v if op is not Op.FORWARD else (k // S) % v)) for op, k in seq]
 
 
 def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
@@ -597,11 +606,13 @@ def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) 
 
 
 @functools.lru_cache(maxsize=256)
-def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> PipeSchedule:
-    """The named schedule; the interleaved kinds take chunks > 1 (cached: schedules are immutable)."""
+def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1,
+                  deferred: tuple[int, ...] | None = None) -> PipeSchedule:
+    """The named schedule; the interleaved kinds take chunks > 1, the zero-bubble ones ``deferred``
+    (``zero_bubble``; cached: schedules are immutable)."""
     check_schedule(kind, stages, micro_batches, chunks)
     if kind == "interleaved":
         return interleaved_1f1b(stages, micro_batches, chunks)
     if kind in ZERO_BUBBLE:
-        return zero_bubble(stages, micro_batches, chunks)
+        return zero_bubble(stages, micro_batches, chunks, deferred)
     return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from micscompile.core.pipeline_schedule import Op, PipeSchedule
+from micscompile.core.pipeline_schedule import Op, PipeAction, PipeSchedule, make_schedule, zero_bubble_order
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
@@ -59,6 +60,85 @@ def chunk_in_flight(sched: PipeSchedule) -> list[int]:
     return most
 
 
+class ChunkPrice(NamedTuple):
+    """A chunk's Program priced phase by phase (``halves``), one micro-batch each."""
+
+    forward: Prediction
+    backward: Prediction
+    """B alone where the backward is split."""
+    boundary: Prediction
+    last: Prediction | None
+    """The phase that starts the second hops (W where split), simulated with them; None without any."""
+    weight: Prediction | None
+    saved: int
+    """What the forward leaves live for the backward (``_carried_bytes``)."""
+    w_saved: int
+    """Where split: what B leaves live for W (all the forward saved where B computes nothing, a first chunk's)."""
+
+
+def price_chunk(program: Program, cluster: Cluster, **costs) -> ChunkPrice:
+    f_half, b_half, boundary, w_half = halves(program)
+    f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
+    # (the gradients' accumulation is priced in the phase that accumulates them: W where split)
+    b = simulate_program(b_half.without_second_hops(), cluster, record=False, accumulate=w_half is None, **costs)
+    e = simulate_program(boundary, cluster, record=False, **costs)
+    w = simulate_program(w_half.without_second_hops(), cluster, record=False, **costs) if w_half else None
+    ends = w_half or b_half
+    last = simulate_program(ends, cluster, record=False, **costs) if any(
+        a.kind is Kind.SECOND_HOP for a in ends.micro_step) else None
+    saved = _carried_bytes(f_half)
+    w_saved = (_carried_bytes(b_half) if any(a.kind is Kind.COMPUTE for a in b_half.micro_step) else saved) \
+        if w_half else 0
+    return ChunkPrice(f, b, e, last, w, saved, w_saved)
+
+
+def _memory(prices: Sequence[ChunkPrice]) -> tuple[list, list, list, list, list]:
+    """Per chunk: (static bytes, saved, W's saved, (forward's, backward's) activation peak, W's peak)."""
+    def act(p: Prediction | None) -> int:
+        return p.peak_memory_bytes - p.static_memory_bytes if p else 0
+    return ([p.forward.static_memory_bytes for p in prices], [p.saved for p in prices], [p.w_saved for p in prices],
+            [(act(p.forward), act(p.backward)) for p in prices], [act(p.weight) for p in prices])
+
+
+def _rank_peak(sched: PipeSchedule, r: int, mem: tuple, in_flight: Sequence[int] | None = None) -> int:
+    """Rank ``r``'s planned peak: its chunks' static bytes and activations. 1F1B-like schedules: (in flight - 1)
+    saved micro-batches per chunk under the largest phase's peak; a zero-bubble one walked (``_walked_peak``)."""
+    static, saved, w_saved, acts, w_acts = mem
+    cs = sched.chunks_of(r)
+    if sched.split_backward:
+        return sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], saved, w_saved, acts, w_acts)
+    in_flight = in_flight if in_flight is not None else chunk_in_flight(sched)
+    return sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
+
+
+def memory_neutral(rp: ResolvedPlan, programs: Sequence[Program], cluster: Cluster, **costs) -> PipeSchedule:
+    """ZB-H1 as the paper defines it: zero-bubble at 1F1B's peak memory. Each rank defers as many W's as the
+    torch.distributed.pipelining order does (rank r: r), fewer where the W's it holds (their inputs and the
+    output gradients B computed for them, ``ChunkPrice.w_saved``) would lift the pipeline's peak above 1F1B's
+    on the same chunks (priced as ``simulate_pipeline`` prices both)."""
+    S, m, v = rp.stages, rp.micro_batches, rp.plan.pipeline_chunks
+    prices: dict[int, ChunkPrice] = {}
+    for p in programs:
+        if id(p) not in prices:
+            prices[id(p)] = price_chunk(p, cluster, **costs)
+    mem = _memory([prices[id(p)] for p in programs])
+    ref = make_schedule("interleaved" if v > 1 else "1f1b", S, m, v)
+    budget = max(_rank_peak(ref, r, mem) for r in range(S))
+    static, saved, w_saved, acts, w_acts = mem
+
+    def peak(r: int, d: int) -> int:
+        order = [PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, v, r, d)]
+        return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(order, saved, w_saved, acts, w_acts)
+
+    deferred = []
+    for r in range(S):
+        d = r
+        while d > 0 and peak(r, d) > budget:
+            d -= 1
+        deferred.append(d)
+    return make_schedule(rp.plan.pipeline_schedule, S, m, v, tuple(deferred))
+
+
 def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
     """A zero-bubble rank's activation peak over its schedule: each F adds what its chunk saves (its own
     peak on top while it runs), each B trades that for what W reads (its peak counted with its micro-batch's
@@ -92,26 +172,12 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ``grad_sync_after_backward``: a rank's second hops start once its last backward has ended (Megatron-LM's
     data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts."""
     m = rp.micro_batches
-    fwd, bwd, wgt, edge, exposed, static, acts, saved, hop_end, hop_busy = [], [], [], [], [], [], [], [], [], []
-    w_saved, w_acts = [], []
-    priced: dict[int, tuple] = {}  # chunks of one shape share their Program (mc.autotune): priced once
+    fwd, bwd, wgt, edge, exposed, hop_end, hop_busy = [], [], [], [], [], [], []
+    priced: dict[int, ChunkPrice] = {}  # chunks of one shape share their Program (mc.autotune): priced once
     for program in programs:
         if id(program) not in priced:
-            f_half, b_half, boundary, w_half = halves(program)
-            f = simulate_program(f_half, cluster, record=False, accumulate=False, **costs)
-            # (the gradients' accumulation is priced in the phase that accumulates them: W where split)
-            b = simulate_program(b_half.without_second_hops(), cluster, record=False, accumulate=w_half is None, **costs)
-            e = simulate_program(boundary, cluster, record=False, **costs)
-            w = simulate_program(w_half.without_second_hops(), cluster, record=False, **costs) if w_half else None
-            ends = w_half or b_half  # (the phase whose last run starts the second hops)
-            has_hops = any(a.kind is Kind.SECOND_HOP for a in ends.micro_step)
-            last = simulate_program(ends, cluster, record=False, **costs) if has_hops else None
-            carried = _carried_bytes(f_half)
-            # what W reads waits from B to W (all the forward saved, where B computes nothing: a first chunk's)
-            w_carried = (_carried_bytes(b_half) if any(a.kind is Kind.COMPUTE for a in b_half.micro_step)
-                         else carried) if w_half else 0
-            priced[id(program)] = f, b, e, last, carried, w, w_carried
-        f, b, e, last, carried, w, w_carried = priced[id(program)]
+            priced[id(program)] = price_chunk(program, cluster, **costs)
+        f, b, e, last, w = (priced[id(program)][i] for i in range(5))
         fwd.append(f.step_time_s)
         bwd.append(b.step_time_s)
         wgt.append(w.step_time_s if w else 0.0)
@@ -121,11 +187,7 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         # the last backward (W) with its second hops: when they end (from its start), how long they hold the links
         hop_end.append(last.step_time_s if last else 0.0)
         hop_busy.append(last.stream_busy_s.get("comm:replicate", 0.0) if last else 0.0)
-        static.append(f.static_memory_bytes)
-        acts.append((f.peak_memory_bytes - f.static_memory_bytes, b.peak_memory_bytes - b.static_memory_bytes))
-        saved.append(carried)
-        w_saved.append(w_carried)
-        w_acts.append(w.peak_memory_bytes - w.static_memory_bytes if w else 0)
+    static, saved, w_saved, acts, w_acts = _memory([priced[id(p)] for p in programs])
     # the activations of one micro-batch crossing a cut, the p * tp ranks of a stage sharing the node link when
     # it crosses nodes; a scattered one then all-gathered inside the receiving tensor group
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
@@ -162,12 +224,8 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
     # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
-    if split:  # walked: a micro-batch holds what its F saved until its B, then what W reads until its W
-        peaks = [sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], saved, w_saved, acts, w_acts)
-                 for r, cs in enumerate(ranks)]
-    else:
-        peaks = [sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
-                 for cs in ranks]
+    mem = static, saved, w_saved, acts, w_acts
+    peaks = [_rank_peak(sched, r, mem, in_flight) for r in range(rp.stages)]
     compute = [sum(m * (fwd[c] + bwd[c] + wgt[c]) for c in cs) for cs in ranks]
     flops = sum(a.flops for program in programs for a in program.micro_step)
     busy = {"compute": max(compute)}

@@ -22,9 +22,9 @@ from micscompile.core.collectives import CommStats, fmt_bytes
 from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import Prefetch, Program, digest
-from micscompile.cost_model.pipeline import simulate_pipeline
+from micscompile.cost_model.pipeline import memory_neutral, simulate_pipeline
 from micscompile.cost_model.simulator import Prediction
-from micscompile.cost_model.specs import Cluster
+from micscompile.cost_model.specs import Cluster, default_cluster
 from micscompile.lowering.flat import LoweredFlat, lower_flat
 from micscompile.lowering.pipeline_split import PipelineSplit, split
 from micscompile.memory.lifetimes import pipeline_buffers, run_runtime_passes
@@ -173,6 +173,9 @@ def lower_pipeline(
         for c, st in enumerate(sp.stages)
     ]
     _check_tied_layouts(sp, chunks)
+    if plan.pipeline_schedule == "zb-h1":  # its W's deferred as far as 1F1B's peak memory allows
+        on = cluster or default_cluster("cpu", "", rp.world_size, rp.gpus_per_node)  # (any prices the bytes)
+        sched = memory_neutral(rp, [ch.program for ch in chunks], on, **(costs or {}))
     return LoweredPipeline(rp, sp, sched, chunks, rank, cluster)
 
 

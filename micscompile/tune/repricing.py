@@ -27,6 +27,7 @@ import numpy as np
 from micscompile.core.pipeline_schedule import make_schedule
 from micscompile.core.plan import ZERO_BUBBLE, Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
+from micscompile.cost_model.pipeline import memory_neutral
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
@@ -271,6 +272,8 @@ class Pricer:
         if how not in self._schedules:  # (validated once: its NCCL order is the costly part)
             self._schedules[how] = make_schedule(*how)
         sched = self._schedules[how]
+        if plan.pipeline_schedule == "zb-h1":  # (its deferral follows the chunks' memory, as lower_pipeline's)
+            sched = memory_neutral(rp, [c.program for c in chunks], self.cluster, **self.costs)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, **self.costs)
 
