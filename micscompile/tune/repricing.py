@@ -101,8 +101,9 @@ def _split_at(sp: PipelineSplit, i: int) -> PipelineSplit:
 
 def _structure(rp: ResolvedPlan) -> tuple:
     """What a lowering (a flat graph's or a pipeline chunk's) depends on besides the graph (a zero-bubble
-    schedule's backward split in two among it): not the partition size or the optimizer states' sharding where anything is gathered (``for_partition`` lays the
-    buckets out again), the micro-batch size (``at_index``) or the pipeline's depth."""
+    schedule's backward split in two among it): not the partition size or the optimizer states' sharding
+    where anything is gathered (``for_partition`` lays the buckets out again), the micro-batch size
+    (``at_index``) or the pipeline's depth."""
     plan, gathers = rp.plan, rp.partition_size > 1
     return (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, not gathers,
             None if gathers else rp.optimizer_shards, rp.stages > 1 and plan.pipeline_schedule in ZERO_BUBBLE)
