@@ -5,16 +5,16 @@
 
 Measured (one launch): one pipeline of S = 4 ranks (t = d = 1) trains the same residual-MLP stack (8 blocks,
 hidden 256, global batch 32 of 16 tokens, m = 8 micro-batches, SGD) under 1F1B, interleaved 1F1B (v = 2),
-ZB-H1 and interleaved zero-bubble (v = 2), each as micscompile compiles it and as torch.distributed.pipelining
-runs it (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` with one and with two
-stages per rank), plus torch's ``ScheduleZBVZeroBubble`` (micscompile has no V placement yet). The steps are
+ZB-H1, interleaved zero-bubble (v = 2) and ZB-V, each as micscompile compiles it and as
+torch.distributed.pipelining runs it (``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble`` with one and with two stages per rank, ``ScheduleZBVZeroBubble``). The steps are
 timed in alternation (``timing.interleaved_times_s``: every round times every row once, on the same batch): the
 median of the slowest rank's time, and torch's over micscompile's for the same schedule (> 1: micscompile faster).
 Every row's first-step loss is printed: the same model and batch, so the same number up to summation order.
 Then micscompile's planned and measured peak activation memory per rank (arena plus what the ops allocate
 outside it) under 1F1B and ZB-H1, the acceptance's table.
 
-Simulated (``--simulate``): the same four schedules priced by ``mc.simulate`` on two of the seeds' plans, the
+Simulated (``--simulate``): the same five schedules priced by ``mc.simulate`` on two of the seeds' plans, the
 bubble fraction, step time and planned peak: BERT 104B at seq 4096 on 16 p4d (MiCS-Pipe S = 16, t = 8, b = 1,
 G = 1024: thesis Fig. 4-13) and GPT-3 175B on 128 DGX A100 (autotune's pick: PTD-P t = 8 with sequence
 parallelism, S = 16, b = 2, m = 96; docs/autotune.md).
@@ -34,7 +34,7 @@ from torch import nn
 import micscompile as mc
 
 S, BLOCKS, H, SEQ, BATCH, M = 4, 8, 256, 16, 32, 8
-SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("interleaved-zb", 2)]
+SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("interleaved-zb", 2), ("zb-v", 2)]
 
 
 class Block(nn.Module):
@@ -74,14 +74,14 @@ def _torch_step(model: Stack, kind: str, v: int, rank: int):
 
     n_stages = S * v
     per = BLOCKS // n_stages
-    mine = [rank, 2 * S - 1 - rank] if kind == "zbv" else [rank + S * j for j in range(v)]
+    mine = [rank, 2 * S - 1 - rank] if kind == "zb-v" else [rank + S * j for j in range(v)]
     stages, params = [], []
     for i in mine:
         sub = nn.Sequential(*copy.deepcopy(list(model.layers[i * per:(i + 1) * per])))
         params += list(sub.parameters())
         stages.append(PipelineStage(sub, i, n_stages, torch.device("cpu")))
     cls = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zb-h1": ScheduleInterleavedZeroBubble,
-           "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[kind]
+           "interleaved-zb": ScheduleInterleavedZeroBubble, "zb-v": ScheduleZBVZeroBubble}[kind]
     sched = cls(stages[0] if cls is Schedule1F1B else stages, M, loss_fn=loss_fn)
     opt = torch.optim.SGD(params, lr=1e-2)
     first, last = 0 in mine, n_stages - 1 in mine
@@ -117,7 +117,7 @@ def measured(rounds: int) -> None:
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2),
                           example_inputs=batches[0])
         steps[f"micscompile {kind}"] = step
-    for kind, v in [*SCHEDULES, ("zbv", 2)]:
+    for kind, v in SCHEDULES:
         steps[f"torch {kind}"] = _torch_step(model, kind, v, rank)
     first = {name: float(step(*batches[0]).detach()) for name, step in steps.items()}
     for kind in ("1f1b", "zb-h1"):  # (its second step, with every buffer allocated once)
@@ -136,12 +136,10 @@ def measured(rounds: int) -> None:
               f"m = {M}; median step of {len(times[next(iter(times))])} rounds")
         print(f"{'schedule':<16}{'v':>2}{'micscompile ms':>16}{'torch ms':>10}{'torch/mc':>10}"
               f"{'loss mc':>11}{'loss torch':>11}")
-        for kind, v in [*SCHEDULES, ("zbv", 2)]:
-            mine, theirs = med.get(f"micscompile {kind}"), med[f"torch {kind}"]
-            print(f"{kind:<16}{v:>2}{(f'{mine * 1e3:.1f}' if mine else '-'):>16}{theirs * 1e3:>10.1f}"
-                  f"{(f'{theirs / mine:.2f}x' if mine else '-'):>10}"
-                  f"{(format(first[f'micscompile {kind}'], '.5f') if mine else '-'):>11}"
-                  f"{first[f'torch {kind}']:>11.5f}")
+        for kind, v in SCHEDULES:
+            mine, theirs = med[f"micscompile {kind}"], med[f"torch {kind}"]
+            print(f"{kind:<16}{v:>2}{mine * 1e3:>16.1f}{theirs * 1e3:>10.1f}{theirs / mine:>9.2f}x"
+                  f"{first[f'micscompile {kind}']:>11.5f}{first[f'torch {kind}']:>11.5f}")
         print("\nmicscompile's peak activation memory per rank, KiB (arena + outside it): planned / measured")
         print(f"{'rank':<6}{'1f1b':>20}{'zb-h1':>20}")
         for r, m in enumerate(mem):

@@ -131,10 +131,10 @@ def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
 def test_autotune_best_equals_brute_force(symbolic):
     """On a small space the best candidate is the brute-force minimum of mc.simulate over every
     (plan, micro-batch size, prefetch) that fits, tensor groups with and without sequence parallelism
-    included (each tensor-split candidate priced as mc.simulate prices it); a device of the median peak
-    makes half not fit."""
+    and zero-bubble pipelines included (each tensor-split candidate priced as mc.simulate prices it, each
+    ZB-H1 with the deferral lower_pipeline picks); a device of the median peak makes half not fit."""
     opts = dict(partition_sizes=(1, 2, 8), pipeline_stages=(1, 2), micro_batch_sizes=(1, 4), checkpoint=(False, True),
-                offload=(False,), tensor=((1, False), (2, True)))
+                offload=(False,), tensor=((1, False), (2, True)), zero_bubble=(False, True))
     cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
     space = configs(cl.world_size, cl.gpus_per_node, 32, len(symbolic.blocks), hierarchical=("auto", False), **opts)
     brute = []

@@ -38,7 +38,9 @@ def assert_png(path: Path) -> None:
     assert path.stat().st_size > 10_000, path  # drawn, not an empty canvas
 
 
-@pytest.mark.parametrize("extra", [["-p", "8"], ["-p", "2", "-S", "2", "-m", "4"]], ids=["flat", "pipeline"])
+@pytest.mark.parametrize("extra", [["-p", "8"], ["-p", "2", "-S", "2", "-m", "4"],
+                                   ["-p", "2", "-S", "2", "-m", "4", "--schedule", "zb-h1"]],
+                         ids=["flat", "pipeline", "zero-bubble"])
 def test_plan_prints_the_program_summary_and_writes_the_pictures(tmp_path, extra):
     out = ok(run("plan", "gpt:tiny", "--cluster", "p3dn.24xlarge", "--nodes", "2", *extra, "--out", str(tmp_path)))
     assert "collectives of one step on rank 0" in out and "all_gather" in out and "reduce_scatter" in out
@@ -49,6 +51,7 @@ def test_plan_prints_the_program_summary_and_writes_the_pictures(tmp_path, extra
     assert tracks >= (stages if "-S" in extra else {"compute", "comm:shard"}), tracks
     program = (tmp_path / "program.txt").read_text()
     assert program.strip() and ("second hops (SH): each chunk's last backward" in program) == ("-S" in extra)
+    assert ("pipeline zb-h1 stages=2" in program and " W3 " in program) == ("zb-h1" in extra)  # its grid draws W
     for name in ("timeline.png", "memory.png"):
         assert_png(tmp_path / name)
 
@@ -145,6 +148,11 @@ def test_the_pictures_label_their_axes_and_legends():
     assert ax.get_xlabel() == "time (ms)" and ax.get_ylabel() == "stream"
     assert [t.get_text() for t in ax.get_yticklabels()][:2] == ["compute", "comm:shard"]
     assert {"compute", "all-gather", "reduce-scatter"} <= {t.get_text() for t in ax.get_legend().get_texts()}
+    zb = mc.simulate(tg, mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=2, pipeline_schedule="zb-h1"),
+                     cluster)
+    ax = pictures.timeline_figure(zb).axes[0]
+    assert ax.get_ylabel() == "pipeline stage"
+    assert {"forward", "backward", "weight gradients"} <= {t.get_text() for t in ax.get_legend().get_texts()}
     buffers = step_buffers_of(tg, plan, cluster.world_size)
     ax = pictures.memory_figure(buffers).axes[0]
     assert ax.get_xlabel().startswith("Program step") and "GiB" in ax.get_ylabel()

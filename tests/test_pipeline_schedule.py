@@ -14,6 +14,7 @@ from micscompile.core.pipeline_schedule import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zb_v,
     zero_bubble,
 )
 
@@ -350,3 +351,56 @@ def test_zero_bubble_in_flight_and_its_string_form():
 def test_broken_zero_bubble_schedules_are_refused(old, new, message):
     with pytest.raises(ScheduleError, match=message):
         edited(zero_bubble(2, 4), old, new).validate()
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_zb_v_places_chunks_in_a_v_and_validates_for_every_m(stages):
+    """ZB-V: rank r holds chunks r and 2S-1-r; chunks S-1 and S meet on the last rank and hand over without
+    P2P; every m from 1 to 2S+1 validates in both P2P models (receives posted in each sender's order:
+    ``_pair_order``), and the bubble is below interleaved 1F1B's at v = 2."""
+    for m in range(1, 2 * stages + 2):
+        s = zb_v(stages, m)
+        s.validate()
+        assert [s.chunks_of(r) for r in range(stages)] == [[r, 2 * stages - 1 - r] for r in range(stages)]
+        assert s.rank_of(stages - 1) == s.rank_of(stages) == stages - 1
+        local = {("SA", stages - 1), ("RA", stages), ("SG", stages), ("RG", stages - 1)}
+        assert not [a for a in s.ranks[stages - 1] if (a.op.value, a.chunk) in local]
+        if m % stages == 0:
+            assert s.bubble_fraction() < interleaved_1f1b(stages, m, 2).bubble_fraction()
+    assert PipeSchedule.parse(str(zb_v(stages, 4))) == zb_v(stages, 4)
+
+
+def test_receives_follow_each_senders_order():
+    """Before ``_pair_order``, ZB-V's second rank would post the gradient of chunk 3 before the activation
+    rank 0 sent first; after it, rank 1 receives from rank 0 in rank 0's order."""
+    s = zb_v(2, 4)
+    from_0 = [a for a in s.ranks[1] if a.op.value in ("RA", "RG")
+              and s.rank_of(a.chunk + (1 if a.op.value == "RG" else -1)) == 0]
+    sent = [a for a in s.ranks[0] if a.op.value in ("SA", "SG")]
+    assert [(a.mb, a.op.value) for a in from_0] == [(a.mb, "RA" if a.op.value == "SA" else "RG") for a in sent]
+
+
+def _torch_order(schedule_cls, rank: int, **fields) -> list[tuple[Op, int, int]]:
+    """torch.distributed.pipelining's compute order for ``rank`` (its ``_calculate_single_rank_operations``, which
+    reads only these fields of the schedule), as (op, mb, chunk): its I (input backward) is our B."""
+    from types import SimpleNamespace
+
+    ops = schedule_cls._calculate_single_rank_operations(SimpleNamespace(**fields), rank)
+    kind = {"F": Op.FORWARD, "I": Op.BACKWARD, "W": Op.WEIGHT}
+    return [(kind[a.computation_type.value], a.microbatch_index, a.stage_index) for a in ops if a is not None]
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 3), (2, 4), (4, 5), (4, 8), (8, 16)])
+def test_zero_bubble_orders_are_torchs(stages, micro_batches):
+    """Every rank's computes in torch's order: ZB-H1 with every rank deferring r W's is
+    ``ScheduleInterleavedZeroBubble`` with one stage per rank, ZB-V is ``ScheduleZBVZeroBubble``."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+    S, m = stages, micro_batches
+    for ours, cls, fields in [
+            (zb_v(S, m), ScheduleZBVZeroBubble, dict(pp_group_size=S, num_stages=2 * S, _n_microbatches=m)),
+            (zero_bubble(S, m) if m % S == 0 else None, ScheduleInterleavedZeroBubble,
+             dict(pp_group_size=S, n_local_stages=1, microbatches_per_round=S, _n_microbatches=m))]:
+        for r in range(S if ours else 0):
+            mine = [(a.op, a.mb, a.chunk) for a in ours.ranks[r] if a.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)]
+            assert mine == _torch_order(cls, r, **fields), (cls.__name__, r)

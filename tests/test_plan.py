@@ -25,7 +25,7 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"partition_size": -1}, "partition_size must be a positive int"),
         ({"grad_sync": "sometimes"}, "grad_sync must be"),
         ({"hierarchical": "yes"}, "hierarchical must be"),
-        ({"pipeline_chunks": 2}, "'interleaved' and 'interleaved-zb' run v > 1 chunks per rank"),
+        ({"pipeline_chunks": 2}, "'interleaved', 'interleaved-zb' and 'zb-v' run v > 1 chunks per rank"),
         ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "pipeline_schedule must be"),
         ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
         ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True, 'selective' or 'attention'"),

@@ -138,6 +138,11 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
     return tg
 
 
+def _schedule(name: str, chunks: int) -> str:
+    """``--schedule`` with ``--chunks``: v > 1 interleaves 1F1B and ZB-H1 (``Plan`` refuses the rest, saying why)."""
+    return {"1f1b": "interleaved", "zb-h1": "interleaved-zb"}.get(name, name) if chunks > 1 else name
+
+
 def _plans(args: argparse.Namespace, cluster) -> list:
 
     import micscompile as mc
@@ -150,7 +155,7 @@ def _plans(args: argparse.Namespace, cluster) -> list:
     return [mc.Plan(partition_size=p, tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
                     pipeline_stages=args.pipeline_stages,
                     micro_batches=args.micro_batches,
-                    pipeline_schedule="interleaved" if args.chunks > 1 else args.schedule,
+                    pipeline_schedule=_schedule(args.schedule, args.chunks),
                     pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
                     hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype,
                     optimizer_sharding=args.optimizer_sharding)
@@ -267,7 +272,7 @@ def _autotune(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
-                         tensor=tensor, workers=args.workers)
+                         tensor=tensor, workers=args.workers, zero_bubble=(False, True) if args.zero_bubble else (False,))
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
     if not ranked[0].feasible:
         from micscompile.core.plan import PlanError
@@ -313,9 +318,11 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
                     help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")
-    sp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    sp.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "zb-v"), default="1f1b",
+                    help="pipeline schedule (zb-h1 and zb-v: zero bubble, each backward split into input and weight "
+                         "gradients; zb-h1 with --chunks > 1: interleaved zero bubble)")
     sp.add_argument("--chunks", type=_count("--chunks", 64), default=1,
-                    help="interleaved 1F1B with this many chunks per rank (v)")
+                    help="interleaved 1F1B (or zero bubble) with this many chunks per rank (v; zb-v: 2)")
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
     sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")
@@ -359,6 +366,8 @@ def parser() -> argparse.ArgumentParser:
                       help="tensor group sizes to search (default: 1 2 4 8, those dividing a node)")
     tune.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                       help="search each tensor group size > 1 with sequence parallelism too")
+    tune.add_argument("--zero-bubble", action=argparse.BooleanOptionalAction, default=True,
+                      help="search each pipeline with a zero-bubble schedule too (ZB-H1, interleaved zero bubble)")
     tune.add_argument("--workers", type=_count("--workers", 256), default=1,
                       help="processes pricing the tensor groups' candidates side by side (default 1)")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")

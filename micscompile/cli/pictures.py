@@ -23,7 +23,8 @@ from micscompile.memory.planner import Buffer, plan_memory
 
 GIB = 1 << 30
 COLOURS = {
-    "compute": "#4c72b0", "forward": "#4c72b0", "backward": "#8172b2", "all-gather": "#dd8452",
+    "compute": "#4c72b0", "forward": "#4c72b0", "backward": "#8172b2", "weight gradients": "#64b5cd",
+    "all-gather": "#dd8452",
     "reduce-scatter": "#55a868", "all-reduce": "#c44e52", "second hop": "#c44e52", "intra-node stage": "#937860",
     "other": "#8c8c8c",
 }
@@ -41,8 +42,10 @@ def _pyplot():
 
 def category(track: str, name: str) -> str:
     """What an event of the simulator is, for its colour and the legend."""
-    if track.startswith("stage"):  # a pipeline: each stage's F and B, and its second hops over the replicas
-        return "second hop" if track.endswith("replicate") else "forward" if name.startswith("F") else "backward"
+    if track.startswith("stage"):  # a pipeline: each stage's F, B and W, and its second hops over the replicas
+        if track.endswith("replicate"):
+            return "second hop"
+        return {"F": "forward", "W": "weight gradients"}.get(name[:1], "backward")
     if name.startswith("intra-node"):
         return "intra-node stage"
     if track == "compute":

@@ -139,8 +139,15 @@ class PipeSchedule:
         if not self.name or any(ch.isspace() for ch in self.name):
             raise ScheduleError(f"schedule name {self.name!r} must be one non-empty token")
 
+    @property
+    def v_shape(self) -> bool:
+        """ZB-V's placement: rank r holds chunks r and 2S-1-r (the model goes down the ranks and back up), so
+        chunks S-1 and S meet on the last rank and hand over without P2P. Every other schedule loops: chunk c
+        on rank c % S."""
+        return self.name == "zb-v"
+
     def rank_of(self, chunk: int) -> int:
-        return chunk % self.stages
+        return _rank_of(chunk, self.stages, self.v_shape)
 
     @functools.cached_property
     def split_backward(self) -> bool:
@@ -148,6 +155,8 @@ class PipeSchedule:
         return any(a.op is Op.WEIGHT for acts in self.ranks for a in acts)
 
     def chunks_of(self, rank: int) -> list[int]:
+        if self.v_shape:
+            return [rank, 2 * self.stages - 1 - rank]
         return [rank + j * self.stages for j in range(self.chunks)]
 
     def __str__(self) -> str:
@@ -205,8 +214,9 @@ class PipeSchedule:
                     raise ScheduleError(f"{where}: chunk {a.chunk} lives on rank {self.rank_of(a.chunk)}")
                 if a in seen:
                     raise ScheduleError(f"{where}: repeats step {seen[a][1]} of that rank")
-                if a.op in _PEER and (self.stages == 1 or not 0 <= _peer(a).chunk < n):
-                    raise ScheduleError(f"{where}: has no peer chunk to exchange with")
+                if a.op in _PEER and (self.stages == 1 or not 0 <= _peer(a).chunk < n
+                                      or self.rank_of(_peer(a).chunk) == r):
+                    raise ScheduleError(f"{where}: has no peer chunk on another rank to exchange with")
                 for need in self._must_precede(a):
                     if need not in seen:
                         raise ScheduleError(f"{where}: must come after {need}")
@@ -220,12 +230,14 @@ class PipeSchedule:
                 raise ScheduleError(f"rank {r} step {i} ({a}): no matching {peer} on rank {self.rank_of(peer.chunk)}")
 
     def _input_recv(self, a: PipeAction) -> PipeAction | None:
-        """The receive that brings compute ``a``'s input from another rank, if any."""
+        """The receive that brings compute ``a``'s input from another rank, if any (none from its own rank:
+        ZB-V's chunks S-1 and S hand over locally)."""
         if self.stages == 1:
             return None
-        if a.op is Op.FORWARD and a.chunk > 0:
+        if a.op is Op.FORWARD and a.chunk > 0 and self.rank_of(a.chunk - 1) != self.rank_of(a.chunk):
             return PipeAction(Op.RECV_ACT, a.mb, a.chunk)
-        if a.op is Op.BACKWARD and a.chunk < self.stages * self.chunks - 1:
+        if (a.op is Op.BACKWARD and a.chunk < self.stages * self.chunks - 1
+                and self.rank_of(a.chunk + 1) != self.rank_of(a.chunk)):
             return PipeAction(Op.RECV_GRAD, a.mb, a.chunk)
         return None
 
@@ -382,11 +394,19 @@ class PipeSchedule:
                          for row in rows)
 
 
+def _rank_of(chunk: int, stages: int, v_shape: bool) -> int:
+    return (chunk if chunk < stages else 2 * stages - 1 - chunk) if v_shape else chunk % stages
+
+
 def _build(name: str, stages: int, micro_batches: int, chunks: int,
            order: Callable[[int], list[tuple[Op, int, int]]]) -> PipeSchedule:
     """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last
-    (a W neither receives nor sends)."""
-    last, ranks = stages * chunks - 1, []
+    (a W neither receives nor sends; a value between two chunks of one rank is handed over, not sent)."""
+    n, ranks, v_shape = stages * chunks, [], name == "zb-v"
+
+    def elsewhere(c: int, other: int) -> bool:
+        return 0 <= other < n and _rank_of(other, stages, v_shape) != _rank_of(c, stages, v_shape)
+
     for r in range(stages):
         acts: list[PipeAction] = []
         for op, mb, c in order(r):
@@ -394,11 +414,40 @@ def _build(name: str, stages: int, micro_batches: int, chunks: int,
                 acts.append(PipeAction(op, mb, c))
                 continue
             fwd = op is Op.FORWARD
-            recv, send = stages > 1 and c != (0 if fwd else last), stages > 1 and c != (last if fwd else 0)
+            recv, send = elsewhere(c, c - 1 if fwd else c + 1), elsewhere(c, c + 1 if fwd else c - 1)
             acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
             acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
         ranks.append((*acts, PipeAction(Op.ALL_REDUCE)))
-    return _nccl_order(PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks)))
+    return _nccl_order(_pair_order(PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))))
+
+
+def _pair_order(s: PipeSchedule) -> PipeSchedule:
+    """Post receives earlier until each rank receives from each peer in the order the peer sends to it (NCCL
+    matches two ranks' P2P ops in posting order, ignoring tags): where a rank would post the receive of a later
+    send first, the receive of the earlier send moves right before it (posted earlier, it only holds its buffer
+    longer). ZB-V needs it: a rank sends its neighbour activations and gradients of two chunks in one order."""
+    sends: dict[tuple[int, int], list[PipeAction]] = {}
+    for r, actions in enumerate(s.ranks):
+        for a in actions:
+            if a.op in _SENDS:
+                sends.setdefault((r, s.rank_of(_peer(a).chunk)), []).append(a)
+    ranks = []
+    for q, actions in enumerate(s.ranks):
+        acts, taken, i = list(actions), {}, 0
+        while i < len(acts):
+            a = acts[i]
+            if a.op in _RECVS:
+                r = s.rank_of(_peer(a).chunk)
+                k = taken.get(r, 0)
+                expected = _peer(sends[r, q][k])
+                if expected != a:  # (it sits later in this rank's list: post it here, first)
+                    acts.remove(expected)
+                    acts.insert(i, expected)
+                    a = expected
+                taken[r] = k + 1
+            i += 1
+        ranks.append(tuple(acts))
+    return replace(s, ranks=tuple(ranks))
 
 
 class _NcclModel:
@@ -591,6 +640,46 @@ def zero_bubble_order(stages: int, micro_batches: int, chunks: int, rank: int, d
              r + S * (v - 1 - (k // S) % v if op is not Op.FORWARD else (k // S) % v)) for op, k in seq]
 
 
+def zb_v(stages: int, micro_batches: int) -> PipeSchedule:
+    """ZB-V (Qi et al. 2024, section 6; torch.distributed.pipelining's ``ScheduleZBVZeroBubble``): two chunks per
+    rank in a V (``PipeSchedule.v_shape``), each backward split into B and W. Rank r warms up with 2(S-r)-1
+    forwards of its first chunk, then r pairs of (second, first), then S-r rounds of its second chunk's
+    F, B, W; in the steady state it runs F, B, W of its first chunk and then of its second; it drains with r
+    pairs of B's, then S-r of (B, W) of the first chunk, then the W's left. The order is generated for
+    max(m, 2S-1) micro-batches and the others dropped, as torch does."""
+    S, m = stages, micro_batches
+    check_schedule("zb-v", S, m, 2)
+    n_micro = max(2 * S - 1, m)
+
+    def order(r: int) -> list[tuple[Op, int, int]]:
+        c0, c1 = r, 2 * S - 1 - r
+        count = {(op, c): 0 for op in _COMPUTE for c in (c0, c1)}
+        seq: list[tuple[Op, int, int]] = []
+
+        def run(*ops: tuple[Op, int]) -> None:
+            for op, c in ops:
+                seq.append((op, count[op, c], c))
+                count[op, c] += 1
+
+        f0, f1, b0, b1, w0, w1 = ((op, c) for op in _COMPUTE for c in (c0, c1))
+        for _ in range(2 * (S - r) - 1):
+            run(f0)
+        for _ in range(r):
+            run(f1, f0)
+        for _ in range(S - r):
+            run(f1, b1, w1)
+        while count[f1] < count[f0] or count[f0] < n_micro:
+            run(*([f0] if count[f0] < n_micro else []), b0, w0, f1, b1, w1)
+        for _ in range(r):
+            run(b0, b1)
+        for _ in range(S - r):
+            run(b0, w0)
+        for w, b in ((w1, b1), (w0, b0)):
+            while count[w] < count[b]:
+                run(w)
+        return [(op, mb, c) for op, mb, c in seq if mb < m]
+    return _build("zb-v", S, m, 2, order)
+
 def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
     """Raise ScheduleError unless the named schedule exists for (S, m, v), without building it
     (``Plan.resolve`` asks before anything is traced; ``make_schedule`` before it builds)."""
@@ -599,6 +688,10 @@ def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) 
     if kind not in INTERLEAVED and chunks != 1:
         raise ScheduleError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind "
                             + " or ".join(repr(k) for k in INTERLEAVED))
+    if kind == "zb-v":
+        if chunks != 2:
+            raise ScheduleError(f"'zb-v' runs two chunks per rank in a V: chunks=2, got {chunks}")
+        return
     if chunks > 1 and micro_batches % stages:
         ok = [k * stages for k in range(max(1, micro_batches // stages), micro_batches // stages + 2)]
         raise ScheduleError(f"{kind} with chunks={chunks} needs micro_batches to be a multiple of "
@@ -613,6 +706,8 @@ def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1,
     check_schedule(kind, stages, micro_batches, chunks)
     if kind == "interleaved":
         return interleaved_1f1b(stages, micro_batches, chunks)
+    if kind == "zb-v":
+        return zb_v(stages, micro_batches)
     if kind in ZERO_BUBBLE:
         return zero_bubble(stages, micro_batches, chunks, deferred)
     return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)

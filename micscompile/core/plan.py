@@ -33,11 +33,11 @@ def divisors(n: int) -> list[int]:
     return small + [n // q for q in reversed(small) if q * q != n]
 
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb", "zb-v")
 """The pipeline schedules a Plan names (``Plan.pipeline_schedule``; ``core.pipeline_schedule`` builds them)."""
-INTERLEAVED = ("interleaved", "interleaved-zb")
+INTERLEAVED = ("interleaved", "interleaved-zb", "zb-v")
 """Those that run v > 1 chunks per rank (the others one)."""
-ZERO_BUBBLE = ("zb-h1", "interleaved-zb")
+ZERO_BUBBLE = ("zb-h1", "interleaved-zb", "zb-v")
 """Those that split each backward into B and W (``passes.weight_split``)."""
 
 
@@ -61,10 +61,10 @@ class Plan:
     pipeline_stages: int = 1
     """S: pipeline stages (MiCS-Pipe). With S > 1, ``partition_size`` is the intra-stage partition
     size t, every S*t consecutive ranks form one pipeline, and n = S * t * d."""
-    pipeline_schedule: Literal["1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb", "zb-v"] = "1f1b"
     """The pipeline schedule (S > 1): synchronous 1F1B, interleaved 1F1B, GPipe, or a zero-bubble one, each
     backward split into input and weight gradients (``passes.weight_split``): ZB-H1 (1F1B's order, 1F1B's
-    peak activation memory) or interleaved zero-bubble."""
+    peak activation memory), interleaved zero-bubble, or ZB-V (two chunks per rank in a V)."""
     pipeline_chunks: int = 1
     """v: model chunks per pipeline rank (the interleaved kinds need v > 1; the others v = 1)."""
     gpus_per_node: int | None = None
@@ -138,8 +138,8 @@ class Plan:
                             f"got {self.pipeline_schedule!r}")
         if (self.pipeline_schedule in INTERLEAVED) != (self.pipeline_chunks > 1):
             raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} with pipeline_chunks="
-                            f"{self.pipeline_chunks}: {' and '.join(map(repr, INTERLEAVED))} run v > 1 chunks per "
-                            "rank, the others one")
+                            f"{self.pipeline_chunks}: {', '.join(map(repr, INTERLEAVED[:-1]))} and {INTERLEAVED[-1]!r} "
+                            "run v > 1 chunks per rank, the others one")
         if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
             raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
                             "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")

@@ -193,7 +193,10 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
     hops = []
     for c, nbytes in enumerate(sent_bytes[:-1]):
-        a, b = first[c % rp.stages], first[(c + 1) % rp.stages]
+        if sched.rank_of(c) == sched.rank_of(c + 1):  # (ZB-V's turn: handed over on one rank)
+            hops.append(0.0)
+            continue
+        a, b = first[sched.rank_of(c)], first[sched.rank_of(c + 1)]
         ranks = rp.partition_size * rp.tensor if a // k != b // k else 1
         hop = collective_time_s(P2P, nbytes * ranks, [a, b], cluster)
         if c < len(gathered_bytes) and gathered_bytes[c]:

@@ -200,6 +200,10 @@ class PipelineStep(Step):
     def _peer(self, chunk: int) -> int:
         return self._pipe.ranks[self.program.schedule.rank_of(chunk)]
 
+    def _here(self, chunk: int) -> bool:
+        """Whether ``chunk`` (possibly out of range) is one of this rank's: a value for it is handed over, not sent."""
+        return chunk in self._chunks
+
     def _tag(self, mb: int, chunk: int, backward: bool, i: int) -> int:
         return ((mb * len(self.program.chunks) + chunk) * 2 + backward) * 256 + i
 
@@ -244,7 +248,8 @@ class PipelineStep(Step):
         if key not in inbox:
             return []
         bufs, work, specs = inbox.pop(key)
-        work.wait(receives_only=True)
+        if work is not None:  # (None: handed over by this rank's previous chunk, ZB-V's turn)
+            work.wait(receives_only=True)
         self._gather_pieces(bufs, specs, self._stats)
         return bufs
 
@@ -293,7 +298,9 @@ class PipelineStep(Step):
                 out = ch.phases.forward(*_pick(args, ch.fwd_used))
                 if out[0] is not None:
                     loss_sum += out[0].float()
-                if ch.n_send_act:
+                if ch.n_send_act and self._here(a.chunk + 1):  # (ZB-V's turn: the next chunk is this rank's)
+                    inbox[(Op.RECV_ACT, a.mb, a.chunk + 1)] = (list(out[1 : 1 + ch.n_send_act]), None, ())
+                elif ch.n_send_act:
                     outbox[(Op.SEND_ACT, a.mb, a.chunk)] = out[1 : 1 + ch.n_send_act]
                 saved[(a.mb, a.chunk)] = (inputs, acts, out[1 + ch.n_send_act :])
                 del out, args, acts
@@ -313,7 +320,9 @@ class PipelineStep(Step):
                     mine, n = later[(a.mb, a.chunk)], len(out) - ch.phases.carried
                     mine += _pick(out[n:], ch.w_used[len(mine):])
                     out = out[:n]
-                if out:
+                if out and self._here(a.chunk - 1):
+                    inbox[(Op.RECV_GRAD, a.mb, a.chunk - 1)] = (list(out), None, ())
+                elif out:
                     outbox[(Op.SEND_GRAD, a.mb, a.chunk)] = out
                 del out
             elif a.op is Op.WEIGHT:  # a zero-bubble schedule's weight gradients, deferred
@@ -350,22 +359,29 @@ class PipelineStep(Step):
             for _, comm, _, _ in runs.values():
                 comm.carried.clear()
                 comm.micro_steps = len(micro)
+            handed: dict[int, list] = {}  # chunk -> its inputs from this rank's previous chunk (ZB-V's turn)
             for mb in range(len(micro)):
                 for c in range(chunks):
                     if c not in runs:
                         continue
                     gm, comm, st, buffers = runs[c]
                     ch = self._chunks[c]
-                    acts = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in st.recv_act]
-                    with C.guarded(f"evaluate: activations of chunk {c - 1} over {self._pipe.label()}"):
-                        for i, (t, tr) in enumerate(zip(acts, st.recv_act)):
-                            dist.recv(self._piece(t, tr), self._peer(c - 1), group=self._pipe.group,
-                                      tag=self._tag(mb, c - 1, False, i))
-                    self._gather_pieces(acts, st.recv_act, self.eval_stats)
+                    if c in handed:
+                        acts = handed.pop(c)
+                    else:
+                        acts = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in st.recv_act]
+                        with C.guarded(f"evaluate: activations of chunk {c - 1} over {self._pipe.label()}"):
+                            for i, (t, tr) in enumerate(zip(acts, st.recv_act)):
+                                dist.recv(self._piece(t, tr), self._peer(c - 1), group=self._pipe.group,
+                                          tag=self._tag(mb, c - 1, False, i))
+                        self._gather_pieces(acts, st.recv_act, self.eval_stats)
                     comm.micro_step = mb
                     out = gm(comm, *ch.shards, *buffers, *[micro[mb][k] for k in st.batch_inputs], *acts)
                     if out[0] is not None:
                         loss_sum += out[0].float()
+                    if st.send_act and self._here(c + 1):
+                        handed[c + 1] = list(out[len(out) - len(st.send_act):])
+                        continue
                     with C.guarded(f"evaluate: activations of chunk {c} over {self._pipe.label()}"):
                         # the last outputs: (loss or None, one per bucket (no gradient here), *activations)
                         for i, (t, tr) in enumerate(zip(out[len(out) - len(st.send_act):], st.send_act)):

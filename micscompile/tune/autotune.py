@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.launch import collective_device
+from micscompile.core.plan import ZERO_BUBBLE as ZERO_BUBBLE_KINDS
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.calibrate import device_sync
@@ -44,6 +45,7 @@ from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
     OPTIMIZER_SHARDING,
     TENSOR,
+    ZERO_BUBBLE,
     check_global_batch,
     configs,
     family,
@@ -96,6 +98,7 @@ class Candidate:
     def label(self) -> str:
         p = self.plan
         pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
+        pipe += " zb" if p.pipeline_schedule in ZERO_BUBBLE_KINDS else ""
         parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
                  f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
         if p.tensor_parallel_size > 1:
@@ -156,7 +159,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         print(f"predicted step times {rows[0].prediction.interval()} (held-out error on this cluster); "
               f"~: a tie with the best", file=file)
     measured = any(c.measured_step_s is not None for c in rows)
-    head = (f"{'#':>3} {'S':>3} {'v':>2} {'tp':>3} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} "
+    head = (f"{'#':>3} {'S':>3} {'v':>3} {'tp':>3} {'p/t':>5} {'d':>5} {'b':>3} {'s/m':>5} {'ckpt':>5} {'offl':>5} "
             f"{'hier':>5} {'opt':>5} "
             f"{'prefetch':<9} {'step s':>8} {'TFLOP/s':>8} {'peak':>10} {'exp.comm s':>10} {'bubble':>7}")
     head += f" {'measured s':>10}" if measured else ""
@@ -168,7 +171,8 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         tp = f"{p.tensor_parallel_size}{'s' if p.sequence_parallel else ''}"
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
         ck = {False: "-", True: "full", "selective": "sel", "attention": "attn"}[p.checkpoint]
-        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {p.pipeline_chunks:>2} {tp:>3} {p.partition_size:>5} {d:>5} "
+        v = f"{p.pipeline_chunks}{'z' if p.pipeline_schedule in ZERO_BUBBLE_KINDS else ''}"
+        line = (f"{i + 1:>3} {p.pipeline_stages:>3} {v:>3} {tp:>3} {p.partition_size:>5} {d:>5} "
                 f"{c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
                 f"{'world' if p.optimizer_sharding == 'world' else '-':>5} {short(c.prefetch):<9} "
@@ -202,6 +206,21 @@ def print_families(cands: Sequence[Candidate], file=None) -> None:
         print(f"{fam:<10} {len(mine):>10} {top.label()[:58]:<58} {top.step_time_s:>8.3f} {top.tflops_per_gpu:>8.3g} "
               f"{vs:>9}", file=file)
     print(f"the best is {best.family}; ~: within the predictions' {best.prediction.interval()}, a tie", file=file)
+    print_zero_bubble(good, file)
+
+
+def print_zero_bubble(good: Sequence[Candidate], file=None) -> None:
+    """Whether a zero-bubble schedule won: the best pipeline with one against its twin with the backward whole
+    (the same plan under 1F1B or interleaved 1F1B), where both were priced and fit."""
+    zb = next((c for c in good if c.plan.pipeline_schedule in ZERO_BUBBLE_KINDS), None)
+    if zb is None:
+        return
+    schedule = "interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b"
+    twin = next((c for c in good if c.plan == dataclasses.replace(zb.plan, pipeline_schedule=schedule)
+                 and c.micro_batch_size == zb.micro_batch_size and c.prefetch == zb.prefetch), None)
+    than = f" against {twin.step_time_s:.3f} s for the same plan under {schedule}" if twin else ""
+    print(f"zero bubble: the best pipeline with a split backward is {zb.label()} ({zb.plan.pipeline_schedule}), "
+          f"{zb.step_time_s:.3f} s{than}", file=file)
 
 
 def autotune(
@@ -219,6 +238,7 @@ def autotune(
     pipeline_chunks: Sequence[int] = (1, 2),
     optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
     tensor: Sequence[tuple[int, bool]] = TENSOR,
+    zero_bubble: Sequence[bool] = ZERO_BUBBLE,
     flops_per_sample: float | None = None,
     workers: int = 1,
     progress: bool = True,
@@ -236,7 +256,8 @@ def autotune(
     ``base_plan`` holds the fields not searched (dtypes, bucket_bytes, budget; default: the trace's
     compute dtype). The other sequences narrow the search (``pipeline_chunks``: v, interleaved 1F1B
     where v > 1; ``optimizer_sharding``: ``Plan.optimizer_sharding``, "world" where d > 1; ``tensor``: the
-    (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without).
+    (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without;
+    ``zero_bubble``: a pipeline's backward whole and/or split into B and W, ZB-H1 or interleaved zero-bubble).
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
     group's tensor split and lowerings are its own; the same candidates in the same order).
@@ -258,7 +279,7 @@ def autotune(
     narrowed = dict(gpus_per_node=k, units=len(trace.blocks), partition_sizes=partition_sizes,
                     pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint, offload=offload,
                     hierarchical=hierarchical, chunks=pipeline_chunks, optimizer_sharding=optimizer_sharding,
-                    tensor=tensor)
+                    tensor=tensor, zero_bubble=zero_bubble)
     space = configs(n, global_batch=global_batch_size, **narrowed)
     if not space:
         smallest = smallest_batch(n, global_batch_size, **narrowed)

@@ -33,6 +33,8 @@ OPTIMIZER_SHARDING = ("partition", "world")
 """Over the partition group, or over all p * d ranks (only where d > 1: with one replica they are the same)."""
 CHUNKS = (1, 2)
 """v: plain 1F1B, or interleaved with two chunks per rank where m is a multiple of S."""
+ZERO_BUBBLE = (False, True)
+"""A pipeline's backward whole (1F1B, interleaved 1F1B) or split into B and W (ZB-H1, interleaved zero-bubble)."""
 
 
 def tensor_choices(sizes: Sequence[int], sequence_parallel: bool = True) -> tuple[tuple[int, bool], ...]:
@@ -71,20 +73,29 @@ class Config:
     """t: ranks of a tensor group (``Plan.tensor_parallel_size``)."""
     sequence: bool = False
     """``Plan.sequence_parallel``."""
+    zero_bubble: bool = False
+    """A pipeline's zero-bubble schedule: ZB-H1 (v = 1) or interleaved zero-bubble (v > 1)."""
+
+    @property
+    def schedule(self) -> str | None:
+        """``Plan.pipeline_schedule`` (None: the base plan's, v = 1 without zero bubble)."""
+        if self.chunks > 1:
+            return "interleaved-zb" if self.zero_bubble else "interleaved"
+        return "zb-h1" if self.zero_bubble else None
 
     def plan(self, base: Plan) -> Plan:
         return dataclasses.replace(
             base, partition_size=self.partition, pipeline_stages=self.stages, micro_batches=self.micro_batches,
             tensor_parallel_size=self.tensor, sequence_parallel=self.sequence,
             checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical,
-            pipeline_chunks=self.chunks, pipeline_schedule="interleaved" if self.chunks > 1 else base.pipeline_schedule,
+            pipeline_chunks=self.chunks, pipeline_schedule=self.schedule or base.pipeline_schedule,
             optimizer_sharding=self.optimizer)
 
     @property
     def structure(self) -> tuple:
         """The Programs a candidate's pricing shares with others (``micscompile.tune.repricing``)."""
         return (self.tensor, self.sequence, self.stages, self.chunks, self.checkpoint, self.offload, self.partition == 1,
-                self.optimizer)
+                self.optimizer, self.zero_bubble)
 
     @property
     def family(self) -> str:
@@ -96,7 +107,7 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
             micro_batch_sizes: Sequence[int] | None = None, checkpoint: Sequence = CHECKPOINT,
             offload: Sequence[bool] = OFFLOAD, hierarchical: Sequence = HIERARCHICAL,
             chunks: Sequence[int] = CHUNKS, optimizer_sharding: Sequence[str] = OPTIMIZER_SHARDING,
-            tensor: Sequence[tuple[int, bool]] = ((1, False),)) -> list[Config]:
+            tensor: Sequence[tuple[int, bool]] = ((1, False),), zero_bubble: Sequence[bool] = (False,)) -> list[Config]:
     """Every valid point: S * p divides the world, b * n / S divides the global batch (default b: every
     such size up to MAX_MICRO_BATCH), a stage's partition group inside one node, at least two of the
     ``units`` blocks per chunk, interleaving (v > 1) where m is a multiple of S, offload only with
@@ -107,7 +118,8 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
     ranked as 16-stage pipelines idle 13 times as long as they computed). So every plan needs a global
     batch of at least n * b: one sample per rank, in each stage's data-parallel ranks (``smallest_batch``).
     ``tensor``: the (t, sequence parallelism) pairs; a t must divide the node, and a pipeline stage's p * t
-    ranks stay inside one node."""
+    ranks stay inside one node. ``zero_bubble``: a pipeline's schedule with its backward whole and/or split
+    (``Config.schedule``)."""
     stages = pipeline_stages or default_stages(world, units)
     out = []
     for (t, sp), S in itertools.product(tensor, stages):
@@ -127,11 +139,12 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
                 vs = [v for v in chunks if v == 1 or (S > 1 and s % S == 0 and 2 * S * v <= units)]
                 d = ways // p
                 homes = [o for o in optimizer_sharding if o == "partition" or d > 1] or ["partition"]
-                for v, ck, off, opt in itertools.product(vs, checkpoint, offload, homes):
+                zbs = zero_bubble if S > 1 else (False,)
+                for v, ck, off, opt, zb in itertools.product(vs, checkpoint, offload, homes, zbs):
                     if off and not ck:
                         continue
                     for hier in (hierarchical if spans else hierarchical[:1]):
-                        out.append(Config(S, p, b, s, ck, off, hier, v, opt, d, t, sp))
+                        out.append(Config(S, p, b, s, ck, off, hier, v, opt, d, t, sp, zb))
     return out
 
 
