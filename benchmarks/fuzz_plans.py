@@ -13,9 +13,9 @@ Case ``seed`` draws, from its own ``random.Random(seed)``:
   Hugging Face GPT-2 / Llama / BERT, or a ``RandomNet`` drawn for the purpose (odd sizes, skip
   connections, a weight shared across blocks, buffers, an unused parameter, in-place ops, one or two
   inputs; ``tests/models.py``);
-- a Plan over everything it accepts: flat (p, s, grad_sync) or a pipeline (S, t, m; 1F1B, GPipe or
-  interleaved with v = 2), gpus_per_node and hierarchical gathers, a forced Prefetch or the default
-  search, bucket sizes, a memory budget, a cap on gathers in flight, checkpointing (plain, selective,
+- a Plan over everything it accepts: flat (p, s, grad_sync) or a pipeline (S, t, m; 1F1B, GPipe,
+  interleaved with v = 2, zero-bubble ZB-H1 or ZB-V), gpus_per_node and hierarchical gathers, a forced
+  Prefetch or the default search, bucket sizes, a memory budget, a cap on gathers in flight, checkpointing (plain, selective,
   every 1-2 blocks, with offload), fp32 / bf16 / fp16 compute and reduction, codegen (eager, auto,
   Inductor), the optimizer states over the partition group or the world, the arena, a model built on meta;
 - a training set-up: SGD or AdamW, gradient clipping (``max_grad_norm``, ``inf``: measured only), the
@@ -120,10 +120,10 @@ def draw(seed: int) -> FuzzCase:
         stages = rng.choice([2, 2, 4])
         plan["pipeline_stages"] = stages
         plan["partition_size"] = rng.choice([t for t in (1, 2) if stages * t <= WORLD])
-        schedule = rng.choice(["1f1b", "1f1b", "gpipe", "interleaved"])
+        schedule = rng.choice(["1f1b", "1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"])
         if schedule != "1f1b":
             plan["pipeline_schedule"] = schedule
-        if schedule == "interleaved":
+        if schedule in ("interleaved", "zb-v"):
             plan["pipeline_chunks"] = 2
     else:
         plan["partition_size"] = rng.choice([1, 2, 4])
@@ -185,7 +185,7 @@ def draw(seed: int) -> FuzzCase:
 
 AXES: dict[str, tuple[str, ...]] = {
     "model": ("tied_lm", "convnet", "quirky", "random", "hf-gpt2", "hf-llama", "hf-bert"),
-    "plan": ("flat p=1", "flat p=2", "flat p=4", "every_step", "1f1b", "gpipe", "interleaved"),
+    "plan": ("flat p=1", "flat p=2", "flat p=4", "every_step", "1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"),
     "nodes": ("1x4", "2x2", "2x2 hierarchical"),
     "meta": ("real", "meta"),
     "arena": ("arena", "no arena"),
@@ -200,7 +200,9 @@ AXES: dict[str, tuple[str, ...]] = {
 }
 """Each axis and its values (the plan family and schedule together: a schedule is a pipeline's)."""
 
-PIPELINES = ("1f1b", "gpipe", "interleaved")
+PIPELINES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
+TWO_CHUNKS = ("interleaved", "zb-v")
+"""The schedules with two chunks per rank."""
 HF = tuple(m for m in AXES["model"] if m.startswith("hf-"))
 TENSOR = ("tp=2", "tp=2 sequence")
 NO_TOKENS = ("convnet", "quirky", "random")
@@ -220,7 +222,7 @@ class Exclusion:
 
 
 EXCLUDED = (
-    Exclusion("model", ("convnet", "quirky"), "plan", ("interleaved",),
+    Exclusion("model", ("convnet", "quirky"), "plan", TWO_CHUNKS,
               "refused: 4 chunks of a net with 2-3 blocks that read parameters ('use at most 3')"),
     Exclusion("model", HF, "meta", ("meta",),
               "refused: Hugging Face norms have no reset_parameters() and their buffers are set in __init__ "
@@ -294,7 +296,7 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         # the chunks must not outnumber the blocks that read parameters: 4 stages of 2 chunks only for the
         # 6-block LM, 4 stages only for it and the Hugging Face models (the conv net and the quirky graph
         # have 2-3 such blocks, a RandomNet may have 4)
-        many = model == "tied_lm" or (hf and kind != "interleaved")
+        many = model == "tied_lm" or (hf and kind not in TWO_CHUNKS)
         stages = 4 if many and row["tensor"] == "tp=1" and rng.random() < 0.35 else 2  # (tp=2: 2 stages of 1)
         if stages == 4 and model == "tied_lm":
             layers = 6
@@ -302,7 +304,7 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
                     rng.choice([1, 2]))
         if kind != "1f1b":
             plan["pipeline_schedule"] = kind
-        if kind == "interleaved":
+        if kind in TWO_CHUNKS:
             plan["pipeline_chunks"] = 2
         ms = [m for m in (1, 2, 3, 4) if local % m == 0 and (kind != "interleaved" or m % stages == 0)]
     else:

@@ -8,7 +8,8 @@ second, W, into the pipeline's bubbles. Holding the whole backward graph, the co
 * B is every backward node the input gradients (the backward's graph outputs) are computed from:
   their ancestors inside the backward, the gathers of the weights they multiply by included;
 * a ``release`` of gathered weights goes with B when nothing in W reads them (so they are not held
-  through W);
+  through W), and so does every piece (``getitem``) of a multi-output op of B (a layer norm's backward
+  gives the input gradient and its weight's): W reads tensors, never a tuple;
 * W is the rest: the weight-gradient matmuls, what only they read, the accumulations into the
   gradient buckets, the buckets' reduce-scatters and their second hops. Nothing in B reads W.
 
@@ -20,6 +21,8 @@ see it there. A collective is issued and waited for in one phase (checked).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch.fx
 
@@ -41,9 +44,13 @@ def _input_gradient_nodes(graph: torch.fx.Graph) -> tuple[list[torch.fx.Node], s
         if n in in_bwd and n not in b:
             b.add(n)
             todo.extend(n.all_input_nodes)
-    for n in bwd:  # gathered weights B alone read: released in B
+    for n in bwd:
+        # gathered weights B alone read: released in B
         if n.target is C.release and n not in b and all(
                 u is n or u in b or u not in in_bwd for v in n.all_input_nodes if v.op != "placeholder" for u in v.users):
+            b.add(n)
+        # a multi-output op's pieces taken in B (W reads tensors, never a tuple: Inductor's regions need it so)
+        if n.target is operator.getitem and n.args[0] in b:
             b.add(n)
     return bwd, b
 
