@@ -191,6 +191,12 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     @property
+    def weight_split(self) -> bool:
+        """Whether each pipeline chunk's backward is cut into B and W (a zero-bubble schedule, S > 1;
+        ``passes.weight_split``): what the lowering, the Program and the pricing ask."""
+        return self.pipeline_stages > 1 and self.pipeline_schedule in ZERO_BUBBLE
+
+    @property
     def loss_scaled(self) -> bool:
         """fp16 compute needs dynamic loss scaling (its gradients underflow); bf16 and fp32 do not."""
         return self.param_dtype == torch.float16

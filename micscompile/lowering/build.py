@@ -10,7 +10,7 @@ import torch.fx
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import GroupInfo
-from micscompile.core.plan import ZERO_BUBBLE, ResolvedPlan
+from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import ISSUE_KIND, REGION_BWD, TENSOR_KIND, Action, Kind, Program
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
@@ -35,8 +35,7 @@ def build_program(
     collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in TENSOR_KIND
                         or n.target in (C.collective_wait, C.accumulate)}
     live = activation_bytes(graph, exclude=collective_nodes)
-    split = plan.stages > 1 and plan.plan.pipeline_schedule in ZERO_BUBBLE
-    weight = set(backward_phases(graph)[1]) if split else set()
+    weight = set(backward_phases(graph)[1]) if plan.plan.weight_split else set()
 
     def flush() -> None:
         if run:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from micscompile.core.plan import ZERO_BUBBLE, Plan
+from micscompile.core.plan import Plan
 from micscompile.passes.accumulate_in_matmuls import accumulate_in_matmuls_pass
 from micscompile.passes.checkpoint import checkpoint_pass
 from micscompile.passes.context import PassContext
@@ -57,7 +57,7 @@ def build_pass_list(plan: Plan) -> list[tuple[str, PassFn]]:
     passes.append(("insert_collectives", insert_collectives_pass))
     if plan.offload_activations:
         passes.append(("offload", offload_pass))
-    if plan.pipeline_stages > 1 and plan.pipeline_schedule in ZERO_BUBBLE:
+    if plan.weight_split:
         passes.append(("weight_split", weight_split_pass))
     return passes
 

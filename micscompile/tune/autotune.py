@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.launch import collective_device
-from micscompile.core.plan import ZERO_BUBBLE as ZERO_BUBBLE_KINDS
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.calibrate import device_sync
@@ -98,7 +97,7 @@ class Candidate:
     def label(self) -> str:
         p = self.plan
         pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
-        pipe += " zb" if p.pipeline_schedule in ZERO_BUBBLE_KINDS else ""
+        pipe += " zb" if p.weight_split else ""
         parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
                  f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
         if p.tensor_parallel_size > 1:
@@ -171,7 +170,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         tp = f"{p.tensor_parallel_size}{'s' if p.sequence_parallel else ''}"
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
         ck = {False: "-", True: "full", "selective": "sel", "attention": "attn"}[p.checkpoint]
-        v = f"{p.pipeline_chunks}{'z' if p.pipeline_schedule in ZERO_BUBBLE_KINDS else ''}"
+        v = f"{p.pipeline_chunks}{'z' if p.weight_split else ''}"
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {v:>3} {tp:>3} {p.partition_size:>5} {d:>5} "
                 f"{c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
@@ -212,7 +211,7 @@ def print_families(cands: Sequence[Candidate], file=None) -> None:
 def print_zero_bubble(good: Sequence[Candidate], file=None) -> None:
     """Whether a zero-bubble schedule won: the best pipeline with one against its twin with the backward whole
     (the same plan under 1F1B or interleaved 1F1B), where both were priced and fit."""
-    zb = next((c for c in good if c.plan.pipeline_schedule in ZERO_BUBBLE_KINDS), None)
+    zb = next((c for c in good if c.plan.weight_split), None)
     if zb is None:
         return
     schedule = "interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b"

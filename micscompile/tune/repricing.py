@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from micscompile.core.pipeline_schedule import make_schedule
-from micscompile.core.plan import ZERO_BUBBLE, Plan, ResolvedPlan
+from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.pipeline import memory_neutral
 from micscompile.cost_model.simulator import Prediction, simulate_program
@@ -106,7 +106,7 @@ def _structure(rp: ResolvedPlan) -> tuple:
     (``at_index``) or the pipeline's depth."""
     plan, gathers = rp.plan, rp.partition_size > 1
     return (plan.checkpoint, plan.checkpoint_every, plan.offload_activations, not gathers,
-            None if gathers else rp.optimizer_shards, rp.stages > 1 and plan.pipeline_schedule in ZERO_BUBBLE)
+            None if gathers else rp.optimizer_shards, plan.weight_split)
 
 
 def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int]) -> TrainGraph | None:
