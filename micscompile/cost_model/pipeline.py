@@ -12,7 +12,7 @@ from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
 from micscompile.cost_model.simulator import Event, Prediction, simulate_program
-from micscompile.cost_model.specs import Cluster
+from micscompile.cost_model.specs import Cluster, default_cluster
 
 
 def halves(program: Program) -> tuple[Program, Program, Program, Program | None]:
@@ -111,23 +111,34 @@ def _rank_peak(sched: PipeSchedule, r: int, mem: tuple, in_flight: Sequence[int]
     return sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
 
 
-def memory_neutral(rp: ResolvedPlan, programs: Sequence[Program], cluster: Cluster, **costs) -> PipeSchedule:
-    """ZB-H1 as the paper defines it: zero-bubble at 1F1B's peak memory. Each rank defers as many W's as the
-    torch.distributed.pipelining order does (rank r: r), fewer where the W's it holds (their inputs and the
-    output gradients B computed for them, ``ChunkPrice.w_saved``) would lift the pipeline's peak above 1F1B's
-    on the same chunks (priced as ``simulate_pipeline`` prices both)."""
-    S, m, v = rp.stages, rp.micro_batches, rp.plan.pipeline_chunks
-    prices: dict[int, ChunkPrice] = {}
+def _priced(programs: Sequence[Program], priced: dict[int, ChunkPrice], cluster: Cluster, costs: dict) -> list:
+    """Each chunk's ``price_chunk``, once per Program (chunks of one shape share theirs in mc.autotune); ``priced``
+    keeps them by the Program's id for a later call on the same cluster and costs."""
     for p in programs:
-        if id(p) not in prices:
-            prices[id(p)] = price_chunk(p, cluster, **costs)
-    mem = _memory([prices[id(p)] for p in programs])
-    ref = make_schedule("interleaved" if v > 1 else "1f1b", S, m, v)
+        if id(p) not in priced:
+            priced[id(p)] = price_chunk(p, cluster, **costs)
+    return [priced[id(p)] for p in programs]
+
+
+def memory_neutral(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], cluster: Cluster | None, *,
+                   priced: dict[int, ChunkPrice] | None = None, **costs) -> PipeSchedule:
+    """The schedule ``rp`` runs on its lowered chunks: ``sched``, but for ZB-H1 as the paper defines it, zero bubble
+    at 1F1B's peak memory. Each rank defers as many W's as the torch.distributed.pipelining order does (rank r:
+    r), fewer where the W's it holds (their inputs and the output gradients B computed for them,
+    ``ChunkPrice.w_saved``) would lift the pipeline's peak above 1F1B's on the same chunks (priced as
+    ``simulate_pipeline`` prices both, on ``cluster``: without one, this machine's estimate; any prices the
+    bytes). ``priced``: the chunks' prices, kept for ``simulate_pipeline`` on the same cluster and costs."""
+    if rp.plan.pipeline_schedule != "zb-h1":
+        return sched
+    S, m = rp.stages, rp.micro_batches  # (v = 1: ZB-H1 runs one chunk per rank)
+    cluster = cluster or default_cluster("cpu", "", rp.world_size, rp.gpus_per_node)
+    mem = _memory(_priced(programs, {} if priced is None else priced, cluster, costs))
+    ref = make_schedule("1f1b", S, m)
     budget = max(_rank_peak(ref, r, mem) for r in range(S))
     static, saved, w_saved, acts, w_acts = mem
 
     def peak(r: int, d: int) -> int:
-        order = [PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, v, r, d)]
+        order = [PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, 1, r, d)]
         return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(order, saved, w_saved, acts, w_acts)
 
     deferred = []
@@ -136,7 +147,7 @@ def memory_neutral(rp: ResolvedPlan, programs: Sequence[Program], cluster: Clust
         while d > 0 and peak(r, d) > budget:
             d -= 1
         deferred.append(d)
-    return make_schedule(rp.plan.pipeline_schedule, S, m, v, tuple(deferred))
+    return make_schedule("zb-h1", S, m, 1, tuple(deferred))
 
 
 def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
@@ -158,7 +169,8 @@ def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
                       cluster: Cluster, *, record: bool = True, gathered_bytes: Sequence[int] = (),
-                      grad_sync_after_backward: bool = False, **costs) -> Prediction:
+                      grad_sync_after_backward: bool = False, priced: dict[int, ChunkPrice] | None = None,
+                      **costs) -> Prediction:
     """One optimizer step of a pipeline on ``cluster``: each chunk's forward and backward are its
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
     simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations one rank of chunk c sends
@@ -170,24 +182,23 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     behind its compute (bubbles are ``bubble_fraction``). ``record``: keep every stage's forward and
     backward spans, and its second hops, as events (what the timeline picture and trace draw).
     ``grad_sync_after_backward``: a rank's second hops start once its last backward has ended (Megatron-LM's
-    data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts."""
+    data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts.
+    ``priced``: the chunks' prices already made on this cluster with these costs (``memory_neutral``'s)."""
     m = rp.micro_batches
     fwd, bwd, wgt, edge, exposed, hop_end, hop_busy = [], [], [], [], [], [], []
-    priced: dict[int, ChunkPrice] = {}  # chunks of one shape share their Program (mc.autotune): priced once
-    for program in programs:
-        if id(program) not in priced:
-            priced[id(program)] = price_chunk(program, cluster, **costs)
-        f, b, e, last, w = (priced[id(program)][i] for i in range(5))
-        fwd.append(f.step_time_s)
-        bwd.append(b.step_time_s)
+    prices = _priced(programs, {} if priced is None else priced, cluster, costs)
+    for p in prices:
+        w = p.weight
+        fwd.append(p.forward.step_time_s)
+        bwd.append(p.backward.step_time_s)
         wgt.append(w.step_time_s if w else 0.0)
-        edge.append(e)
-        exposed.append(m * (f.exposed_comm_s + b.exposed_comm_s + (w.exposed_comm_s if w else 0.0))
-                       + e.exposed_comm_s)
+        edge.append(p.boundary)
+        exposed.append(m * (p.forward.exposed_comm_s + p.backward.exposed_comm_s + (w.exposed_comm_s if w else 0.0))
+                       + p.boundary.exposed_comm_s)
         # the last backward (W) with its second hops: when they end (from its start), how long they hold the links
-        hop_end.append(last.step_time_s if last else 0.0)
-        hop_busy.append(last.stream_busy_s.get("comm:replicate", 0.0) if last else 0.0)
-    static, saved, w_saved, acts, w_acts = _memory([priced[id(p)] for p in programs])
+        hop_end.append(p.last.step_time_s if p.last else 0.0)
+        hop_busy.append(p.last.stream_busy_s.get("comm:replicate", 0.0) if p.last else 0.0)
+    static, saved, w_saved, acts, w_acts = _memory(prices)
     # the activations of one micro-batch crossing a cut, the p * tp ranks of a stage sharing the node link when
     # it crosses nodes; a scattered one then all-gathered inside the receiving tensor group
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
@@ -211,8 +222,8 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     replicated, events = [], []
     if grad_sync_after_backward:  # (nothing left to overlap: each takes its busy time)
         hop_end = list(hop_busy)
+    ender = Op.WEIGHT if split else Op.BACKWARD  # (the phase a chunk's gradients are complete in)
     for r, spans in enumerate(timeline.spans):
-        ender = Op.WEIGHT if split else Op.BACKWARD
         last_start = {a.chunk: start for a, start, _ in spans if a.op is ender}  # (the last one wins)
         free = 0.0
         if grad_sync_after_backward:  # every chunk's hops after the rank's whole schedule, one after another

@@ -24,7 +24,7 @@ from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import Prefetch, Program, digest
 from micscompile.cost_model.pipeline import memory_neutral, simulate_pipeline
 from micscompile.cost_model.simulator import Prediction
-from micscompile.cost_model.specs import Cluster, default_cluster
+from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.flat import LoweredFlat, lower_flat
 from micscompile.lowering.pipeline_split import PipelineSplit, split
 from micscompile.memory.lifetimes import pipeline_buffers, run_runtime_passes
@@ -108,16 +108,18 @@ class LoweredPipeline:
         return stats
 
     def predict(self, cluster: Cluster | None = None, *, buffer_bytes: int = 0, flops_per_step: float | None = None,
-                scaling: bool = False, **costs) -> Prediction:
-        """``simulate_pipeline`` on ``cluster`` (default: the one it was lowered for). Not yet priced
-        for pipelines: the model's buffers (``buffer_bytes``) and the scaling baseline (``scaling``)."""
+                scaling: bool = False, priced: dict | None = None, **costs) -> Prediction:
+        """``simulate_pipeline`` on ``cluster`` (default: the one it was lowered for), with the chunk prices
+        ``priced`` already made there (``memory_neutral``'s). Not yet priced for pipelines: the model's buffers
+        (``buffer_bytes``) and the scaling baseline (``scaling``)."""
         cluster = cluster or self.cluster
         if cluster is None:
             raise ValueError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
         sent = [sum(tr.sent_nbytes for tr in st.send_act) for st in self.split.stages]
         gathered = [sum(tr.nbytes for tr in st.send_act if tr.pieces > 1) for st in self.split.stages]
         programs = [self.program(c) for c in range(len(self.chunks))]
-        pred = simulate_pipeline(self.plan, self.schedule, programs, sent, cluster, gathered_bytes=gathered, **costs)
+        pred = simulate_pipeline(self.plan, self.schedule, programs, sent, cluster, gathered_bytes=gathered,
+                                 priced=priced, **costs)
         if flops_per_step is not None:
             pred.flops_per_step = flops_per_step
         return pred
@@ -173,9 +175,7 @@ def lower_pipeline(
         for c, st in enumerate(sp.stages)
     ]
     _check_tied_layouts(sp, chunks)
-    if plan.pipeline_schedule == "zb-h1":  # its W's deferred as far as 1F1B's peak memory allows
-        on = cluster or default_cluster("cpu", "", rp.world_size, rp.gpus_per_node)  # (any prices the bytes)
-        sched = memory_neutral(rp, [ch.program for ch in chunks], on, **(costs or {}))
+    sched = memory_neutral(rp, sched, [ch.program for ch in chunks], cluster, **(costs or {}))  # (ZB-H1's deferral)
     return LoweredPipeline(rp, sp, sched, chunks, rank, cluster)
 
 

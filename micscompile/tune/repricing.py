@@ -272,11 +272,11 @@ class Pricer:
         how = (plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
         if how not in self._schedules:  # (validated once: its NCCL order is the costly part)
             self._schedules[how] = make_schedule(*how)
-        sched = self._schedules[how]
-        if plan.pipeline_schedule == "zb-h1":  # (its deferral follows the chunks' memory, as lower_pipeline's)
-            sched = memory_neutral(rp, [c.program for c in chunks], self.cluster, **self.costs)
+        priced: dict = {}  # (ZB-H1's deferral prices the chunks, as lower_pipeline's does; the prediction reuses them)
+        sched = memory_neutral(rp, self._schedules[how], [c.program for c in chunks], self.cluster, priced=priced,
+                               **self.costs)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
-        return pp.predict(self.cluster, record=False, **self.costs)
+        return pp.predict(self.cluster, record=False, priced=priced, **self.costs)
 
     def _tensor(self, plan: Plan, b: int) -> Pricer:
         """The Pricer of ``plan``'s tensor split (cached): the trace each tensor rank runs
