@@ -76,7 +76,8 @@ _SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 _PEER = {Op.SEND_ACT: (Op.RECV_ACT, 1), Op.RECV_ACT: (Op.SEND_ACT, -1),
          Op.SEND_GRAD: (Op.RECV_GRAD, -1), Op.RECV_GRAD: (Op.SEND_GRAD, 1)}
 _TOKEN = re.compile(r"(SA|RA|SG|RG|F|B|W)(\d+)\.(\d+)")
-_COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+"""The actions that run a chunk (the others move values or end the step)."""
 _HEADER = re.compile(r"pipeline (\S+) stages=(\d+) chunks=(\d+) micro_batches=(\d+)")
 
 
@@ -221,7 +222,7 @@ class PipeSchedule:
                     if need not in seen:
                         raise ScheduleError(f"{where}: must come after {need}")
                 seen[a] = (r, i)
-        ops = _COMPUTE if self.split_backward else (Op.FORWARD, Op.BACKWARD)
+        ops = COMPUTE if self.split_backward else (Op.FORWARD, Op.BACKWARD)
         for c, mb, op in product(range(n), range(self.micro_batches), ops):
             if PipeAction(op, mb, c) not in seen:
                 raise ScheduleError(f"rank {self.rank_of(c)}: {PipeAction(op, mb, c)} is missing")
@@ -268,7 +269,7 @@ class PipeSchedule:
             actions = self.ranks[r]
             while pos[r] < len(actions):
                 a = actions[pos[r]]
-                if a.op in _COMPUTE:
+                if a.op in COMPUTE:
                     if (recv := self._input_recv(a)) is not None:
                         if (send := _peer(recv)) not in posted:
                             waiting[send] = r
@@ -653,7 +654,7 @@ def zb_v(stages: int, micro_batches: int) -> PipeSchedule:
 
     def order(r: int) -> list[tuple[Op, int, int]]:
         c0, c1 = r, 2 * S - 1 - r
-        count = {(op, c): 0 for op in _COMPUTE for c in (c0, c1)}
+        count = {(op, c): 0 for op in COMPUTE for c in (c0, c1)}
         seq: list[tuple[Op, int, int]] = []
 
         def run(*ops: tuple[Op, int]) -> None:
@@ -661,7 +662,7 @@ def zb_v(stages: int, micro_batches: int) -> PipeSchedule:
                 seq.append((op, count[op, c], c))
                 count[op, c] += 1
 
-        f0, f1, b0, b1, w0, w1 = ((op, c) for op in _COMPUTE for c in (c0, c1))
+        f0, f1, b0, b1, w0, w1 = ((op, c) for op in COMPUTE for c in (c0, c1))
         for _ in range(2 * (S - r) - 1):
             run(f0)
         for _ in range(r):

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch.fx
 
 from micscompile.core import collectives as C
-from micscompile.core.pipeline_schedule import Op
+from micscompile.core.pipeline_schedule import COMPUTE, Op
 from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_BYTES, _is_view, mutates_first
@@ -240,11 +240,9 @@ def step_buffers(graph: torch.fx.Graph, program) -> list[Buffer]:
 
 class _Phases(NamedTuple):
     lt: GraphLifetimes
-    fwd: list[torch.fx.Node]
-    bwd: list[torch.fx.Node]
-    """The backward's nodes; a zero-bubble chunk's B alone."""
-    weight: list[torch.fx.Node]
-    """A zero-bubble chunk's W (``passes.weight_split``), else empty."""
+    nodes: dict[Op, list[torch.fx.Node]]
+    """Each compute action's nodes: F's, B's (the whole backward unless a zero-bubble chunk's is split) and W's
+    (``passes.weight_split``; empty unless split)."""
     sends: set[torch.fx.Node]
     """The values (roots) of the outputs sent to another chunk (held until the step ends)."""
     in_bwd: set[torch.fx.Node]
@@ -269,15 +267,14 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
         b, w = backward_phases(sched.graph) if split else (body[cut:], [])
         outputs = list(lt.nodes[-1].args[0])
         sends = {lt.root[v] for v in outputs[1:] if isinstance(v, torch.fx.Node)}
-        chunks[c] = _Phases(lt, body[:cut], b, w, sends, set(b) | set(w))
+        chunks[c] = _Phases(lt, {Op.FORWARD: body[:cut], Op.BACKWARD: b, Op.WEIGHT: w}, sends, set(b) | set(w))
     # pass 1: when each action runs (a compute action takes one step per node, plus one to hand
     # over its outputs; a P2P action one step)
     start: dict[tuple, int] = {}
-    length = {Op.FORWARD: lambda ch: len(ch.fwd), Op.BACKWARD: lambda ch: len(ch.bwd), Op.WEIGHT: lambda ch: len(ch.weight)}
     t = 0
     for a in actions:
         start[(a.op, a.mb, a.chunk)] = t
-        t += length[a.op](chunks[a.chunk]) + 1 if a.op in length else 1
+        t += len(chunks[a.chunk].nodes[a.op]) + 1 if a.op in COMPUTE else 1
     step_end = t
     last = Op.WEIGHT if split else Op.BACKWARD  # (the phase a micro-batch's backward ends with)
     # pass 2: the buffers, in the runtime's order
@@ -286,21 +283,19 @@ def pipeline_buffers(pp, rank: int | None = None) -> list[Buffer]:
         t0 = start[(a.op, a.mb, a.chunk)]
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
             stage = pp.split.stages[a.chunk]
-            end = start[(last, a.mb, a.chunk)] + length[last](chunks[a.chunk]) + 1
+            end = start[(last, a.mb, a.chunk)] + len(chunks[a.chunk].nodes[last]) + 1
             for tr in stage.recv_act if a.op is Op.RECV_ACT else stage.recv_grad:
                 recs.append(_Rec(tr.nbytes, t0, end, f"{a.op.value}{a.chunk}", "recv"))
-        elif a.op in length:
-            lt, fwd, bwd, weight, sends, in_bwd = chunks[a.chunk]
-            f0, b0 = start[(Op.FORWARD, a.mb, a.chunk)], start[(Op.BACKWARD, a.mb, a.chunk)]
-            w0 = start[(Op.WEIGHT, a.mb, a.chunk)] if split else 0
-            pos = {n: f0 + i for i, n in enumerate(fwd)} | {n: b0 + i for i, n in enumerate(bwd)}
-            pos |= {n: w0 + i for i, n in enumerate(weight)}
-            f_end, b_end = f0 + len(fwd) + 1, b0 + len(bwd) + 1
+        elif a.op in COMPUTE:
+            lt, nodes, sends, in_bwd = chunks[a.chunk]
+            pos = {n: start[(op, a.mb, a.chunk)] + i for op, ns in nodes.items() for i, n in enumerate(ns)}
+            f_end = start[(Op.FORWARD, a.mb, a.chunk)] + len(nodes[Op.FORWARD]) + 1
+            b_end = start[(Op.BACKWARD, a.mb, a.chunk)] + len(nodes[Op.BACKWARD]) + 1
 
             def held(n, sends=sends, in_bwd=in_bwd, f_end=f_end, b_end=b_end):
                 return step_end if n in sends else b_end if n in in_bwd else f_end
 
-            lt.run(pos.__getitem__, held, recs, nodes={Op.FORWARD: fwd, Op.BACKWARD: bwd, Op.WEIGHT: weight}[a.op])
+            lt.run(pos.__getitem__, held, recs, nodes=nodes[a.op])
     return _finish(recs)
 
 
