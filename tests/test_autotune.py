@@ -96,15 +96,20 @@ def test_repricing_equals_simulate(symbolic, plan):
         assert got.peak_memory_bytes == want.peak_memory_bytes
 
 
-def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
-    """A 12-block stack cut many ways: chunks with equal keys (chunk_keys) are split and lowered once,
-    and every cut still prices as the pipeline lowered for it does (mc.simulate's path)."""
-    cfg = dataclasses.replace(CFG, layers=12)
+def _deep_pricer(layers: int) -> tuple[mc.TrainGraph, mc.Cluster, Pricer]:
+    """A symbolic trace of the test GPT with ``layers`` blocks, 2 p4d nodes, and a Pricer of sizes 1 and 4."""
+    cfg = dataclasses.replace(CFG, layers=layers)
     with torch.device("meta"):
         deep = GPT(cfg)
     symbolic = mc.trace(deep, _batch(2, cfg), lm_loss, symbolic_batch=True)
     cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
-    pricer = Pricer(symbolic, cl, [1, 4])
+    return symbolic, cl, Pricer(symbolic, cl, [1, 4])
+
+
+def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
+    """A 12-block stack cut many ways: chunks with equal keys (chunk_keys) are split and lowered once,
+    and every cut still prices as the pipeline lowered for it does (mc.simulate's path)."""
+    symbolic, cl, pricer = _deep_pricer(12)
     splits = []
     real = repricing.split
     monkeypatch.setattr(repricing, "split", lambda *a, **k: splits.append(k["only"]) or real(*a, **k))
@@ -253,6 +258,58 @@ class _LongSkip(torch.nn.Module):
         for block in self.blocks[1:]:
             h = torch.relu(block(h))
         return h + first
+
+
+def test_a_long_chunk_is_priced_from_three_shorter_ones(monkeypatch):
+    """A chunk of more than depth.DEPTH[-1] repeated blocks is lowered and priced at 4, 5 and 6 of them (the line
+    through two, checked at the third) and predicts what pricing it whole does: a 16-block stack cut in two, with
+    checkpointing, a partition group, ZB-H1's split backward, and every prefetch distance's transient.
+    Mutation caught: the line taken from the second point instead of the first (`k - ka` as `k - kb`)."""
+    from micscompile.tune import depth
+
+    symbolic, cl, pricer = _deep_pricer(16)
+    lines = []
+    real = depth.on_line
+    monkeypatch.setattr(repricing, "on_line", lambda points, k: lines.append(k) or real(points, k))
+    for (schedule, ck, t), (b, d) in itertools.product(
+            [("1f1b", False, 1), ("zb-h1", True, 2), ("1f1b", "selective", 2)], [(1, 0), (4, 1), (4, 3)]):
+        plan = mc.Plan(partition_size=t, pipeline_stages=2, micro_batches=4, pipeline_schedule=schedule, checkpoint=ck)
+        pf = mc.Prefetch(distance=d)
+        got = pricer.predict(plan, b, pf)
+        want = mc.simulate(symbolic.at_batch(b), plan, cl, prefetch=[pf], scaling=False)
+        assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+        assert got.exposed_comm_s == pytest.approx(want.exposed_comm_s, rel=1e-9, abs=1e-12)
+        assert got.peak_memory_bytes == want.peak_memory_bytes
+        assert got.flops_per_step == want.flops_per_step
+    assert lines and min(lines) > depth.DEPTH[-1]  # (both chunks were priced from their lines)
+    units = pricer._unit_analysis()[0]
+    split = [len(st.blocks) for st in pricer._stages.values()]  # (each chunk split is lowered)
+    assert max(split) <= depth.DEPTH[-1] + 3 < len(units) // 2  # (no chunk of 8 blocks: the tied head's 3 units at most)
+
+
+def test_a_price_off_its_line_is_refused():
+    """``depth.on_line`` extrapolates exact bytes and times, and refuses a third point off the line (the chunk is
+    then lowered whole)."""
+    from micscompile.cost_model.pipeline import ChunkPrice
+    from micscompile.cost_model.simulator import Prediction
+    from micscompile.tune import depth
+
+    def price(k: int, bend: float = 0.0) -> ChunkPrice:
+        pred = Prediction(step_time_s=0.5 + 0.25 * k + bend, compute_s=0.25 * k, exposed_comm_s=0.5,
+                          stream_busy_s={"compute": 0.25 * k}, peak_memory_bytes=100 + 10 * k,
+                          static_memory_bytes=7 * k, flops_per_step=3.0 * k, world_size=8)
+        return ChunkPrice(pred, pred, pred, None, None, 5 * k, 0, 11 * k)
+
+    got = depth.on_line([price(k) for k in depth.DEPTH], 40)
+    want = price(40)
+    assert got.forward.step_time_s == pytest.approx(want.forward.step_time_s, rel=1e-12)
+    assert (got.forward.peak_memory_bytes, got.saved, got.flops) == (want.forward.peak_memory_bytes, 200, 440)
+    with pytest.raises(depth.OffLine):
+        depth.on_line([price(4), price(5), price(6, bend=1e-6)], 40)
+    # a run bounded by other blocks on both sides (its neighbours would change) is not cut shorter
+    sigs = [1, 2] + [7] * 10 + [9]
+    assert depth.shortened((0, 4), 1, sigs) == (8, [(0, 8), (0, 7), (0, 6)])  # (the start moves along the run)
+    assert depth.shortened((0, 2), 1, sigs) is None
 
 
 def test_a_skip_connection_turns_chunk_keys_off_and_pipelines_still_price_exactly():

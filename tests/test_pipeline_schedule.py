@@ -405,3 +405,23 @@ def test_zero_bubble_orders_are_torchs(stages, micro_batches):
         for r in range(S if ours else 0):
             mine = [(a.op, a.mb, a.chunk) for a in ours.ranks[r] if a.op in COMPUTE]
             assert mine == _torch_order(cls, r, **fields), (cls.__name__, r)
+
+
+@pytest.mark.parametrize("kind,S,m,v", [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),
+                                        ("zb-h1", 4, 6, 1), ("interleaved-zb", 2, 4, 2), ("zb-v", 3, 7, 2)])
+def test_a_timeline_schedule_prices_as_the_one_the_runtime_posts(kind, S, m, v):
+    """``make_schedule(..., nccl=False)`` (what mc.autotune prices) leaves each receive right before its compute;
+    the runtime's posts some earlier. Same computes and sends in the same order, the same timeline, the same
+    activations in flight (mutation caught: `_build` dropping the last send of a rank when nccl=False)."""
+    import random
+
+    posted, timeline = ps.make_schedule(kind, S, m, v), ps.make_schedule(kind, S, m, v, nccl=False)
+    moves = (ps.Op.FORWARD, ps.Op.BACKWARD, ps.Op.WEIGHT, ps.Op.SEND_ACT, ps.Op.SEND_GRAD)
+    for a, b in zip(posted.ranks, timeline.ranks):
+        assert [x for x in a if x.op in moves] == [x for x in b if x.op in moves]
+    rng = random.Random(0)
+    n = S * v
+    times = [[rng.uniform(0.5, 2.0) for _ in range(n)] for _ in range(3)]
+    one, two = (s.simulate(times[0], times[1], 0.1, times[2]) for s in (posted, timeline))
+    assert one.makespan_s == two.makespan_s and one.spans == two.spans
+    assert posted.chunk_in_flight == timeline.chunk_in_flight

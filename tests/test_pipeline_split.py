@@ -181,11 +181,10 @@ def test_chunk_gathers_never_stay_in_flight_between_forward_and_backward(model_n
 
 def test_each_chunk_keeps_its_own_micro_batches_in_flight():
     from micscompile.core.pipeline_schedule import gpipe, interleaved_1f1b, one_f_one_b
-    from micscompile.cost_model.pipeline import chunk_in_flight
 
-    assert chunk_in_flight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
-    assert chunk_in_flight(gpipe(2, 5)) == [5, 5]
-    per_chunk = chunk_in_flight(interleaved_1f1b(4, 8, 2))
+    assert one_f_one_b(4, 8).chunk_in_flight == [4, 3, 2, 1]
+    assert gpipe(2, 5).chunk_in_flight == [5, 5]
+    per_chunk = interleaved_1f1b(4, 8, 2).chunk_in_flight
     assert [per_chunk[r] + per_chunk[r + 4] for r in range(4)] >= interleaved_1f1b(4, 8, 2).max_in_flight()
 
 

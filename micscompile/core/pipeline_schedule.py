@@ -69,6 +69,9 @@ class Op(enum.Enum):
     RECV_GRAD = "RG"
     ALL_REDUCE = "AR"
 
+    __hash__ = object.__hash__  # (members are singletons: identity, not Enum's hash of the name in Python, which
+    # mc.autotune's schedule and Program simulations call tens of millions of times)
+
 
 _RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
 _SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
@@ -253,40 +256,62 @@ class PipeSchedule:
                 out.append((a,) if a.op in _PEER else a)
         return out
 
+    @functools.cached_property
+    def _program(self) -> tuple[list[list[tuple]], int]:
+        """(per rank, what ``_execute`` runs, in integers; how many sends): once per schedule, as every pipeline
+        candidate of ``mc.autotune`` simulates one. (0, phase, chunk, the send it reads or -1, index, action) for
+        a compute (phase: 0 F, 1 B, 2 W), (1, send, index) for a send; receives and the boundary take no time."""
+        ids: dict[PipeAction, int] = {}
+        out = []
+        for actions in self.ranks:
+            mine = []
+            for i, a in enumerate(actions):
+                if a.op in COMPUTE:
+                    recv = self._input_recv(a)
+                    send = -1 if recv is None else ids.setdefault(_peer(recv), len(ids))
+                    mine.append((0, COMPUTE.index(a.op), a.chunk, send, i, a))
+                elif a.op in _SENDS:
+                    mine.append((1, ids.setdefault(a, len(ids)), i))
+            out.append(mine)
+        return out, len(ids)
+
     def _execute(self, forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float,
                  weight_s: Sequence[float] = ()) -> Timeline:
         """Run the lists in the eager-send model, O(actions): a rank whose next compute reads a value
         not yet sent sleeps until the send is posted. Assumes _check_structure passed, so a compute's
         local inputs are done when its rank reaches it."""
-        S = self.stages
+        S, (program, sends) = self.stages, self._program
         pos, clock, busy = [0] * S, [0.0] * S, [0.0] * S
         spans: list[list[tuple[PipeAction, float, float]]] = [[] for _ in range(S)]
-        posted: dict[PipeAction, float] = {}  # send -> posted_s
-        waiting: dict[PipeAction, int] = {}  # unposted send -> the rank blocked on it
+        posted: list[float | None] = [None] * sends  # send -> posted_s
+        waiting: dict[int, int] = {}  # unposted send -> the rank blocked on it
+        times = (forward_s, backward_s, weight_s)
         runnable = deque(range(S))
         while runnable:
             r = runnable.popleft()
-            actions = self.ranks[r]
-            while pos[r] < len(actions):
-                a = actions[pos[r]]
-                if a.op in COMPUTE:
-                    if (recv := self._input_recv(a)) is not None:
-                        if (send := _peer(recv)) not in posted:
+            mine, at, now, work, out = program[r], pos[r], clock[r], busy[r], spans[r]
+            while at < len(mine):
+                item = mine[at]
+                if item[0] == 0:
+                    _, phase, chunk, send, _, a = item
+                    if send >= 0:
+                        if (sent := posted[send]) is None:
                             waiting[send] = r
                             break
-                        clock[r] = max(clock[r], posted[send] + p2p_s)
-                    start = clock[r]
-                    times = forward_s if a.op is Op.FORWARD else backward_s if a.op is Op.BACKWARD else weight_s
-                    clock[r] = start + times[a.chunk]
-                    busy[r] += clock[r] - start
-                    spans[r].append((a, start, clock[r]))
-                elif a.op in _SENDS:
-                    posted[a] = clock[r]
-                    if a in waiting:
-                        runnable.append(waiting.pop(a))
-                pos[r] += 1
-        if any(pos[r] < len(self.ranks[r]) for r in range(S)):
-            raise ScheduleError("deadlock: " + self._describe_waits(pos))
+                        now = max(now, sent + p2p_s)
+                    start, now = now, now + times[phase][chunk]
+                    work += now - start
+                    out.append((a, start, now))
+                else:
+                    posted[item[1]] = now
+                    if item[1] in waiting:
+                        runnable.append(waiting.pop(item[1]))
+                at += 1
+            pos[r], clock[r], busy[r] = at, now, work
+        if any(pos[r] < len(program[r]) for r in range(S)):
+            raise ScheduleError("deadlock: " + self._describe_waits(
+                [program[r][pos[r]][-2 if program[r][pos[r]][0] == 0 else 2] if pos[r] < len(program[r])
+                 else len(self.ranks[r]) for r in range(S)]))
         return Timeline(max(clock), busy, spans)
 
     def _describe_waits(self, pos: list[int]) -> str:
@@ -372,6 +397,21 @@ class PipeSchedule:
             return self.simulate([forward_s / v] * n, [backward_s / 2 / v] * n, 0.0, [backward_s / 2 / v] * n).bubble_fraction
         return self.simulate([forward_s / v] * n, [backward_s / v] * n).bubble_fraction
 
+    @functools.cached_property
+    def chunk_in_flight(self) -> list[int]:
+        """Per chunk: the most micro-batches whose forward ran and backward did not (saved activations; cached:
+        every pipeline candidate's memory reads it)."""
+        most = [0] * (self.stages * self.chunks)
+        for actions in self.ranks:
+            live = [0] * len(most)
+            for a in actions:
+                if a.op is Op.FORWARD:
+                    live[a.chunk] += 1
+                    most[a.chunk] = max(most[a.chunk], live[a.chunk])
+                elif a.op is Op.BACKWARD:
+                    live[a.chunk] -= 1
+        return most
+
     def max_in_flight(self) -> list[int]:
         """Per rank, the most micro-batch-chunks forwarded whose backward has not finished with them (their
         B, or where the backward is split their W: activation memory)."""
@@ -400,9 +440,11 @@ def _rank_of(chunk: int, stages: int, v_shape: bool) -> int:
 
 
 def _build(name: str, stages: int, micro_batches: int, chunks: int,
-           order: Callable[[int], list[tuple[Op, int, int]]]) -> PipeSchedule:
+           order: Callable[[int], list[tuple[Op, int, int]]], nccl: bool = True) -> PipeSchedule:
     """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last
-    (a W neither receives nor sends; a value between two chunks of one rank is handed over, not sent)."""
+    (a W neither receives nor sends; a value between two chunks of one rank is handed over, not sent). ``nccl``:
+    then receives posted as NCCL needs them (``_pair_order``, ``_nccl_order``); without, the schedule a timeline
+    prices (``simulate`` reads the computes and the sends only: a receive takes no time where it is posted)."""
     n, ranks, v_shape = stages * chunks, [], name == "zb-v"
 
     def elsewhere(c: int, other: int) -> bool:
@@ -419,7 +461,8 @@ def _build(name: str, stages: int, micro_batches: int, chunks: int,
             acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
             acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
         ranks.append((*acts, PipeAction(Op.ALL_REDUCE)))
-    return _nccl_order(_pair_order(PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))))
+    s = PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))
+    return _nccl_order(_pair_order(s)) if nccl else s
 
 
 def _pair_order(s: PipeSchedule) -> PipeSchedule:
@@ -572,18 +615,18 @@ def _nccl_order(s: PipeSchedule) -> PipeSchedule:
     return model.schedule_now()
 
 
-def gpipe(stages: int, micro_batches: int) -> PipeSchedule:
+def gpipe(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
     """All forwards, then all backwards in reverse: every rank holds m micro-batches of activations."""
     return _build("gpipe", stages, micro_batches, 1, lambda r: [(Op.FORWARD, mb, r) for mb in range(micro_batches)]
-                  + [(Op.BACKWARD, mb, r) for mb in reversed(range(micro_batches))])
+                  + [(Op.BACKWARD, mb, r) for mb in reversed(range(micro_batches))], nccl)
 
 
-def one_f_one_b(stages: int, micro_batches: int) -> PipeSchedule:
+def one_f_one_b(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
     """Synchronous 1F1B: rank r warms up with S-1-r forwards, alternates F and B, then drains."""
-    return replace(interleaved_1f1b(stages, micro_batches, 1), name="1f1b")
+    return replace(interleaved_1f1b(stages, micro_batches, 1, nccl), name="1f1b")
 
 
-def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedule:
+def interleaved_1f1b(stages: int, micro_batches: int, chunks: int, nccl: bool = True) -> PipeSchedule:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021) with v = chunks model chunks per rank.
 
     Forwards go depth first in groups of S micro-batches: a rank's k-th forward runs local chunk
@@ -603,10 +646,11 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> PipeSchedu
         seq = [(Op.FORWARD, k) for k in range(warmup)] + steady + drain
         return [(op, (k // (S * v)) * S + k % S,
                  r + S * (v - 1 - (k // S) % v if op is Op.BACKWARD else (k // S) % v)) for op, k in seq]
-    return _build("interleaved", stages, micro_batches, chunks, order)
+    return _build("interleaved", stages, micro_batches, chunks, order, nccl)
 
 
-def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tuple[int, ...] | None = None) -> PipeSchedule:
+def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tuple[int, ...] | None = None,
+                nccl: bool = True) -> PipeSchedule:
     """Zero-bubble pipelines (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): every backward split into
     B, the input gradient the previous stage waits for, and W, the weight gradients nothing waits for; a rank
     runs its F's and B's in (interleaved) 1F1B's order and defers its W's to fill the bubbles: after its r-th
@@ -624,7 +668,7 @@ def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tupl
     if deferred is not None and (len(deferred) != S or min(deferred) < 0):
         raise ScheduleError(f"deferred needs one count >= 0 per rank ({S}), got {deferred}")
     return _build(kind, stages, micro_batches, chunks,
-                  lambda r: zero_bubble_order(S, micro_batches, v, r, r if deferred is None else deferred[r]))
+                  lambda r: zero_bubble_order(S, micro_batches, v, r, r if deferred is None else deferred[r]), nccl)
 
 
 def zero_bubble_order(stages: int, micro_batches: int, chunks: int, rank: int, deferred: int) -> list[tuple[Op, int, int]]:
@@ -641,7 +685,7 @@ def zero_bubble_order(stages: int, micro_batches: int, chunks: int, rank: int, d
              r + S * (v - 1 - (k // S) % v if op is not Op.FORWARD else (k // S) % v)) for op, k in seq]
 
 
-def zb_v(stages: int, micro_batches: int) -> PipeSchedule:
+def zb_v(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
     """ZB-V (Qi et al. 2024, section 6; torch.distributed.pipelining's ``ScheduleZBVZeroBubble``): two chunks per
     rank in a V (``PipeSchedule.v_shape``), each backward split into B and W. Rank r warms up with 2(S-r)-1
     forwards of its first chunk, then r pairs of (second, first), then S-r rounds of its second chunk's
@@ -679,7 +723,7 @@ def zb_v(stages: int, micro_batches: int) -> PipeSchedule:
             while count[w] < count[b]:
                 run(w)
         return [(op, mb, c) for op, mb, c in seq if mb < m]
-    return _build("zb-v", S, m, 2, order)
+    return _build("zb-v", S, m, 2, order, nccl)
 
 def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
     """Raise ScheduleError unless the named schedule exists for (S, m, v), without building it
@@ -701,14 +745,16 @@ def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) 
 
 @functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1,
-                  deferred: tuple[int, ...] | None = None) -> PipeSchedule:
+                  deferred: tuple[int, ...] | None = None, nccl: bool = True) -> PipeSchedule:
     """The named schedule; the interleaved kinds take chunks > 1, the zero-bubble ones ``deferred``
-    (``zero_bubble``; cached: schedules are immutable)."""
+    (``zero_bubble``; cached: schedules are immutable). ``nccl=False``: its receives right before their computes,
+    not where NCCL needs them posted (``_build``): what pricing and memory read, the same timeline, built in a
+    fraction of the time (``mc.autotune`` builds one per pipeline shape and ZB-H1 deferral)."""
     check_schedule(kind, stages, micro_batches, chunks)
     if kind == "interleaved":
-        return interleaved_1f1b(stages, micro_batches, chunks)
+        return interleaved_1f1b(stages, micro_batches, chunks, nccl)
     if kind == "zb-v":
-        return zb_v(stages, micro_batches)
+        return zb_v(stages, micro_batches, nccl)
     if kind in ZERO_BUBBLE:
-        return zero_bubble(stages, micro_batches, chunks, deferred)
-    return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches)
+        return zero_bubble(stages, micro_batches, chunks, deferred, nccl)
+    return (gpipe if kind == "gpipe" else one_f_one_b)(stages, micro_batches, nccl)

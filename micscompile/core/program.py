@@ -87,6 +87,9 @@ class Kind(enum.Enum):
     """Sequence parallelism: a partial value summed over the tensor group, each rank keeping its piece of
     the sequence, on the compute's path (``tensor_bytes``: the whole value's)."""
 
+    __hash__ = object.__hash__  # (members are singletons: identity, not Enum's hash of the name in Python, which
+    # mc.autotune's schedule and Program simulations call tens of millions of times)
+
 
 ISSUE_KIND = {
     C.all_gather_issue: Kind.ALL_GATHER,

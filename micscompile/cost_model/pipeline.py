@@ -4,6 +4,7 @@ and simulated, placed on the pipeline schedule IR's event simulation (docs/desig
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,20 +47,6 @@ def _carried_bytes(forward: Program) -> int:
     return max(int(last.activation_bytes), 0) if last is not None else 0
 
 
-def chunk_in_flight(sched: PipeSchedule) -> list[int]:
-    """Per chunk: the most micro-batches whose forward ran and backward did not (saved activations)."""
-    most = [0] * (sched.stages * sched.chunks)
-    for actions in sched.ranks:
-        live = [0] * len(most)
-        for a in actions:
-            if a.op is Op.FORWARD:
-                live[a.chunk] += 1
-                most[a.chunk] = max(most[a.chunk], live[a.chunk])
-            elif a.op is Op.BACKWARD:
-                live[a.chunk] -= 1
-    return most
-
-
 class ChunkPrice(NamedTuple):
     """A chunk's Program priced phase by phase (``halves``), one micro-batch each."""
 
@@ -74,6 +61,8 @@ class ChunkPrice(NamedTuple):
     """What the forward leaves live for the backward (``_carried_bytes``)."""
     w_saved: int
     """Where split: what B leaves live for W (all the forward saved where B computes nothing, a first chunk's)."""
+    flops: int
+    """One micro-batch's FLOPs (what TFLOP/s counts)."""
 
 
 def price_chunk(program: Program, cluster: Cluster, **costs) -> ChunkPrice:
@@ -89,7 +78,7 @@ def price_chunk(program: Program, cluster: Cluster, **costs) -> ChunkPrice:
     saved = _carried_bytes(f_half)
     w_saved = (_carried_bytes(b_half) if any(a.kind is Kind.COMPUTE for a in b_half.micro_step) else saved) \
         if w_half else 0
-    return ChunkPrice(f, b, e, last, w, saved, w_saved)
+    return ChunkPrice(f, b, e, last, w, saved, w_saved, sum(int(a.flops) for a in program.micro_step))
 
 
 def _memory(prices: Sequence[ChunkPrice]) -> tuple[list, list, list, list, list]:
@@ -100,18 +89,18 @@ def _memory(prices: Sequence[ChunkPrice]) -> tuple[list, list, list, list, list]
             [(act(p.forward), act(p.backward)) for p in prices], [act(p.weight) for p in prices])
 
 
-def _rank_peak(sched: PipeSchedule, r: int, mem: tuple, in_flight: Sequence[int] | None = None) -> int:
+def _rank_peak(sched: PipeSchedule, r: int, mem: tuple) -> int:
     """Rank ``r``'s planned peak: its chunks' static bytes and activations. 1F1B-like schedules: (in flight - 1)
     saved micro-batches per chunk under the largest phase's peak; a zero-bubble one walked (``_walked_peak``)."""
     static, saved, w_saved, acts, w_acts = mem
     cs = sched.chunks_of(r)
     if sched.split_backward:
         return sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], saved, w_saved, acts, w_acts)
-    in_flight = in_flight if in_flight is not None else chunk_in_flight(sched)
+    in_flight = sched.chunk_in_flight
     return sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
 
 
-def _priced(programs: Sequence[Program], priced: dict[int, ChunkPrice], cluster: Cluster, costs: dict) -> list:
+def chunk_prices(programs: Sequence[Program], priced: dict[int, ChunkPrice], cluster: Cluster, costs: dict) -> list:
     """Each chunk's ``price_chunk``, once per Program (chunks of one shape share theirs in mc.autotune); ``priced``
     keeps them by the Program's id for a later call on the same cluster and costs."""
     for p in programs:
@@ -121,25 +110,26 @@ def _priced(programs: Sequence[Program], priced: dict[int, ChunkPrice], cluster:
 
 
 def memory_neutral(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], cluster: Cluster | None, *,
-                   priced: dict[int, ChunkPrice] | None = None, **costs) -> PipeSchedule:
+                   priced: dict[int, ChunkPrice] | None = None, nccl: bool = True, **costs) -> PipeSchedule:
     """The schedule ``rp`` runs on its lowered chunks: ``sched``, but for ZB-H1 as the paper defines it, zero bubble
     at 1F1B's peak memory. Each rank defers as many W's as the torch.distributed.pipelining order does (rank r:
     r), fewer where the W's it holds (their inputs and the output gradients B computed for them,
     ``ChunkPrice.w_saved``) would lift the pipeline's peak above 1F1B's on the same chunks (priced as
     ``simulate_pipeline`` prices both, on ``cluster``: without one, this machine's estimate; any prices the
-    bytes). ``priced``: the chunks' prices, kept for ``simulate_pipeline`` on the same cluster and costs."""
+    bytes). ``priced``: the chunks' prices, kept for ``simulate_pipeline`` on the same cluster and costs. ``nccl``:
+    the schedule's receives posted as the runtime needs them (``make_schedule``), else its timeline only."""
     if rp.plan.pipeline_schedule != "zb-h1":
         return sched
     S, m = rp.stages, rp.micro_batches  # (v = 1: ZB-H1 runs one chunk per rank)
     cluster = cluster or default_cluster("cpu", "", rp.world_size, rp.gpus_per_node)
-    mem = _memory(_priced(programs, {} if priced is None else priced, cluster, costs))
-    ref = make_schedule("1f1b", S, m)
+    mem = _memory(chunk_prices(programs, {} if priced is None else priced, cluster, costs))
+    ref = make_schedule("1f1b", S, m, nccl=False)  # (its memory)
     budget = max(_rank_peak(ref, r, mem) for r in range(S))
     static, saved, w_saved, acts, w_acts = mem
 
     def peak(r: int, d: int) -> int:
-        order = [PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, 1, r, d)]
-        return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(order, saved, w_saved, acts, w_acts)
+        return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(_zb_h1_order(S, m, r, d), saved, w_saved,
+                                                                         acts, w_acts)
 
     deferred = []
     for r in range(S):
@@ -147,7 +137,14 @@ def memory_neutral(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Pro
         while d > 0 and peak(r, d) > budget:
             d -= 1
         deferred.append(d)
-    return make_schedule("zb-h1", S, m, 1, tuple(deferred))
+    return make_schedule("zb-h1", S, m, 1, tuple(deferred), nccl)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_h1_order(S: int, m: int, r: int, d: int) -> tuple[PipeAction, ...]:
+    """Rank ``r``'s compute order under ZB-H1 deferring ``d`` W's (cached: every ZB-H1 candidate of ``mc.autotune``
+    with these S and m walks it)."""
+    return tuple(PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, 1, r, d))
 
 
 def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
@@ -186,7 +183,7 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     ``priced``: the chunks' prices already made on this cluster with these costs (``memory_neutral``'s)."""
     m = rp.micro_batches
     fwd, bwd, wgt, edge, exposed, hop_end, hop_busy = [], [], [], [], [], [], []
-    prices = _priced(programs, {} if priced is None else priced, cluster, costs)
+    prices = chunk_prices(programs, {} if priced is None else priced, cluster, costs)
     for p in prices:
         w = p.weight
         fwd.append(p.forward.step_time_s)
@@ -216,7 +213,6 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     split = sched.split_backward
     timeline = sched.simulate(fwd, bwd, max(hops, default=0.0), wgt if split else None)
     makespan = timeline.makespan_s
-    in_flight = chunk_in_flight(sched)
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
     # each rank's second hops, chunk by chunk as their last backwards start, one after another on its links
     replicated, events = [], []
@@ -239,9 +235,9 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
     # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
     mem = static, saved, w_saved, acts, w_acts
-    peaks = [_rank_peak(sched, r, mem, in_flight) for r in range(rp.stages)]
+    peaks = [_rank_peak(sched, r, mem) for r in range(rp.stages)]
     compute = [sum(m * (fwd[c] + bwd[c] + wgt[c]) for c in cs) for cs in ranks]
-    flops = sum(a.flops for program in programs for a in program.micro_step)
+    flops = sum(p.flops for p in prices)
     busy = {"compute": max(compute)}
     if any(hop_busy):
         busy["comm:replicate"] = max(sum(hop_busy[c] for c in cs) for cs in ranks)

@@ -22,6 +22,7 @@ so every rank picks the same Program.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -210,17 +211,24 @@ def with_keep_live(program: Program, keep: int) -> Program:
         return program
     actions = program.micro_step
     last_release = {a.bucket: i for i, a in enumerate(actions) if a.kind is Kind.RELEASE and a.region != REGION_BWD}
+    gathers: dict[int, list[int]] = {}  # bucket -> where its gathers and their waits are (one pass, not one per bucket)
+    waits: dict[int, list[int]] = {}
+    for j, a in enumerate(actions):
+        if a.kind is Kind.ALL_GATHER:
+            gathers.setdefault(a.bucket, []).append(j)
+        elif a.kind is Kind.WAIT and a.waits_for is Kind.ALL_GATHER:
+            waits.setdefault(a.bucket, []).append(j)
     pairs: dict[int, tuple[int, int]] = {}  # bucket -> (its last forward release, its next gather)
     for b, i in last_release.items():
-        j = next((j for j in range(i + 1, len(actions)) if actions[j].kind is Kind.ALL_GATHER and actions[j].bucket == b), None)
-        if j is not None:
-            pairs[b] = (i, j)
+        later = gathers.get(b, [])
+        k = bisect.bisect_right(later, i)
+        if k < len(later):
+            pairs[b] = (i, later[k])
     drop = set()
     for b in keep_live_choice({b: i for b, (i, _) in pairs.items()}, pairs, keep):
         i, j = pairs[b]
-        wait = next(w for w in range(j + 1, len(actions)) if actions[w].kind is Kind.WAIT
-                    and actions[w].waits_for is Kind.ALL_GATHER and actions[w].bucket == b)
-        drop |= {i, j, wait}
+        mine = waits[b]
+        drop |= {i, j, mine[bisect.bisect_right(mine, j)]}
     return dataclasses.replace(program, micro_step=[a for i, a in enumerate(actions) if i not in drop])
 
 

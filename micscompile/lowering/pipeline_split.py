@@ -205,7 +205,7 @@ def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved
     plan = rp.plan
     chunks = rp.stages * plan.pipeline_chunks
     # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
-    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks, nccl=False)
     in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
     memory = [s + a * in_flight for s, a in zip(state, saved)]
     capacity = (gpu or A100_40GB).memory_bytes

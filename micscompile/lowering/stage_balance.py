@@ -3,22 +3,18 @@
 ``balance`` is the dynamic program over cut points: split ``costs`` into ``chunks``
 contiguous non-empty runs, minimising the slowest run, subject to every run's
 memory staying within its cap. Exact for that objective (tests compare it with
-brute force); O(chunks * units^2).
+brute force); O(chunks * units^2), the inner loop in numpy.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from micscompile.core.plan import PlanError
-
-
-def run_sums(values: Sequence[float]) -> Callable[[int, int], float]:
-    prefix = [0.0]
-    for v in values:
-        prefix.append(prefix[-1] + v)
-    return lambda i, j: prefix[j] - prefix[i]
 
 
 def balance(
@@ -35,27 +31,26 @@ def balance(
     if chunks > n:
         raise PlanError(f"cannot cut {n} blocks into {chunks} pipeline chunks (stages x chunks per rank): "
                         f"use at most {n}")
-    cost = run_sums(costs)
-    mem = run_sums(memory or [0.0] * n)
+    prefix, held = (np.array([0.0, *itertools.accumulate(v)]) for v in (costs, memory or [0.0] * n))
     cap = memory_cap or (lambda c: math.inf)
     # best[c][j]: the slowest run when units [0, j) form chunks 0..c-1; cut[c][j]: where run c-1 starts
-    best = [[math.inf] * (n + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best = np.full((chunks + 1, n + 1), math.inf)
+    cut = np.zeros((chunks + 1, n + 1), dtype=np.int64)
     best[0][0] = 0.0
     for c in range(1, chunks + 1):
-        for j in range(c, n - (chunks - c) + 1):
-            for i in range(c - 1, j):
-                if best[c - 1][i] == math.inf or mem(i, j) > cap(c - 1):
-                    continue
-                value = max(best[c - 1][i], cost(i, j))
-                if value < best[c][j]:
-                    best[c][j], cut[c][j] = value, i
+        for j in range(c, n - (chunks - c) + 1):  # (the runs [i, j) for every i at once: the first best i)
+            before = best[c - 1][c - 1:j]
+            value = np.maximum(before, prefix[j] - prefix[c - 1:j])
+            value[(before == math.inf) | (held[j] - held[c - 1:j] > cap(c - 1))] = math.inf
+            i = int(np.argmin(value))
+            if value[i] < math.inf:
+                best[c][j], cut[c][j] = value[i], c - 1 + i
     if best[chunks][n] == math.inf:
         raise PlanError(f"no split of the model into {chunks} pipeline chunks fits in memory "
                         f"(largest block {max(memory or [0]):.3g} bytes); use more stages or a larger "
                         f"partition size")
     starts, j = [], n
     for c in range(chunks, 0, -1):
-        j = cut[c][j]
+        j = int(cut[c][j])
         starts.append(j)
     return tuple(reversed(starts))

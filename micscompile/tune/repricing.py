@@ -3,7 +3,8 @@
 What ``mc.autotune`` runs per candidate. A plan's *structure* is what changes the rewritten
 graph: checkpointing, offload and whether parameters are gathered at all (p = 1 without a cast
 gathers nothing); a pipeline is lowered chunk by chunk, once per chunk shape (``chunk_keys``) and
-structure, whatever its depth. Within one structure:
+structure, whatever its depth, and a chunk of many repeated blocks is priced from three shorter ones
+(``depth``). Within one structure:
 
 * the micro-batch size b changes only the numbers on the nodes: the trace is evaluated at
   every searched b at once (``TrainGraph.at_batch(sizes)``: every batch-dependent byte and
@@ -27,7 +28,7 @@ import numpy as np
 from micscompile.core.pipeline_schedule import make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
-from micscompile.cost_model.pipeline import memory_neutral
+from micscompile.cost_model.pipeline import chunk_prices, memory_neutral
 from micscompile.cost_model.simulator import Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
@@ -50,6 +51,7 @@ from micscompile.passes.context import make_context
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
+from micscompile.tune.depth import OffLine, on_line, shortened
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
 """The Action fields that depend on the micro-batch size."""
@@ -239,42 +241,86 @@ class Pricer:
                                               states[t], [_pick(a, i) for a in saved], self.cluster.gpu, params)
         return self._cut_cache[key]
 
-    def _split(self, rp: ResolvedPlan, starts: tuple[int, ...]) -> tuple[list, PipelineSplit]:
-        """(each chunk's key, the split at ``starts``): only the chunks of a new shape are split for real."""
+    def _stages_of(self, rp: ResolvedPlan, starts: tuple[int, ...], chunks: Sequence[int]) -> list[tuple]:
+        """(key, split graph) of each chunk of ``chunks`` in the cut at ``starts``: only the chunks of a new shape
+        are split for real (at once)."""
         # a chunk without a key (chunk_keys: it may differ from others) is known by its cut alone
-        keys = [k if k is not None else ("cut", starts, c)
-                for c, k in enumerate(self._unit_analysis()[4].of(starts))]
-        first = {k: c for c, k in reversed(list(enumerate(keys)))}
-        new = {c for c, k in enumerate(keys) if k not in self._stages and first[k] == c}
-        sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=new) if new else None
-        for c in new:
-            self._stages[keys[c]] = sp.stages[c]
-        stages = tuple(dataclasses.replace(self._stages[k], chunk=c) for c, k in enumerate(keys))
-        return keys, PipelineSplit(stages, (), starts, (), {})
+        every = self._unit_analysis()[4].of(starts)
+        keys = {c: every[c] if every[c] is not None else ("cut", starts, c) for c in chunks}
+        new = {}
+        for c in chunks:
+            if keys[c] not in self._stages:
+                new.setdefault(keys[c], c)
+        if new:
+            sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=set(new.values()))
+            for key, c in new.items():
+                self._stages[key] = sp.stages[c]
+        return [(keys[c], self._stages[keys[c]]) for c in chunks]
+
+    def _lowered(self, rp: ResolvedPlan, key, st, i: int, prefetch: Prefetch, made: dict) -> LoweredFlat:
+        """The chunk of ``key`` (split graph ``st``) lowered under ``rp``'s structure (once), sized for ``rp`` at
+        the ``i``-th size and prefetched (once per candidate: ``made``)."""
+        key = (_structure(rp), key)
+        if key not in self._bases:
+            self._bases[key] = _lower(st.graph, rp), st.graph
+        if key not in made:
+            base, graph = self._bases[key]
+            made[key] = LoweredFlat(apply_prefetch(self._sized(base, graph, rp, i), prefetch), (), prefetch)
+        return made[key]
+
+    def _on_line(self, rp: ResolvedPlan, starts: tuple[int, ...], c: int, i: int, prefetch: Prefetch, made: dict,
+                 priced: dict) -> tuple[LoweredFlat, object] | None:
+        """Chunk ``c`` priced from three shorter chunks of its shape (``depth``): a stand-in LoweredFlat whose
+        price ``priced`` holds, and the split graph of one of them (its transfers are the chunk's); None where
+        the chunk is short, cannot be cut shorter, or its prices are off the line (it is then lowered whole)."""
+        line = shortened(starts, c, self._unit_analysis()[4].signatures)
+        if line is None:
+            return None
+        k, cuts = line
+        short = [(self._lowered(rp, key, st, i, prefetch, made), st)
+                 for cut in cuts for key, st in self._stages_of(rp, cut, [c])]
+        prices = chunk_prices([lf.program for lf, _ in short], priced, self.cluster, self.costs)
+        try:
+            price = on_line(prices, k)
+        except OffLine:
+            return None
+        stand = dataclasses.replace(short[0][0], program=dataclasses.replace(short[0][0].program))
+        priced[id(stand.program)] = price
+        return stand, short[0][1]
 
     def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
         """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``: each chunk
-        shape (``chunk_keys``) lowered once per structure and priced once per candidate."""
+        shape (``chunk_keys``) lowered once per structure and priced once per candidate; a chunk of more than
+        ``depth.DEPTH[-1]`` repeated blocks priced from three shorter ones."""
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         i = self._index(b)
         starts = self._cuts(rp, i)
-        keys, sp = self._split(rp, starts)
-        structure = _structure(rp)
-        chunks, priced = [], {}
-        for key, st in zip(keys, sp.stages):
-            key = (structure, key)
-            if key not in self._bases:
-                self._bases[key] = _lower(st.graph, rp), st.graph
-            if key not in priced:
-                base, graph = self._bases[key]
-                priced[key] = LoweredFlat(apply_prefetch(self._sized(base, graph, rp, i), prefetch), (), prefetch)
-            chunks.append(priced[key])
+        made: dict = {}  # (each chunk shape's Program for this candidate)
+        priced: dict = {}  # (their prices: ZB-H1's deferral prices the chunks, as lower_pipeline's; the prediction reuses them)
+        chunks, stages, whole, lines = [], [], [], {}
+        for c, key in enumerate(self._unit_analysis()[4].of(starts)):
+            if key is not None and key in lines:  # (a shape already priced from its line)
+                chunks.append(lines[key][0])
+                stages.append(dataclasses.replace(lines[key][1], chunk=c))
+                continue
+            got = self._on_line(rp, starts, c, i, prefetch, made, priced) if key is not None else None
+            if got is not None:
+                lines[key] = got
+                chunks.append(got[0])
+                stages.append(dataclasses.replace(got[1], chunk=c))
+                continue
+            chunks.append(None)
+            stages.append(None)
+            whole.append(c)
+        for c, (key, st) in zip(whole, self._stages_of(rp, starts, whole)):
+            chunks[c] = self._lowered(rp, key, st, i, prefetch, made)
+            stages[c] = dataclasses.replace(st, chunk=c)
+        sp = PipelineSplit(tuple(stages), (), starts, (), {})
         how = (plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        if how not in self._schedules:  # (validated once: its NCCL order is the costly part)
-            self._schedules[how] = make_schedule(*how)
-        priced: dict = {}  # (ZB-H1's deferral prices the chunks, as lower_pipeline's does; the prediction reuses them)
+        if how not in self._schedules:  # (its timeline: the receives as NCCL posts them change nothing priced)
+            self._schedules[how] = make_schedule(*how, nccl=False)
         sched = memory_neutral(rp, self._schedules[how], [c.program for c in chunks], self.cluster, priced=priced,
-                               **self.costs)
+                               nccl=False, **self.costs)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, priced=priced, **self.costs)
 
