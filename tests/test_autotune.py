@@ -114,7 +114,8 @@ def test_chunks_of_one_shape_are_split_and_lowered_once(monkeypatch):
     real = repricing.split
     monkeypatch.setattr(repricing, "split", lambda *a, **k: splits.append(k["only"]) or real(*a, **k))
     # units: tok, pos, blocks.0-11, ln_f, head; the middle chunks of three blocks repeat
-    cuts = [(0, 5, 8, 11), (0, 6, 9, 12), (0, 4, 7, 10), (0, 3, 6, 9, 11, 12, 13, 14), (0, 8), (0, 7)]
+    # (no chunk of more than depth.DEPTH[-1] blocks: those are priced from their line, the test below)
+    cuts = [(0, 5, 8, 11), (0, 6, 9, 12), (0, 4, 7, 10), (0, 3, 6, 9, 11, 12, 13, 14), (0, 8), (0, 4, 8, 12)]
     pf = mc.Prefetch(distance=1)
     for starts, (t, b) in itertools.product(cuts, ((1, 1), (2, 4))):
         S = len(starts)

@@ -259,8 +259,9 @@ class PipeSchedule:
     @functools.cached_property
     def _program(self) -> tuple[list[list[tuple]], int]:
         """(per rank, what ``_execute`` runs, in integers; how many sends): once per schedule, as every pipeline
-        candidate of ``mc.autotune`` simulates one. (0, phase, chunk, the send it reads or -1, index, action) for
-        a compute (phase: 0 F, 1 B, 2 W), (1, send, index) for a send; receives and the boundary take no time."""
+        candidate of ``mc.autotune`` simulates one. (0, index in the rank's actions, phase, chunk, the send it reads
+        or -1, action) for a compute (phase: 0 F, 1 B, 2 W), (1, index, send) for a send; receives and the boundary
+        take no time."""
         ids: dict[PipeAction, int] = {}
         out = []
         for actions in self.ranks:
@@ -269,9 +270,9 @@ class PipeSchedule:
                 if a.op in COMPUTE:
                     recv = self._input_recv(a)
                     send = -1 if recv is None else ids.setdefault(_peer(recv), len(ids))
-                    mine.append((0, COMPUTE.index(a.op), a.chunk, send, i, a))
+                    mine.append((0, i, COMPUTE.index(a.op), a.chunk, send, a))
                 elif a.op in _SENDS:
-                    mine.append((1, ids.setdefault(a, len(ids)), i))
+                    mine.append((1, i, ids.setdefault(a, len(ids))))
             out.append(mine)
         return out, len(ids)
 
@@ -293,7 +294,7 @@ class PipeSchedule:
             while at < len(mine):
                 item = mine[at]
                 if item[0] == 0:
-                    _, phase, chunk, send, _, a = item
+                    _, _, phase, chunk, send, a = item
                     if send >= 0:
                         if (sent := posted[send]) is None:
                             waiting[send] = r
@@ -303,15 +304,14 @@ class PipeSchedule:
                     work += now - start
                     out.append((a, start, now))
                 else:
-                    posted[item[1]] = now
-                    if item[1] in waiting:
-                        runnable.append(waiting.pop(item[1]))
+                    posted[item[2]] = now
+                    if item[2] in waiting:
+                        runnable.append(waiting.pop(item[2]))
                 at += 1
             pos[r], clock[r], busy[r] = at, now, work
         if any(pos[r] < len(program[r]) for r in range(S)):
             raise ScheduleError("deadlock: " + self._describe_waits(
-                [program[r][pos[r]][-2 if program[r][pos[r]][0] == 0 else 2] if pos[r] < len(program[r])
-                 else len(self.ranks[r]) for r in range(S)]))
+                [program[r][pos[r]][1] if pos[r] < len(program[r]) else len(self.ranks[r]) for r in range(S)]))
         return Timeline(max(clock), busy, spans)
 
     def _describe_waits(self, pos: list[int]) -> str:
