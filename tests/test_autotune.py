@@ -265,7 +265,8 @@ def test_a_long_chunk_is_priced_from_three_shorter_ones(monkeypatch):
     """A chunk of more than depth.DEPTH[-1] repeated blocks is lowered and priced at 4, 5 and 6 of them (the line
     through two, checked at the third) and predicts what pricing it whole does: a 16-block stack cut in two, with
     checkpointing, a partition group, ZB-H1's split backward, and every prefetch distance's transient.
-    Mutation caught: the line taken from the second point instead of the first (`k - ka` as `k - kb`)."""
+    Off its line a chunk is lowered whole. Mutations caught: the line taken from the second point instead of the first
+    (`k - ka` as `k - kb`); a chunk off its line priced as its 6-block point."""
     from micscompile.tune import depth
 
     symbolic, cl, pricer = _deep_pricer(16)
@@ -286,6 +287,11 @@ def test_a_long_chunk_is_priced_from_three_shorter_ones(monkeypatch):
     units = pricer._unit_analysis()[0]
     split = [len(st.blocks) for st in pricer._stages.values()]  # (each chunk split is lowered)
     assert max(split) <= depth.DEPTH[-1] + 3 < len(units) // 2  # (no chunk of 8 blocks: the tied head's 3 units at most)
+    # off its line, a chunk is lowered whole, and the prediction is still mc.simulate's
+    monkeypatch.setattr(repricing, "on_line", lambda points, k: (_ for _ in ()).throw(depth.OffLine("bent")))
+    got = pricer.predict(plan, b, pf)
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9) and got.peak_memory_bytes == want.peak_memory_bytes
+    assert max(len(st.blocks) for st in pricer._stages.values()) > depth.DEPTH[-1] + 3
 
 
 def test_a_price_off_its_line_is_refused():
