@@ -53,20 +53,22 @@ def shortened(starts: Sequence[int], c: int, signatures: Sequence[int]) -> tuple
     if k <= DEPTH[-1]:
         return None
     sig = signatures[ra]
-    out = []
-    if rb == b and b < n and signatures[b] == sig:  # (the run continues into the next chunk)
-        for d in DEPTH:
-            cut = list(starts)
-            cut[c + 1] = b - (k - d)
-            out.append(tuple(cut))
-    elif ra == a and a > 0 and signatures[a - 1] == sig:  # (it continues from the previous one)
-        for d in DEPTH:
-            cut = list(starts)
-            cut[c] = a + (k - d)
-            out.append(tuple(cut))
+    if rb == b and b < n and signatures[b] == sig:  # (the run continues into the next chunk: its end moves in)
+        edge, at = c + 1, lambda d: b - (k - d)
+    elif ra == a and a > 0 and signatures[a - 1] == sig:  # (it continues from the previous one: its start moves out)
+        edge, at = c, lambda d: a + (k - d)
     else:
         return None
-    return k, out
+    return k, [tuple(at(d) if e == edge else s for e, s in enumerate(starts)) for d in DEPTH]
+
+
+def exact_line(a: int, b: int, ka: int, kb: int, at):
+    """The integer line through (``ka``, ``a``) and (``kb``, ``b``) at ``at`` (an int or a numpy array of them);
+    raises ``OffLine`` where its step is not an integer (bytes, FLOPs and shapes step by whole units)."""
+    step, rest = divmod(b - a, kb - ka)
+    if rest:
+        raise OffLine(f"{a} and {b} are not on an integer line")
+    return a + step * (at - ka)
 
 
 def on_line(points: Sequence[ChunkPrice], k: int) -> ChunkPrice:
@@ -103,10 +105,9 @@ def _line(a, b, c, k: int):
             return a
         raise OffLine(f"{a!r}, {b!r}, {c!r} differ")
     if isinstance(a, int) and isinstance(b, int) and isinstance(c, int):  # (bytes, FLOPs: exact)
-        step, rest = divmod(b - a, kb - ka)
-        if rest or c != a + step * (kc - ka):
+        if c != exact_line(a, b, ka, kb, kc):
             raise OffLine(f"{a}, {b}, {c} are not on a line")
-        return a + step * (k - ka)
+        return exact_line(a, b, ka, kb, k)
     slope = (b - a) / (kb - ka)
     if not math.isclose(c, a + slope * (kc - ka), rel_tol=REL, abs_tol=1e-15):
         raise OffLine(f"{a}, {b}, {c} are not on a line")

@@ -51,7 +51,7 @@ from micscompile.passes.context import make_context
 from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
-from micscompile.tune.depth import OffLine, on_line, shortened
+from micscompile.tune.depth import OffLine, exact_line, on_line, shortened
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
 """The Action fields that depend on the micro-batch size."""
@@ -128,12 +128,7 @@ def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes:
     at = np.array(sizes, dtype=np.int64)
 
     def line(v1, v2):
-        if not isinstance(v1, int) or v1 == v2:
-            return v1
-        step, rest = divmod(v2 - v1, b2 - b1)
-        if rest:
-            raise ValueError("not affine")
-        return v1 + step * (at - b1)
+        return v1 if not isinstance(v1, int) or v1 == v2 else exact_line(v1, v2, b1, b2, at)
 
     try:
         for x, y in zip(first, second):
@@ -297,21 +292,15 @@ class Pricer:
         starts = self._cuts(rp, i)
         made: dict = {}  # (each chunk shape's Program for this candidate)
         priced: dict = {}  # (their prices: ZB-H1's deferral prices the chunks, as lower_pipeline's; the prediction reuses them)
-        chunks, stages, whole, lines = [], [], [], {}
+        chunks, stages, whole, lines = [], [], [], {}  # (lines: each shape's, once; None where it has none)
         for c, key in enumerate(self._unit_analysis()[4].of(starts)):
-            if key is not None and key in lines:  # (a shape already priced from its line)
-                chunks.append(lines[key][0])
-                stages.append(dataclasses.replace(lines[key][1], chunk=c))
-                continue
-            got = self._on_line(rp, starts, c, i, prefetch, made, priced) if key is not None else None
-            if got is not None:
-                lines[key] = got
-                chunks.append(got[0])
-                stages.append(dataclasses.replace(got[1], chunk=c))
-                continue
-            chunks.append(None)
-            stages.append(None)
-            whole.append(c)
+            if key is not None and key not in lines:
+                lines[key] = self._on_line(rp, starts, c, i, prefetch, made, priced)
+            got = lines.get(key)
+            if got is None:
+                whole.append(c)
+            chunks.append(got[0] if got else None)  # (the others: lowered whole, below)
+            stages.append(dataclasses.replace(got[1], chunk=c) if got else None)
         for c, (key, st) in zip(whole, self._stages_of(rp, starts, whole)):
             chunks[c] = self._lowered(rp, key, st, i, prefetch, made)
             stages[c] = dataclasses.replace(st, chunk=c)
