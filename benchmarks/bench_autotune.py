@@ -7,7 +7,7 @@
 
 One symbolic-batch meta trace per model, priced with the cost model only (no GPU needed).
 gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (issue 55's speed acceptance: >= 2000
-candidates, the whole 3D space, in < 60 s including the trace; not met: 668 s for 25,100 on
+candidates, the whole 3D space, in < 60 s including the trace; not met: 325 s for 25,100 on
 two processes, docs/autotune.md).
 bert10b: thesis Table 3-I on 64 V100s, micro-batch 8
 (MiCS partitions over one node). bert104b: thesis Table 4-I on 128 A100-40GB, seq 4096 (MiCS-Pipe
@@ -41,7 +41,8 @@ CASES = {
 }
 
 
-def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None, workers: int = 1) -> None:
+def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None, workers: int = 1,
+        exhaustive: bool = False) -> None:
     cfg, dtype, preset, nodes, batch, opts = CASES[name]
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -58,7 +59,7 @@ def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None, wor
           f"traced in {t1 - t0:.1f} s")
     if tp is not None:
         opts = {**opts, "tensor": tensor_choices(tp)}
-    ranked = mc.autotune(trace, cluster, global_batch_size=batch, workers=workers, **opts)
+    ranked = mc.autotune(trace, cluster, global_batch_size=batch, workers=workers, exhaustive=exhaustive, **opts)
     t2 = time.perf_counter()
     best = ranked[0] if ranked[0].feasible else None
     print(f"   {len(ranked)} candidates in {t2 - t1:.1f} s of search ({t2 - t0:.1f} s with the trace, "
@@ -74,9 +75,10 @@ def main() -> None:
                     help="inter-node bandwidth collectives achieve, as a fraction of the NICs' line rate")
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="tensor group sizes searched (default: 1 2 4 8)")
     ap.add_argument("--workers", type=int, default=1, help="processes pricing side by side (autotune(workers=))")
+    ap.add_argument("--exhaustive", action="store_true", help="simulate every candidate (autotune(exhaustive=True))")
     args = ap.parse_args()
     for name in args.case or CASES:
-        run(name, args.nic_efficiency, args.tp, args.workers)
+        run(name, args.nic_efficiency, args.tp, args.workers, args.exhaustive)
 
 
 if __name__ == "__main__":

@@ -272,7 +272,8 @@ def _autotune(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ranked = mc.autotune(tg, cluster, global_batch_size=args.global_batch_size, top=args.top,
                          pipeline_stages=None if args.pipelines else (1,), optimizer_sharding=args.optimizer_sharding,
-                         tensor=tensor, workers=args.workers, zero_bubble=(False, True) if args.zero_bubble else (False,))
+                         tensor=tensor, workers=args.workers, zero_bubble=(False, True) if args.zero_bubble else (False,),
+                         exhaustive=args.exhaustive)
     _say(f"searched {len(ranked)} candidates in {time.perf_counter() - t0:.1f} s")
     if not ranked[0].feasible:
         from micscompile.core.plan import PlanError
@@ -370,6 +371,9 @@ def parser() -> argparse.ArgumentParser:
                       help="search each pipeline with a zero-bubble schedule too (ZB-H1, interleaved zero bubble)")
     tune.add_argument("--workers", type=_count("--workers", 256), default=1,
                       help="processes pricing the tensor groups' candidates side by side (default 1)")
+    tune.add_argument("--exhaustive", action="store_true",
+                      help="simulate every candidate (default: best first, skipping those whose floor cannot beat "
+                           "the top ones or their family's best; the same table)")
     cal = sub.add_parser("calibrate", help="measure compute and collectives on this machine; write a cluster JSON")
     cal.add_argument("--nproc", type=_count("--nproc", 1024), default=4, help="ranks to measure with (when not under torchrun)")
     cal.add_argument("--out", default=None, help="where to write the calibrated cluster (default: ./local_cluster.json "

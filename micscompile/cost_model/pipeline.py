@@ -8,7 +8,7 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from micscompile.core.pipeline_schedule import Op, PipeAction, PipeSchedule, make_schedule, zero_bubble_order
+from micscompile.core.pipeline_schedule import Op, PipeAction, PipeSchedule, chunk_rank, make_schedule, zero_bubble_order
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
@@ -162,6 +162,26 @@ def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
         elif a.op is Op.WEIGHT:
             peak, live = max(peak, live - w_saved[a.chunk] + w_acts[a.chunk]), live - w_saved[a.chunk]
     return peak
+
+
+def pipeline_floor_s(stages: int, micro_batches: int, forward_s: Sequence[float], backward_s: Sequence[float], *,
+                     split_backward: bool, v_shape: bool = False) -> float:
+    """A lower bound of the makespan of every schedule of ``make_schedule`` over chunks whose forward takes at least
+    ``forward_s[c]`` and whose backward (B and W where split) at least ``backward_s[c]``. Each rank runs its
+    actions one after another and each chunk's micro-batches in order, so rank r, whose lowest chunk is c0, starts
+    after the first micro-batch's forward through the chunks below c0 and then runs all its work; unsplit, the
+    last micro-batch's backward of c0 follows all of that work (every other action of the rank precedes it: in
+    order, or through the last micro-batch's chain down the rank's higher chunks), and its backward through the
+    chunks below c0 follows it. (Where split, a W may run after it: the first bound only.)"""
+    n, m = len(forward_s), micro_batches
+    rank = [chunk_rank(c, stages, v_shape) for c in range(n)]
+    floor = 0.0
+    for r in range(stages):
+        mine = [c for c in range(n) if rank[c] == r]
+        c0 = min(mine)
+        work = m * sum(forward_s[c] + backward_s[c] for c in mine)
+        floor = max(floor, sum(forward_s[:c0]) + work + (0.0 if split_backward else sum(backward_s[:c0])))
+    return floor
 
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from micscompile.core.collectives import fmt_bytes
-from micscompile.core.program import BLOCKING, Action, Kind, Program
-from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s
+from micscompile.core.program import BLOCKING, COLLECTIVE_OF_KIND, Action, Kind, Program
+from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s, nodes_spanned
 from micscompile.cost_model.specs import Cluster, GpuSpec
 
 
@@ -255,6 +255,64 @@ def coalesced(program: Program, cluster: Cluster, compute_dtype: str) -> list:
 
 def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
     return nbytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + ops * gpu.op_overhead_s
+
+
+def issued_count(program: Program, a: Action) -> int:
+    """In how many of the step's micro-steps ``a`` runs (``Program.issues``: the first, every middle one alike, the
+    last)."""
+    s = program.plan.micro_batches
+    first, end = (s - 1 if a.kind is Kind.SECOND_HOP else 0), (1 if a.carried else s)
+    return max(0, min(end, s - 1 if a.kind is Kind.ALL_GATHER_NEXT else s) - first)
+
+
+def stream_floor_s(kind: str, nbytes: int, ranks: Sequence[int], cluster: Cluster) -> float:
+    """The least time a communication stream spends on an all-gather or reduce-scatter (``kind``) of ``nbytes`` over
+    ``ranks``: flat, or the inter-node stage of a hierarchical one where the group spans nodes, whichever is less (a
+    calibrated group's queued share where it is smaller)."""
+    d = collective_time_s(kind, nbytes, ranks, cluster)
+    if nodes_spanned(ranks, cluster.gpus_per_node) > 1:
+        d = min(d, hierarchical_stages_s(kind, nbytes, ranks, cluster)[0])
+    cost = cluster.collective_interference.get(str(len(ranks)))
+    return d * min(1.0, cost.get("queued_fraction", 1.0)) if cost else d
+
+
+def floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None) -> float:
+    """A lower bound of ``simulate_program(program, cluster).step_time_s`` (no peer option), from sums without a
+    timeline: the compute stream runs each compute action, packs each reduction, waits out each blocking (tensor)
+    collective and is charged each other one, one after another; each communication stream runs its collectives one
+    after another (a hierarchical one's inter-node stage; a calibrated group's queued share where it is smaller).
+    The step ends after both. ``mc.autotune`` skips a candidate whose floor is above every step it must beat."""
+    gpu = cluster.gpu
+    dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
+    compute, streams, priced = 0.0, defaultdict(float), {}
+    counted = [(a, issued_count(program, a)) for a in program.micro_step] + [(a, 1) for a in program.boundary
+                                                                            if a.kind is not Kind.WAIT]
+    for a, n in counted:
+        if not n:
+            continue
+        if a.kind is Kind.COMPUTE:
+            compute += n * compute_time_s(a, gpu, dtype)
+            continue
+        if a.kind in (Kind.PACK, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE):
+            compute += n * _memory_time_s(2 * a.tensor_bytes, gpu, ops=3)
+        if a.kind not in COLLECTIVE_OF_KIND or a.group not in program.groups:
+            continue
+        kind = program.collective_of(a)
+        key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
+        if key not in priced:
+            ranks = program.groups[a.group].ranks
+            d = (hierarchical_stages_s(kind, a.tensor_bytes, ranks, cluster)[0] if a.hierarchical else
+                 collective_time_s(kind, a.tensor_bytes, ranks, cluster))
+            cost = cluster.collective_interference.get(str(len(ranks)))
+            d *= min(1.0, cost.get("queued_fraction", 1.0)) if cost else 1.0
+            priced[key] = d, (charge_s(cluster, d) if cost is None else cost["exposed_fraction"] * d) if d > 0 else 0.0
+        d, charge = priced[key]
+        if a.kind in BLOCKING and not a.hierarchical:
+            compute += n * max(d, charge)
+        else:
+            compute += n * charge
+            streams[a.group] += n * d
+    return max(compute, *streams.values())
 
 
 def simulate_program(

@@ -56,28 +56,33 @@ def _is_bwd(n: torch.fx.Node) -> bool:
     return n.meta.get(META_REGION) == REGION_BWD
 
 
+def segment_members(graph: torch.fx.Graph, blocks: list[str], every: int) -> dict[int, list[torch.fx.Node]]:
+    """Segment index -> its forward nodes, in graph order."""
+    seg_of = segments(blocks, every)
+    members: dict[int, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and not _is_bwd(n):
+            fqn = n.meta.get(META_FQN, "")
+            block = block_of(fqn, blocks)
+            if fqn != LOSS_FQN and block in seg_of:
+                members.setdefault(seg_of[block], []).append(n)
+    return members
+
+
 def checkpoint_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
     plan = ctx.plan.plan
     if not plan.checkpoint:
         return graph
-    seg_of = segments(ctx.graph.blocks, plan.checkpoint_every)
-    nodes = list(graph.nodes)
-    members: dict[int, list[torch.fx.Node]] = {}
-    for n in nodes:
-        if n.op == "call_function" and not _is_bwd(n):
-            fqn = n.meta.get(META_FQN, "")
-            block = block_of(fqn, ctx.graph.blocks)
-            if fqn != LOSS_FQN and block in seg_of:
-                members.setdefault(seg_of[block], []).append(n)
-    position = {n: i for i, n in enumerate(nodes)}  # the copies go between original nodes: their order holds
-    keep = _keep_rule(plan.checkpoint, ctx.graph)
+    members = segment_members(graph, ctx.graph.blocks, plan.checkpoint_every)
+    position = {n: i for i, n in enumerate(graph.nodes)}  # the copies go between original nodes: their order holds
+    keep = keep_rule(plan.checkpoint, ctx.graph)
     for seg in sorted(members):
         _recompute_segment(graph, members[seg], position, keep, plan.offload_activations)
     graph.lint()
     return graph
 
 
-def _keep_rule(checkpoint, tg) -> Callable[[torch.fx.Node], bool] | None:
+def keep_rule(checkpoint, tg) -> Callable[[torch.fx.Node], bool] | None:
     """Which forward values of a segment ``checkpoint`` keeps besides its outputs (None: none). "attention"
     keeps all but the (batch, heads, s, s) or (batch * heads, s, s) values of the token ids' sequence
     length s (a single head's (batch, s, s) looks like an activation of width s: kept)."""
@@ -98,20 +103,13 @@ def _keep_rule(checkpoint, tg) -> Callable[[torch.fx.Node], bool] | None:
     return None
 
 
-def _recompute_segment(
-    graph: torch.fx.Graph, forward: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-    keep: Callable[[torch.fx.Node], bool] | None, offload: bool,
-) -> None:
+def recomputed(forward: list[torch.fx.Node], keep: Callable[[torch.fx.Node], bool] | None) -> tuple[set, list, list]:
+    """(the segment's outputs, the values its backward reads that are not kept, the forward nodes recomputed for
+    them in forward order) of the segment of ``forward`` nodes under ``keep`` (``keep_rule``)."""
     inside = set(forward)
-    kept = {v for v in forward if any(u not in inside and not _is_bwd(u) and u.op != "output" for u in v.users)}
-    if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.passes.offload)
-        for v in kept:
-            v.meta[META_OFFLOAD] = True
-    if keep is not None:
-        kept |= {v for v in forward if keep(v)}
+    outputs = {v for v in forward if any(u not in inside and not _is_bwd(u) and u.op != "output" for u in v.users)}
+    kept = outputs | ({v for v in forward if keep(v)} if keep is not None else set())
     need = [v for v in forward if v not in kept and any(_is_bwd(u) for u in v.users)]
-    if not need:
-        return
     recompute: set[torch.fx.Node] = set()
     stack = list(need)
     while stack:
@@ -120,12 +118,24 @@ def _recompute_segment(
             continue
         recompute.add(v)
         stack += [x for x in v.all_input_nodes if x in inside and x not in kept]
-    order = [v for v in forward if v in recompute]
+    return outputs, need, [v for v in forward if v in recompute]
+
+
+def _recompute_segment(
+    graph: torch.fx.Graph, forward: list[torch.fx.Node], position: dict[torch.fx.Node, int],
+    keep: Callable[[torch.fx.Node], bool] | None, offload: bool,
+) -> None:
+    outputs, need, order = recomputed(forward, keep)
+    if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.passes.offload)
+        for v in outputs:
+            v.meta[META_OFFLOAD] = True
+    if not need:
+        return
     for v in order:
         if v.target in RANDOM_OPS:
             raise PlanError(f"checkpoint: {v.meta.get(META_FQN) or '<root>'} runs a random op ({v.target}); "
                             f"recomputing it would draw new numbers: turn checkpoint off for this model")
-        if mutates_first(v) and v.args[0] not in recompute:
+        if mutates_first(v) and v.args[0] not in order:
             raise PlanError(f"checkpoint: {v.meta.get(META_FQN) or '<root>'} writes {v.args[0].name} in place "
                             f"({v.target}), a value the recomputation does not own")
     first = min((u for v in need for u in v.users if _is_bwd(u)), key=position.__getitem__)

@@ -11,6 +11,8 @@ expressions in the micro-batch size) and the cost model, without the cluster:
    Its memory is the simulated peak of the planned Program (model states, gathered and reduced
    buckets, activations with their planned lifetimes, offloaded or not); over the device's
    capacity it is infeasible, with the reason kept.
+   They are priced lowest floor first (``tune.floor``: a provable lower bound of the step, read off the
+   trace); one whose floor is above the ``top``-th best step so far and its family's best is not simulated.
 3. Feasible candidates are ranked by predicted step time; each says why it beat the next.
 
 ``measure=True`` then runs the top candidates for a few steps on the process group
@@ -20,7 +22,9 @@ expressions in the micro-batch size) and the cost model, without the cluster:
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
+import math
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
@@ -72,6 +76,9 @@ class Candidate:
     tie: bool = False
     """Its predicted interval overlaps the best candidate's (``Prediction.uncertainty``): the
     prediction cannot tell them apart; measure them (``measure=True``)."""
+    floor_s: float | None = None
+    """A lower bound of its predicted step time (``Pricer.floor``, or its Program's): priced best first, a candidate
+    whose floor is above the ``top``-th best step and its family's best is not simulated (``reason`` says so)."""
 
     @property
     def family(self) -> str:
@@ -240,6 +247,7 @@ def autotune(
     zero_bubble: Sequence[bool] = ZERO_BUBBLE,
     flops_per_sample: float | None = None,
     workers: int = 1,
+    exhaustive: bool = False,
     progress: bool = True,
     top: int = 10,
     verbose: bool = True,
@@ -260,6 +268,10 @@ def autotune(
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
     group's tensor split and lowerings are its own; the same candidates in the same order).
+    Each group is priced best first (lowest floor first, ``Candidate.floor_s``); a candidate whose floor is above
+    the ``top``-th best step priced in its group and its family's best there is not simulated: the top ``top``,
+    each family's best and the ties among them are those of pricing every candidate. ``exhaustive=True``
+    simulates every one.
     ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """
@@ -296,11 +308,13 @@ def autotune(
                disable=None if progress else True,  # (None: off where stderr is no terminal)
                leave=False)
     job = _Job(pricer, base, cluster, global_batch_size, flops_per_sample,
-               sum(trace.param_shapes[name].numel() for name in trace.param_names))
+               sum(trace.param_shapes[name].numel() for name in trace.param_names), None if exhaustive else top)
     if workers > 1 and len(groups) > 1:
+        job.beat = _ToBeat(job.top, multiprocessing.get_context("fork").Array("d", [math.inf] * (1 + len(FAMILIES))))
         results = _in_processes(job, groups, counts, workers, bar)
     else:
-        results = [job.price(g, bar) for g in groups]
+        done = {i: job.price(groups[i], bar) for i in sorted(range(len(groups)), key=lambda i: -counts[i])}
+        results = [done[i] for i in range(len(groups))]  # (the largest first, as in processes; in their order)
     bar.close()
     out = [c for group, _ in results for c in group]
     unsplit = sum(u for _, u in results)  # candidates whose tensor groups the model's shapes do not split
@@ -309,9 +323,11 @@ def autotune(
         ranked = measure_top(ranked, **measure_kwargs)
     if verbose:
         good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
+        below = sum(c.prediction is None and c.floor_s is not None for c in ranked)
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
-              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit} ruled out by their model states "
-              f"alone" + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit - below} ruled out by their "
+              f"model states alone" + (f", {below} by their floors" if below else "")
+              + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
               + f"), {good} feasible")
         print_table(ranked, top)
         print()
@@ -329,37 +345,121 @@ class _Job:
     global_batch: int
     flops_per_sample: float | None
     num_params: int
+    top: int | None
+    """Priced best first, skipping what cannot be among the ``top`` best or its family's best; None: price all."""
+    beat: _ToBeat | None = None
+    """What a candidate must beat (shared by the groups, and by forked workers where ``shared``)."""
+
+    def __post_init__(self) -> None:
+        self.beat = self.beat or _ToBeat(self.top)
 
     def price(self, space: Sequence, bar=None) -> tuple[list[Candidate], int]:
         """Each configuration of ``space`` with each of its prefetch choices, in order; and how many were not
-        priced because the model's shapes do not split into their tensor groups."""
-        cluster, capacity, out, unsplit = self.cluster, self.cluster.gpu.memory_bytes, [], 0
+        priced because the model's shapes do not split into their tensor groups. Simulated lowest floor first
+        (``Pricer.floor``; ``_ToBeat``)."""
+        cluster, capacity, out, todo, unsplit = self.cluster, self.cluster.gpu.memory_bytes, [], [], 0
+        tick = bar.update if bar is not None else (lambda n=1: None)
         for cfg in space:
-            plan = cfg.plan(self.base)
+            plan, pfs = cfg.plan(self.base), prefetches(cfg)
             floor = state_floor_bytes(self.num_params, cfg)
+            if floor > capacity:
+                tick(len(pfs))
+                out += [Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need "
+                                  f"{fmt_bytes(floor)} per GPU (16 B per parameter over S*p = "
+                                  f"{cfg.stages * cfg.partition} ranks, Adam's 8 over d times more with "
+                                  f"optimizer_sharding='world'), more than the {fmt_bytes(capacity)} of a "
+                                  f"{cluster.gpu.name}") for pf in pfs]
+                continue
+            try:
+                lows = [self.pricer.floor(plan, cfg.micro_batch, pf) if self.top else 0.0 for pf in pfs]
+            except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
+                tick(len(pfs))
+                unsplit += len(pfs)
+                out += [Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0])
+                        for pf in pfs]
+                continue
             per_sample = self.flops_per_sample or self.pricer.graph_flops(cfg.micro_batch) / cfg.micro_batch
-            for pf in prefetches(cfg):
-                if bar is not None:
-                    bar.update()
-                if floor > capacity:
-                    out.append(Candidate(plan, cfg.micro_batch, pf, False, f"model states alone need "
-                                         f"{fmt_bytes(floor)} per GPU (16 B per parameter over S*p = "
-                                         f"{cfg.stages * cfg.partition} ranks, Adam's 8 over d times more with "
-                                         f"optimizer_sharding='world'), more than the {fmt_bytes(capacity)} of a "
-                                         f"{cluster.gpu.name}"))
+            for pf, low in zip(pfs, lows):
+                todo.append((low, len(out), plan, cfg.micro_batch, pf, per_sample))
+                out.append(None)
+        beat = self.beat
+        for low, i, plan, b, pf, per_sample in sorted(todo, key=lambda x: x[:2]):
+            tick()
+            fam, limit = family(plan.pipeline_stages, plan.tensor_parallel_size), math.inf
+            if self.top:
+                limit = beat.limit(fam)
+                if low > limit:
+                    out[i] = _below(plan, b, pf, low, limit)
                     continue
-                try:
-                    pred = self.pricer.predict(plan, cfg.micro_batch, pf)
-                except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
-                    unsplit += 1
-                    out.append(Candidate(plan, cfg.micro_batch, pf, False, f"not priced: {exc}".splitlines()[0]))
-                    continue
-                pred.flops_per_step = per_sample * self.global_batch / cluster.world_size
-                feasible = pred.fits(cluster)
-                reason = "" if feasible else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
-                                              f"{fmt_bytes(capacity)} of a {cluster.gpu.name}")
-                out.append(Candidate(plan, cfg.micro_batch, pf, feasible, reason, pred))
+            try:
+                pred = self.pricer.predict(plan, b, pf, limit)
+            except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
+                unsplit += 1
+                out[i] = Candidate(plan, b, pf, False, f"not priced: {exc}".splitlines()[0])
+                continue
+            if not isinstance(pred, Prediction):  # (its Program's floor, above the limit)
+                out[i] = _below(plan, b, pf, pred, limit)
+                continue
+            pred.flops_per_step = per_sample * self.global_batch / cluster.world_size
+            out[i] = self._priced(plan, b, pf, pred, low if self.top else None)
+            if out[i].feasible:
+                beat.add(fam, pred.step_time_s)
+        self._price_twin(out)
         return out, unsplit
+
+    def _priced(self, plan: Plan, b: int, pf: Prefetch, pred: Prediction, floor: float | None) -> Candidate:
+        capacity, fits = self.cluster.gpu.memory_bytes, pred.fits(self.cluster)
+        reason = "" if fits else (f"planned peak {fmt_bytes(pred.peak_memory_bytes)} exceeds the "
+                                  f"{fmt_bytes(capacity)} of a {self.cluster.gpu.name}")
+        return Candidate(plan, b, pf, fits, reason, pred, floor_s=floor)
+
+    def _price_twin(self, out: list[Candidate]) -> None:
+        """The twin (``print_zero_bubble``) of the best zero-bubble pipeline, simulated where its floor skipped it."""
+        zb = min((c for c in out if c.feasible and c.plan.weight_split), key=lambda c: c.step_time_s, default=None)
+        if zb is None:
+            return
+        twin = dataclasses.replace(zb.plan, pipeline_schedule="interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b")
+        for i, c in enumerate(out):
+            if c.plan == twin and c.micro_batch_size == zb.micro_batch_size and c.prefetch == zb.prefetch \
+                    and c.prediction is None and c.floor_s is not None:
+                pred = self.pricer.predict(c.plan, c.micro_batch_size, c.prefetch)
+                pred.flops_per_step = zb.prediction.flops_per_step  # (the same plan but its schedule)
+                out[i] = self._priced(c.plan, c.micro_batch_size, c.prefetch, pred, c.floor_s)
+
+
+def _below(plan: Plan, b: int, pf: Prefetch, low: float, limit: float) -> Candidate:
+    return Candidate(plan, b, pf, False, f"not simulated: its floor, {low:.4g} s a step, is above the {limit:.4g} s "
+                     "it must beat", floor_s=low)
+
+
+class _ToBeat:
+    """What a candidate must beat to be printed: the ``top``-th best feasible step priced so far, or else its
+    family's best (each family's best is printed). Steps only fall as more are priced, so a candidate whose floor is
+    above both now cannot be either at the end (a relative 1e-6 above: the floors are sums, the steps timelines).
+    Forked workers share theirs (``shared``: the least of each one's ``top``-th best and each family's best, an upper
+    bound of the search's own, as the ``top``-th best of some candidates is of the ``top``-th best of all)."""
+
+    def __init__(self, top: int | None, shared=None) -> None:
+        self.top, self.steps, self.family, self.shared = top or 1, [], {}, shared
+
+    def limit(self, fam: str) -> float:
+        kth = -self.steps[0] if len(self.steps) >= self.top else math.inf
+        best = self.family.get(fam, math.inf)
+        if self.shared is not None:
+            kth, best = min(kth, self.shared[0]), min(best, self.shared[1 + FAMILIES.index(fam)])
+        return max(kth, best) * (1 + 1e-6)
+
+    def add(self, fam: str, step: float) -> None:
+        heapq.heappush(self.steps, -step)
+        if len(self.steps) > self.top:
+            heapq.heappop(self.steps)
+        self.family[fam] = min(step, self.family.get(fam, math.inf))
+        if self.shared is not None:
+            with self.shared.get_lock():
+                if len(self.steps) >= self.top:
+                    self.shared[0] = min(self.shared[0], -self.steps[0])
+                i = 1 + FAMILIES.index(fam)
+                self.shared[i] = min(self.shared[i], step)
 
 
 _FORKED: tuple | None = None

@@ -21,15 +21,17 @@ equal ``mc.simulate(trace.at_batch(b), plan, cluster, prefetch=[pf], scaling=Fal
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from micscompile.core.pipeline_schedule import make_schedule
+from micscompile.core.pipeline_schedule import PipeSchedule, make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
-from micscompile.cost_model.pipeline import chunk_prices, memory_neutral
-from micscompile.cost_model.simulator import Prediction, simulate_program
+from micscompile.cost_model.collective_time import ALL_GATHER, REDUCE_SCATTER
+from micscompile.cost_model.pipeline import chunk_prices, memory_neutral, pipeline_floor_s
+from micscompile.cost_model.simulator import Prediction, floor_s, simulate_program, stream_floor_s
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets
@@ -52,6 +54,7 @@ from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
 from micscompile.tune.depth import OffLine, exact_line, on_line, shortened
+from micscompile.tune.floor import unit_floors
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
 """The Action fields that depend on the micro-batch size."""
@@ -174,6 +177,8 @@ class Pricer:
         self._cut_cache: dict[tuple, tuple[int, ...]] = {}
         self._schedules: dict[tuple, object] = {}
         self._units = None
+        self._unit_floors: dict[tuple, tuple] = {}
+        self._floor_cache: dict[tuple, float] = {}
 
     def graph_flops(self, b: int) -> int:
         """FLOPs of one micro-batch of size ``b`` as traced (no recomputation)."""
@@ -198,10 +203,7 @@ class Pricer:
         key = (id(program), rp.partition_size, rp.replicas, rp.plan.hierarchical, rp.optimizer_shards, i)
         if key not in self._sized_cache:
             if rp.partition_size > 1:
-                lkey = (id(tg), rp.partition_size, rp.optimizer_shards)
-                if lkey not in self._layouts:
-                    self._layouts[lkey] = make_context(tg, rp).layouts
-                out = for_partition(program, tg, rp, self.cluster, self._layouts[lkey])
+                out = for_partition(program, tg, rp, self.cluster, self._layouts_of(tg, rp))
             else:
                 micro_step = with_second_hops(rp, program.layouts, program.micro_step)
                 out = dataclasses.replace(program, plan=rp, groups=planned_groups(rp), cluster=self.cluster,
@@ -210,11 +212,77 @@ class Pricer:
             self._sized_cache[key] = at_index(out, i)
         return dataclasses.replace(self._sized_cache[key], plan=rp)
 
-    def flat(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
-        """What ``mc.simulate`` predicts for ``plan`` (S = 1) at micro-batch size ``b`` with ``prefetch``."""
+    def _layouts_of(self, tg: TrainGraph, rp: ResolvedPlan) -> tuple:
+        """``tg``'s bucket layouts under ``rp`` (cached per partition size and optimizer shards)."""
+        key = (id(tg), rp.partition_size, rp.optimizer_shards)
+        if key not in self._layouts:
+            self._layouts[key] = make_context(tg, rp).layouts
+        return self._layouts[key]
+
+    def flat(self, plan: Plan, b: int, prefetch: Prefetch, above: float = math.inf) -> Prediction | float:
+        """What ``mc.simulate`` predicts for ``plan`` (S = 1) at micro-batch size ``b`` with ``prefetch``; its
+        Program's floor (``simulator.floor_s``) instead where that is above ``above``."""
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         program = apply_prefetch(self._sized(self._base_flat(rp), self.trace, rp, self._index(b)), prefetch)
+        if above < math.inf and not self.costs and (low := floor_s(program, self.cluster)) > above:
+            return low
         return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
+
+    def floor(self, plan: Plan, b: int, prefetch: Prefetch | None = None) -> float:
+        """A lower bound of ``predict(plan, b, prefetch).step_time_s`` (None: of every prefetch) from the trace
+        alone (``tune.floor``): a flat plan's micro-steps of its units' floors or of its collectives, a pipeline's
+        chunks' floors on its schedule at its cut points (cached)."""
+        if plan.tensor_parallel_size != self.source.tensor_parallel:
+            return self._tensor(plan, b).floor(plan, b, prefetch)
+        key = (plan, b, prefetch if plan.pipeline_stages == 1 else None)
+        if key not in self._floor_cache:
+            self._floor_cache[key] = self._floor(plan, b, prefetch)
+        return self._floor_cache[key]
+
+    def _floor(self, plan: Plan, b: int, prefetch: Prefetch | None) -> float:
+        rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
+        i = self._index(b)
+        dtype = self.costs.get("compute_dtype") or str(plan.param_dtype).removeprefix("torch.")  # (the simulator's)
+        fwd, bwd = self._floors_of(rp, dtype, plan.checkpoint, plan.checkpoint_every)
+        if rp.stages == 1:  # (and where sharded, on the partition group's stream each micro-step: every bucket
+            # gathered in the forward and again in the backward, but for those ``prefetch.keep_live`` keeps (the
+            # largest, unless known), and 2hop's reduce-scatters)
+            comm = 0.0
+            if rp.partition_size > 1:
+                shard, layouts = planned_groups(rp)["shard"].ranks, self._layouts_of(self.trace, rp)
+                gathers = sorted(stream_floor_s(ALL_GATHER, lay.full_bytes, shard, self.cluster) for lay in layouts)
+                kept = len(gathers) if prefetch is None else prefetch.keep_live
+                comm = sum(gathers) + sum(gathers[:len(gathers) - kept]) + (sum(
+                    stream_floor_s(REDUCE_SCATTER, lay.grad_bytes, shard, self.cluster) for lay in layouts)
+                    if plan.grad_sync == "2hop" else 0.0)
+            return rp.micro_batches * max(float(fwd[:, i].sum() + bwd[:, i].sum()), comm)
+        starts = self._cuts(rp, i)
+        cuts = list(zip(starts, (*starts[1:], len(fwd))))
+
+        def chunks(unit_s: np.ndarray) -> list[float]:
+            return [float(unit_s[a:e, i].sum()) for a, e in cuts]
+
+        if plan.weight_split:  # (B's and W's floors apart are not known: a bound on any schedule)
+            return pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), chunks(bwd), split_backward=True,
+                                    v_shape=plan.pipeline_schedule == "zb-v")
+        # the schedule's own timeline, which no longer compute makes longer
+        return self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks).simulate(
+            chunks(fwd), chunks(bwd)).makespan_s
+
+    def _floors_of(self, rp: ResolvedPlan, dtype: str, *how) -> tuple[np.ndarray, np.ndarray]:
+        """``floor.unit_floors`` of this Pricer's trace (cached per dtype and checkpointing)."""
+        key = (dtype, *how)
+        if key not in self._unit_floors:
+            ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
+            self._unit_floors[key] = unit_floors(self.trace, self._unit_analysis()[0], self.cluster, dtype, ranks,
+                                                 len(self.sizes), *how)
+        return self._unit_floors[key]
+
+    def _schedule(self, *how) -> PipeSchedule:
+        """``make_schedule(*how)`` for its timeline (cached: the receives as NCCL posts them change nothing priced)."""
+        if how not in self._schedules:
+            self._schedules[how] = make_schedule(*how, nccl=False)
+        return self._schedules[how]
 
     def _unit_analysis(self) -> tuple:
         """(units, seconds per size, saved bytes per size, states by t, chunk keys), once."""
@@ -305,11 +373,9 @@ class Pricer:
             chunks[c] = self._lowered(rp, key, st, i, prefetch, made)
             stages[c] = dataclasses.replace(st, chunk=c)
         sp = PipelineSplit(tuple(stages), (), starts, (), {})
-        how = (plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        if how not in self._schedules:  # (its timeline: the receives as NCCL posts them change nothing priced)
-            self._schedules[how] = make_schedule(*how, nccl=False)
-        sched = memory_neutral(rp, self._schedules[how], [c.program for c in chunks], self.cluster, priced=priced,
-                               nccl=False, **self.costs)
+        sched = memory_neutral(rp, self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches,
+                                                  plan.pipeline_chunks),
+                               [c.program for c in chunks], self.cluster, priced=priced, nccl=False, **self.costs)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, priced=priced, **self.costs)
 
@@ -330,7 +396,11 @@ class Pricer:
             self._tensor_pricers[t, sp, b] = Pricer(tensor_split(tg, t, sp), self.cluster, [b], **self.costs)
         return self._tensor_pricers[t, sp, b]
 
-    def predict(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+    def predict(self, plan: Plan, b: int, prefetch: Prefetch, above: float = math.inf) -> Prediction | float:
+        """What ``mc.simulate`` predicts; where a floor found on the way is above ``above``, that floor (a float)
+        instead (``mc.autotune``: the candidate cannot beat what it must)."""
         if plan.tensor_parallel_size != self.source.tensor_parallel:  # (a Pricer of the split trace prices it)
-            return self._tensor(plan, b).predict(plan, b, prefetch)
-        return (self.pipeline if plan.pipeline_stages > 1 else self.flat)(plan, b, prefetch)
+            return self._tensor(plan, b).predict(plan, b, prefetch, above)
+        if plan.pipeline_stages > 1:
+            return self.pipeline(plan, b, prefetch)
+        return self.flat(plan, b, prefetch, above)

@@ -1,0 +1,65 @@
+"""Floors: what no lowering of a candidate prices below, read off the trace (``mc.autotune`` prices best first and
+skips a candidate whose floor is above every step it must beat).
+
+A unit's floor is the compute no Program lowered from the trace runs in less time: each operation's matmul FLOPs at
+the device's fitted matmul rate and its bytes at its fitted memory rate (the simulator's ``compute_time_s`` without
+its per-operation overhead, which rewrites such as folded transposes remove), and each tensor collective's time
+(blocking: the compute waits it out). Recomputation, offload, packing and the data-parallel collectives only add.
+A pipeline's floor puts its chunks' floors on the schedule (``cost_model.pipeline.pipeline_floor_s``); a flat
+plan's, once lowered, is its Program's (``cost_model.simulator.floor_s``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch.fx
+
+from micscompile.core import collectives as C
+from micscompile.core.program import COLLECTIVE_OF_KIND, REGION_BWD, REGION_FWD, TENSOR_KIND
+from micscompile.cost_model.collective_time import collective_time_s
+from micscompile.cost_model.node_cost import META_TIME_S, node_work
+from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.pipeline_split import node_block
+from micscompile.passes.checkpoint import keep_rule, recomputed, segment_members
+from micscompile.trace import META_BYTES, META_REGION, TrainGraph
+
+
+def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: str, tensor_ranks: Sequence[int],
+                sizes: int, checkpoint=False, every: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) floor seconds of each unit (rows) at each of the trace's ``sizes`` evaluated micro-batch
+    sizes (columns); the backward's with what ``checkpoint`` (every ``every`` blocks) recomputes there
+    (``passes.checkpoint.recomputed`` on the trace: a pipeline chunk keeps no more than the whole graph does, so
+    it recomputes no less). A trace with measured times (``tune.profile``) floors each operation at its own (an
+    unmeasured one at 0: a measured run of operations prices only its measured ones)."""
+    gpu, index = cluster.gpu, {u: i for i, u in enumerate(units)}
+    measured = any(META_TIME_S in n.meta for n in tg.gm.graph.nodes)
+    matmul_s = 1 / (gpu.flops(dtype) * gpu.matmul_efficiency)
+    memory_s = 1 / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
+
+    def floor(n: torch.fx.Node):
+        if n.target in TENSOR_KIND:
+            # (a reduce-scatter's input: tp pieces like its output, as lowering.build counts it)
+            nbytes = np.broadcast_to(n.meta.get(META_BYTES, 0) * (n.args[4] if n.target is C.tensor_reduce_scatter
+                                                                   else 1), (sizes,))
+            kind = COLLECTIVE_OF_KIND[TENSOR_KIND[n.target]]
+            return np.array([collective_time_s(kind, float(b), tensor_ranks, cluster) for b in nbytes])
+        if measured:
+            return n.meta.get(META_TIME_S, 0.0)
+        w = node_work(n)
+        return w.matmul_flops * matmul_s + w.mem_bytes * memory_s
+
+    out = {REGION_FWD: np.zeros((len(units), sizes)), REGION_BWD: np.zeros((len(units), sizes))}
+    for n in tg.gm.graph.nodes:
+        region, i = n.meta.get(META_REGION), index.get(node_block(n, tg.blocks))
+        if i is not None and region in out:
+            out[region][i] += floor(n)
+    if checkpoint:
+        keep = keep_rule(checkpoint, tg)
+        for forward in segment_members(tg.gm.graph, tg.blocks, every).values():
+            for n in recomputed(forward, keep)[2]:
+                if (i := index.get(node_block(n, tg.blocks))) is not None:
+                    out[REGION_BWD][i] += floor(n)
+    return out[REGION_FWD], out[REGION_BWD]
+
