@@ -1,10 +1,11 @@
 """Floors: what no lowering of a candidate prices below, read off the trace (``mc.autotune`` prices best first and
 skips a candidate whose floor is above every step it must beat).
 
-A unit's floor is the compute no Program lowered from the trace runs in less time: each operation's matmul FLOPs at
-the device's fitted matmul rate and its bytes at its fitted memory rate (the simulator's ``compute_time_s`` without
-its per-operation overhead, which rewrites such as folded transposes remove), and each tensor collective's time
-(blocking: the compute waits it out). Recomputation, offload, packing and the data-parallel collectives only add.
+A unit's floor is the compute no Program lowered from the trace runs in less time: each operation's time as the
+simulator prices it (``compute_time_s``: matmul FLOPs and bytes at the device's fitted rates, and its per-operation
+overhead; the passes a Program is lowered with add operations and never remove one: the runtime's own rewrites,
+such as folded transposes, run after pricing), and each tensor collective's time (blocking: the compute waits it
+out). Recomputation, offload, packing and the data-parallel collectives only add.
 A pipeline's floor puts its chunks' floors on the schedule (``cost_model.pipeline.pipeline_floor_s``); a flat
 plan's, once lowered, is its Program's (``cost_model.simulator.floor_s``).
 """
@@ -48,7 +49,7 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
         if measured:
             return n.meta.get(META_TIME_S, 0.0)
         w = node_work(n)
-        return w.matmul_flops * matmul_s + w.mem_bytes * memory_s
+        return w.matmul_flops * matmul_s + w.mem_bytes * memory_s + w.ops * gpu.op_overhead_s
 
     out = {REGION_FWD: np.zeros((len(units), sizes)), REGION_BWD: np.zeros((len(units), sizes))}
     for n in tg.gm.graph.nodes:
