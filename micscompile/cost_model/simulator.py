@@ -173,6 +173,23 @@ def compute_time_s(action: Action, gpu: GpuSpec, dtype: str = "float32") -> floa
     )
 
 
+def _charge_s(cluster: Cluster, cost: dict[str, float] | None, duration: float) -> float:
+    """What a collective of ``duration`` costs the compute stream: its group's calibrated exposed share (``cost``),
+    else ``charge_s``."""
+    return charge_s(cluster, duration) if cost is None else cost["exposed_fraction"] * duration
+
+
+def _pack_s(nbytes: int, gpu: GpuSpec) -> float:
+    """Packing a reduction's ``nbytes`` of gradients into its bucket on the compute stream (read and written once)."""
+    return _memory_time_s(2 * nbytes, gpu, ops=3)
+
+
+def _least_share(cost: dict[str, float] | None) -> float:
+    """The least share of its duration a collective of a calibrated group (``cost``) takes: queued behind another of
+    its group it takes ``queued_fraction`` (floors only: the simulation applies it where it is queued)."""
+    return min(1.0, cost.get("queued_fraction", 1.0)) if cost else 1.0
+
+
 def charge_s(cluster: Cluster, duration: float) -> float:
     """The compute-stream time a collective of ``duration`` costs on a cluster without calibrated interference:
     ``(1 - overlap) * duration + collective_overhead_s``."""
@@ -272,8 +289,7 @@ def stream_floor_s(kind: str, nbytes: int, ranks: Sequence[int], cluster: Cluste
     d = collective_time_s(kind, nbytes, ranks, cluster)
     if nodes_spanned(ranks, cluster.gpus_per_node) > 1:
         d = min(d, hierarchical_stages_s(kind, nbytes, ranks, cluster)[0])
-    cost = cluster.collective_interference.get(str(len(ranks)))
-    return d * min(1.0, cost.get("queued_fraction", 1.0)) if cost else d
+    return d * _least_share(cluster.collective_interference.get(str(len(ranks))))
 
 
 def floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None) -> float:
@@ -294,7 +310,7 @@ def floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None
             compute += n * compute_time_s(a, gpu, dtype)
             continue
         if a.kind in (Kind.PACK, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE):
-            compute += n * _memory_time_s(2 * a.tensor_bytes, gpu, ops=3)
+            compute += n * _pack_s(a.tensor_bytes, gpu)
         if a.kind not in COLLECTIVE_OF_KIND or a.group not in program.groups:
             continue
         kind = program.collective_of(a)
@@ -304,8 +320,8 @@ def floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None
             d = (hierarchical_stages_s(kind, a.tensor_bytes, ranks, cluster)[0] if a.hierarchical else
                  collective_time_s(kind, a.tensor_bytes, ranks, cluster))
             cost = cluster.collective_interference.get(str(len(ranks)))
-            d *= min(1.0, cost.get("queued_fraction", 1.0)) if cost else 1.0
-            priced[key] = d, (charge_s(cluster, d) if cost is None else cost["exposed_fraction"] * d) if d > 0 else 0.0
+            d *= _least_share(cost)
+            priced[key] = d, _charge_s(cluster, cost, d) if d > 0 else 0.0
         d, charge = priced[key]
         if a.kind in BLOCKING and not a.hierarchical:
             compute += n * max(d, charge)
@@ -480,7 +496,7 @@ def simulate_program(
         """Charge the compute stream a collective's exposed share: the calibrated ``cost``'s, else
         ``(1 - overlap) * duration + collective_overhead_s``; returns ``cost``."""
         name = f"comm cpu {what}" if record else ""
-        charge = charge_s(cluster, duration) if cost is None else cost["exposed_fraction"] * duration
+        charge = _charge_s(cluster, cost, duration)
         run_compute(charge, name)
         busy["charged"] += charge  # (in busy so that skipping middle micro-steps scales it too; popped below)
         return cost
@@ -589,7 +605,7 @@ def simulate_program(
 
     def on_reduce(a: Action) -> float | None:
         nonlocal dynamic
-        run_compute(_memory_time_s(2 * a.tensor_bytes, gpu, ops=3), (f"pack {a}" if record else ""))
+        run_compute(_pack_s(a.tensor_bytes, gpu), (f"pack {a}" if record else ""))
         dynamic += a.tensor_bytes
         note_memory(activations)
         if a.kind is Kind.PACK:

@@ -268,10 +268,10 @@ def autotune(
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
     group's tensor split and lowerings are its own; the same candidates in the same order).
-    Each group is priced best first (lowest floor first, ``Candidate.floor_s``); a candidate whose floor is above
-    the ``top``-th best step priced in its group and its family's best there is not simulated: the top ``top``,
-    each family's best and the ties among them are those of pricing every candidate. ``exhaustive=True``
-    simulates every one.
+    Each group is priced best first (lowest floor first, ``Candidate.floor_s``; the largest group first, and the
+    groups, in processes too, share what must be beaten); a candidate whose floor is above the ``top``-th best step
+    priced so far and its family's best is not simulated: the top ``top``, each family's best and the ties among
+    them are those of pricing every candidate. ``exhaustive=True`` simulates every one.
     ``verbose`` prints the top ``top``; ``progress`` shows a progress bar.
     ``measure=True``: see ``measure_top`` (its keyword arguments: model, loss_fn, make_batch, ...).
     """

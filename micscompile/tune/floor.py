@@ -18,9 +18,10 @@ import numpy as np
 import torch.fx
 
 from micscompile.core import collectives as C
-from micscompile.core.program import COLLECTIVE_OF_KIND, REGION_BWD, REGION_FWD, TENSOR_KIND
+from micscompile.core.program import COLLECTIVE_OF_KIND, REGION_BWD, REGION_FWD, TENSOR_KIND, Action, Kind
 from micscompile.cost_model.collective_time import collective_time_s
 from micscompile.cost_model.node_cost import META_TIME_S, node_work
+from micscompile.cost_model.simulator import compute_time_s
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.pipeline_split import node_block
 from micscompile.passes.checkpoint import keep_rule, recomputed, segment_members
@@ -34,10 +35,8 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
     (``passes.checkpoint.recomputed`` on the trace: a pipeline chunk keeps no more than the whole graph does, so
     it recomputes no less). A trace with measured times (``tune.profile``) floors each operation at its own (an
     unmeasured one at 0: a measured run of operations prices only its measured ones)."""
-    gpu, index = cluster.gpu, {u: i for i, u in enumerate(units)}
+    index = {u: i for i, u in enumerate(units)}
     measured = any(META_TIME_S in n.meta for n in tg.gm.graph.nodes)
-    matmul_s = 1 / (gpu.flops(dtype) * gpu.matmul_efficiency)
-    memory_s = 1 / (gpu.memory_bandwidth_bps * gpu.memory_efficiency)
 
     def floor(n: torch.fx.Node):
         if n.target in TENSOR_KIND:
@@ -49,7 +48,8 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
         if measured:
             return n.meta.get(META_TIME_S, 0.0)
         w = node_work(n)
-        return w.matmul_flops * matmul_s + w.mem_bytes * memory_s + w.ops * gpu.op_overhead_s
+        return compute_time_s(Action(Kind.COMPUTE, ops=w.ops, matmul_flops=w.matmul_flops, mem_bytes=w.mem_bytes),
+                              cluster.gpu, dtype)
 
     out = {REGION_FWD: np.zeros((len(units), sizes)), REGION_BWD: np.zeros((len(units), sizes))}
     for n in tg.gm.graph.nodes:
@@ -63,4 +63,3 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
                 if (i := index.get(node_block(n, tg.blocks))) is not None:
                     out[REGION_BWD][i] += floor(n)
     return out[REGION_FWD], out[REGION_BWD]
-
