@@ -8,7 +8,15 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from micscompile.core.pipeline_schedule import Op, PipeAction, PipeSchedule, chunk_rank, make_schedule, zero_bubble_order
+from micscompile.core.pipeline_schedule import (
+    Op,
+    PipeAction,
+    PipeSchedule,
+    Timeline,
+    chunk_rank,
+    make_schedule,
+    zero_bubble_order,
+)
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
@@ -165,14 +173,18 @@ def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
 
 
 def pipeline_floor_s(stages: int, micro_batches: int, forward_s: Sequence[float], backward_s: Sequence[float], *,
-                     split_backward: bool, v_shape: bool = False) -> float:
+                     split_backward: bool, v_shape: bool = False, hops_s: Sequence[float] | None = None) -> float:
     """A lower bound of the makespan of every schedule of ``make_schedule`` over chunks whose forward takes at least
     ``forward_s[c]`` and whose backward (B and W where split) at least ``backward_s[c]``. Each rank runs its
     actions one after another and each chunk's micro-batches in order, so rank r, whose lowest chunk is c0, starts
     after the first micro-batch's forward through the chunks below c0 and then runs all its work; unsplit, the
     last micro-batch's backward of c0 follows all of that work (every other action of the rank precedes it: in
     order, or through the last micro-batch's chain down the rank's higher chunks), and its backward through the
-    chunks below c0 follows it. (Where split, a W may run after it: the first bound only.)"""
+    chunks below c0 follows it. (Where split, a W may run after it: the first bound only.)
+    ``hops_s``: at least how long each chunk's second hops hold the rank's links. The rank's last action is the last
+    backward (W where split) of one of its chunks, c, whose hops start with it and end no sooner than ``hops_s[c]``
+    later; it starts after all the rank's other work, which takes at least the rank's work less c's backward of one
+    micro-batch; c unknown, the least over the rank's chunks."""
     n, m = len(forward_s), micro_batches
     rank = [chunk_rank(c, stages, v_shape) for c in range(n)]
     floor = 0.0
@@ -181,7 +193,34 @@ def pipeline_floor_s(stages: int, micro_batches: int, forward_s: Sequence[float]
         c0 = min(mine)
         work = m * sum(forward_s[c] + backward_s[c] for c in mine)
         floor = max(floor, sum(forward_s[:c0]) + work + (0.0 if split_backward else sum(backward_s[:c0])))
+        if hops_s is not None:
+            floor = max(floor, sum(forward_s[:c0]) + work + min(hops_s[c] - backward_s[c] for c in mine))
     return floor
+
+
+def second_hops_end_s(timeline: Timeline, ranks: Sequence[Sequence[int]], ender: Op, hop_end: Sequence[float],
+                      hop_busy: Sequence[float], *, after_schedule: bool = False,
+                      events: list[Event] | None = None) -> list[float]:
+    """When each rank's second hops end on ``timeline`` (``ranks``: each rank's chunks): chunk by chunk as their last
+    ``ender`` starts (the phase a chunk's gradients are complete in: B, or W where split; ``after_schedule``: once
+    the rank's whole schedule has ended), one after another on the rank's links, chunk c's ending ``hop_end[c]``
+    after its start at the earliest and holding the links ``hop_busy[c]``. The end is monotone in the timeline's
+    starts and the two times (a serial machine's jobs in release order), so floors in give a floor out.
+    ``events``: each chunk's span appended."""
+    out = []
+    for r, spans in enumerate(timeline.spans):
+        last_start = {a.chunk: start for a, start, _ in spans if a.op is ender}  # (the last one wins)
+        if after_schedule:
+            done = max((end for _, _, end in spans), default=0.0)
+            last_start = dict.fromkeys(last_start, done)
+        free = 0.0
+        for c in sorted((c for c in ranks[r] if hop_busy[c]), key=last_start.__getitem__):
+            start = max(last_start[c], free)
+            free = max(last_start[c] + hop_end[c], free + hop_busy[c])
+            if events is not None:
+                events.append(Event(f"stage {r} replicate", f"second hop chunk {c}", start, free))
+        out.append(free)
+    return out
 
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
@@ -234,22 +273,11 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     timeline = sched.simulate(fwd, bwd, max(hops, default=0.0), wgt if split else None)
     makespan = timeline.makespan_s
     ranks = [sched.chunks_of(r) for r in range(rp.stages)]
-    # each rank's second hops, chunk by chunk as their last backwards start, one after another on its links
-    replicated, events = [], []
+    events = []
     if grad_sync_after_backward:  # (nothing left to overlap: each takes its busy time)
         hop_end = list(hop_busy)
-    ender = Op.WEIGHT if split else Op.BACKWARD  # (the phase a chunk's gradients are complete in)
-    for r, spans in enumerate(timeline.spans):
-        last_start = {a.chunk: start for a, start, _ in spans if a.op is ender}  # (the last one wins)
-        free = 0.0
-        if grad_sync_after_backward:  # every chunk's hops after the rank's whole schedule, one after another
-            done = max((end for _, _, end in spans), default=0.0)
-            last_start = dict.fromkeys(last_start, done)
-        for c in sorted((c for c in ranks[r] if hop_busy[c]), key=last_start.__getitem__):
-            start = max(last_start[c], free)
-            free = max(last_start[c] + hop_end[c], free + hop_busy[c])
-            events.append(Event(f"stage {r} replicate", f"second hop chunk {c}", start, free))
-        replicated.append(free)
+    replicated = second_hops_end_s(timeline, ranks, Op.WEIGHT if split else Op.BACKWARD, hop_end, hop_busy,
+                                   after_schedule=grad_sync_after_backward, events=events)
     # a rank's boundary: its second hops and the loss all-reduce (every rank's compute) done, then the rest
     ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]

@@ -41,7 +41,13 @@ from typing import NamedTuple
 
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.program import BLOCKING, COLLECTIVE_OF_KIND, Action, Kind, Program
-from micscompile.cost_model.collective_time import collective_time_s, hierarchical_stages_s, nodes_spanned
+from micscompile.cost_model.collective_time import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    collective_time_s,
+    hierarchical_stages_s,
+    nodes_spanned,
+)
 from micscompile.cost_model.specs import Cluster, GpuSpec
 
 
@@ -283,11 +289,11 @@ def issued_count(program: Program, a: Action) -> int:
 
 
 def stream_floor_s(kind: str, nbytes: int, ranks: Sequence[int], cluster: Cluster) -> float:
-    """The least time a communication stream spends on an all-gather or reduce-scatter (``kind``) of ``nbytes`` over
-    ``ranks``: flat, or the inter-node stage of a hierarchical one where the group spans nodes, whichever is less (a
-    calibrated group's queued share where it is smaller)."""
+    """The least time a communication stream spends on a collective (``kind``) of ``nbytes`` over ``ranks``: flat,
+    or for an all-gather or reduce-scatter the inter-node stage of a hierarchical one where the group spans nodes,
+    whichever is less (a calibrated group's queued share where it is smaller)."""
     d = collective_time_s(kind, nbytes, ranks, cluster)
-    if nodes_spanned(ranks, cluster.gpus_per_node) > 1:
+    if kind in (ALL_GATHER, REDUCE_SCATTER) and nodes_spanned(ranks, cluster.gpus_per_node) > 1:
         d = min(d, hierarchical_stages_s(kind, nbytes, ranks, cluster)[0])
     return d * _least_share(cluster.collective_interference.get(str(len(ranks))))
 

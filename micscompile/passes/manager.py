@@ -81,9 +81,11 @@ def run_passes(
     disable: Iterable[str] = (),
     log: Callable[[str], None] | None = None,
     lint: bool = True,
+    counts: bool = True,
 ) -> tuple[torch.fx.Graph, list[PassRecord]]:
     """Run ``passes`` over ``graph``, each timed and its op-count change recorded; ``lint``: each result checked
-    by ``Graph.lint`` (off only where the same passes' results are checked elsewhere: autotune's pricing)."""
+    by ``Graph.lint`` (off only where the same passes' results are checked elsewhere: autotune's pricing);
+    ``counts=False``: no op counts (autotune's pricing keeps no records)."""
     disabled = set(disable)
     unknown = disabled - {name for name, _ in passes}
     if unknown:
@@ -92,7 +94,7 @@ def run_passes(
     for name, fn in passes:
         if name in disabled:
             continue
-        before = op_counts(graph)
+        before = op_counts(graph) if counts else Counter()
         if log:
             log(f"--- before {name} ---\n{_code(graph)}")
         start = time.perf_counter()
@@ -100,7 +102,7 @@ def run_passes(
         seconds = time.perf_counter() - start
         if lint:
             graph.lint()
-        after = op_counts(graph)
+        after = op_counts(graph) if counts else Counter()
         delta = {k: after[k] - before[k] for k in before | after if after[k] != before[k]}
         records.append(PassRecord(name, seconds, delta))
         if log:

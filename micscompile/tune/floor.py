@@ -6,7 +6,8 @@ simulator prices it (``compute_time_s``: matmul FLOPs and bytes at the device's 
 overhead; the passes a Program is lowered with add operations and never remove one: the runtime's own rewrites,
 such as folded transposes, run after pricing), and each tensor collective's time (blocking: the compute waits it
 out). Recomputation, offload, packing and the data-parallel collectives only add.
-A pipeline's floor puts its chunks' floors on the schedule (``cost_model.pipeline.pipeline_floor_s``); a flat
+A pipeline's floor puts its chunks' floors on the schedule (``cost_model.pipeline.pipeline_floor_s``), and on a 1F1B
+or interleaved timeline each chunk's second hops after its last backward starts (``second_hop_floor_s``); a flat
 plan's, once lowered, is its Program's (``cost_model.simulator.floor_s``).
 """
 
@@ -19,11 +20,12 @@ import torch.fx
 
 from micscompile.core import collectives as C
 from micscompile.core.program import COLLECTIVE_OF_KIND, REGION_BWD, REGION_FWD, TENSOR_KIND, Action, Kind
-from micscompile.cost_model.collective_time import collective_time_s
+from micscompile.cost_model.collective_time import ALL_REDUCE, REDUCE_SCATTER, collective_time_s
 from micscompile.cost_model.node_cost import META_TIME_S, node_work
-from micscompile.cost_model.simulator import compute_time_s
+from micscompile.cost_model.simulator import compute_time_s, stream_floor_s
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.pipeline_split import node_block
+from micscompile.passes.buckets import block_of
 from micscompile.passes.checkpoint import keep_rule, recomputed, segment_members
 from micscompile.trace import META_BYTES, META_REGION, TrainGraph
 
@@ -63,3 +65,25 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
                 if (i := index.get(node_block(n, tg.blocks))) is not None:
                     out[REGION_BWD][i] += floor(n)
     return out[REGION_FWD], out[REGION_BWD]
+
+
+def unit_grad_numel(tg: TrainGraph, units: Sequence[str]) -> np.ndarray:
+    """The trainable elements each unit holds (a tied parameter at its own block's unit only): what a chunk of
+    those units reduces over the replicas at least."""
+    index = {u: i for i, u in enumerate(units)}
+    out = np.zeros(len(units))
+    for name in tg.trainable:
+        if (i := index.get(block_of(name.rpartition(".")[0], tg.blocks))) is not None:
+            out[i] += tg.param_shapes[name].numel()
+    return out
+
+
+def second_hop_floor_s(numel: float, itemsize: int, partition: int, replicas: Sequence[int], optimizer_shards: int,
+                       cluster: Cluster) -> float:
+    """The least time a rank's links hold the second hops of ``numel`` gradient elements sharded over ``partition``
+    ranks, in buckets of ``itemsize``-byte elements, over ``replicas``: each bucket's shard all-reduced by itself (or
+    reduce-scattered, with the optimizer states over the ``optimizer_shards`` replicas: ``Program.collective_of``),
+    and a collective's time is concave in its bytes from 0 (the least of affine times, ``collective_time_s``), so
+    the buckets take no less than their sum at once."""
+    kind = REDUCE_SCATTER if optimizer_shards > 1 else ALL_REDUCE
+    return stream_floor_s(kind, numel / partition * itemsize, replicas, cluster)

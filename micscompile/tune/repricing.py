@@ -26,11 +26,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from micscompile.core.pipeline_schedule import PipeSchedule, make_schedule
+from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.collective_time import ALL_GATHER, REDUCE_SCATTER
-from micscompile.cost_model.pipeline import chunk_prices, memory_neutral, pipeline_floor_s
+from micscompile.cost_model.pipeline import chunk_prices, memory_neutral, pipeline_floor_s, second_hops_end_s
 from micscompile.cost_model.simulator import Prediction, floor_s, simulate_program, stream_floor_s
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
@@ -54,7 +54,7 @@ from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
 from micscompile.tune.depth import OffLine, exact_line, on_line, shortened
-from micscompile.tune.floor import unit_floors
+from micscompile.tune.floor import second_hop_floor_s, unit_floors, unit_grad_numel
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
 """The Action fields that depend on the micro-batch size."""
@@ -150,7 +150,7 @@ def _lower(tg: TrainGraph, rp: ResolvedPlan) -> Program:
     ``lower_flat`` lowers it, without its search, checks and fingerprint (``mc.compile`` makes them; each pass
     here is the one it runs, unlinted)."""
     ctx = make_context(tg, rp, prefetch=Prefetch(distance=0))
-    graph, _ = run_passes(tg.graph_copy(), ctx, build_pass_list(rp.plan), lint=False)
+    graph, _ = run_passes(tg.graph_copy(), ctx, build_pass_list(rp.plan), lint=False, counts=False)
     return build_program(graph, rp, ctx.layouts, planned_groups(rp), 0)
 
 
@@ -179,6 +179,7 @@ class Pricer:
         self._units = None
         self._unit_floors: dict[tuple, tuple] = {}
         self._floor_cache: dict[tuple, float] = {}
+        self._numel = None
 
     def graph_flops(self, b: int) -> int:
         """FLOPs of one micro-batch of size ``b`` as traced (no recomputation)."""
@@ -234,7 +235,11 @@ class Pricer:
         chunks' floors on its schedule at its cut points (cached)."""
         if plan.tensor_parallel_size != self.source.tensor_parallel:
             return self._tensor(plan, b).floor(plan, b, prefetch)
-        key = (plan, b, prefetch if plan.pipeline_stages == 1 else None)
+        # (one per what the floor reads: not offload, whose transfers it leaves out, nor the hierarchical choice, whose
+        # cheaper side it takes; of the prefetch, a flat plan's buckets it keeps live, a pipeline's nothing)
+        flat = plan.pipeline_stages == 1
+        key = (plan.replace(offload_activations=False, hierarchical="auto"), b,
+               (prefetch and prefetch.keep_live) if flat else None)
         if key not in self._floor_cache:
             self._floor_cache[key] = self._floor(plan, b, prefetch)
         return self._floor_cache[key]
@@ -262,12 +267,27 @@ class Pricer:
         def chunks(unit_s: np.ndarray) -> list[float]:
             return [float(unit_s[a:e, i].sum()) for a, e in cuts]
 
+        hops = None  # (each chunk's second hops over the replicas, after its last backward)
+        if rp.second_hop_in_backward:
+            numel, replicas = self._grad_numel(), planned_groups(rp)["replicate"].ranks
+            hops = [second_hop_floor_s(float(numel[a:e].sum()), plan.reduce_dtype.itemsize, rp.partition_size,
+                                       replicas, rp.optimizer_shards, self.cluster) for a, e in cuts]
         if plan.weight_split:  # (B's and W's floors apart are not known: a bound on any schedule)
             return pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), chunks(bwd), split_backward=True,
-                                    v_shape=plan.pipeline_schedule == "zb-v")
-        # the schedule's own timeline, which no longer compute makes longer
-        return self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks).simulate(
-            chunks(fwd), chunks(bwd)).makespan_s
+                                    v_shape=plan.pipeline_schedule == "zb-v", hops_s=hops)
+        # the schedule's own timeline, which no longer compute makes longer, and each rank's second hops on it
+        sched = self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        timeline = sched.simulate(chunks(fwd), chunks(bwd))
+        if hops is None:
+            return timeline.makespan_s
+        return max(timeline.makespan_s, *second_hops_end_s(
+            timeline, [sched.chunks_of(r) for r in range(rp.stages)], Op.BACKWARD, hops, hops))
+
+    def _grad_numel(self) -> np.ndarray:
+        """``floor.unit_grad_numel`` of this Pricer's trace, once."""
+        if self._numel is None:
+            self._numel = unit_grad_numel(self.trace, self._unit_analysis()[0])
+        return self._numel
 
     def _floors_of(self, rp: ResolvedPlan, dtype: str, *how) -> tuple[np.ndarray, np.ndarray]:
         """``floor.unit_floors`` of this Pricer's trace (cached per dtype and checkpointing)."""
