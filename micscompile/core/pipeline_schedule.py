@@ -629,7 +629,11 @@ def gpipe(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
 
 def one_f_one_b(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
     """Synchronous 1F1B: rank r warms up with S-1-r forwards, alternates F and B, then drains."""
-    return replace(interleaved_1f1b(stages, micro_batches, 1, nccl), name="1f1b")
+    inner = interleaved_1f1b(stages, micro_batches, 1, nccl)
+    out = replace(inner, name="1f1b")
+    if "_checked" in inner.__dict__:  # (a timeline's schedule stays unchecked, as _build leaves it)
+        out.__dict__["_checked"] = True
+    return out
 
 
 def interleaved_1f1b(stages: int, micro_batches: int, chunks: int, nccl: bool = True) -> PipeSchedule:

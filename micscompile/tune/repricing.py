@@ -180,6 +180,7 @@ class Pricer:
         self._unit_floors: dict[tuple, tuple] = {}
         self._floor_cache: dict[tuple, float] = {}
         self._numel = None
+        self._streams: dict[tuple, float] = {}
 
     def graph_flops(self, b: int) -> int:
         """FLOPs of one micro-batch of size ``b`` as traced (no recomputation)."""
@@ -214,8 +215,9 @@ class Pricer:
         return dataclasses.replace(self._sized_cache[key], plan=rp)
 
     def _layouts_of(self, tg: TrainGraph, rp: ResolvedPlan) -> tuple:
-        """``tg``'s bucket layouts under ``rp`` (cached per partition size and optimizer shards)."""
-        key = (id(tg), rp.partition_size, rp.optimizer_shards)
+        """``tg``'s bucket layouts under ``rp`` (cached per partition size, optimizer shards, bucket size and dtypes)."""
+        key = (id(tg), rp.partition_size, rp.optimizer_shards, rp.bucket_bytes, rp.plan.param_dtype,
+               rp.plan.reduce_dtype)
         if key not in self._layouts:
             self._layouts[key] = make_context(tg, rp).layouts
         return self._layouts[key]
@@ -252,14 +254,8 @@ class Pricer:
         if rp.stages == 1:  # (and where sharded, on the partition group's stream each micro-step: every bucket
             # gathered in the forward and again in the backward, but for those ``prefetch.keep_live`` keeps (the
             # largest, unless known), and 2hop's reduce-scatters)
-            comm = 0.0
-            if rp.partition_size > 1:
-                shard, layouts = planned_groups(rp)["shard"].ranks, self._layouts_of(self.trace, rp)
-                gathers = sorted(stream_floor_s(ALL_GATHER, lay.full_bytes, shard, self.cluster) for lay in layouts)
-                kept = len(gathers) if prefetch is None else prefetch.keep_live
-                comm = sum(gathers) + sum(gathers[:len(gathers) - kept]) + (sum(
-                    stream_floor_s(REDUCE_SCATTER, lay.grad_bytes, shard, self.cluster) for lay in layouts)
-                    if plan.grad_sync == "2hop" else 0.0)
+            comm = self._shard_stream(rp, None if prefetch is None else prefetch.keep_live) \
+                if rp.partition_size > 1 else 0.0
             return rp.micro_batches * max(float(fwd[:, i].sum() + bwd[:, i].sum()), comm)
         starts = self._cuts(rp, i)
         cuts = list(zip(starts, (*starts[1:], len(fwd))))
@@ -282,6 +278,20 @@ class Pricer:
             return timeline.makespan_s
         return max(timeline.makespan_s, *second_hops_end_s(
             timeline, [sched.chunks_of(r) for r in range(rp.stages)], Op.BACKWARD, hops, hops))
+
+    def _shard_stream(self, rp: ResolvedPlan, kept: int | None) -> float:
+        """A sharded flat plan's floor of its partition group's stream each micro-step (``_floor``), ``kept`` buckets
+        kept live (None: all) (cached: it depends on neither the micro-batch size nor the count)."""
+        key = (rp.partition_size, rp.optimizer_shards, rp.bucket_bytes, rp.plan.param_dtype, rp.plan.reduce_dtype,
+               rp.plan.grad_sync, kept)
+        if key not in self._streams:
+            shard, layouts = planned_groups(rp)["shard"].ranks, self._layouts_of(self.trace, rp)
+            gathers = sorted(stream_floor_s(ALL_GATHER, lay.full_bytes, shard, self.cluster) for lay in layouts)
+            kept = len(gathers) if kept is None else kept
+            self._streams[key] = sum(gathers) + sum(gathers[:len(gathers) - kept]) + (sum(
+                stream_floor_s(REDUCE_SCATTER, lay.grad_bytes, shard, self.cluster) for lay in layouts)
+                if rp.plan.grad_sync == "2hop" else 0.0)
+        return self._streams[key]
 
     def _grad_numel(self) -> np.ndarray:
         """``floor.unit_grad_numel`` of this Pricer's trace, once."""
