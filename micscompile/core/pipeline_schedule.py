@@ -629,11 +629,7 @@ def gpipe(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
 
 def one_f_one_b(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
     """Synchronous 1F1B: rank r warms up with S-1-r forwards, alternates F and B, then drains."""
-    inner = interleaved_1f1b(stages, micro_batches, 1, nccl)
-    out = replace(inner, name="1f1b")
-    if "_checked" in inner.__dict__:  # (a timeline's schedule stays unchecked, as _build leaves it)
-        out.__dict__["_checked"] = True
-    return out
+    return _interleaved("1f1b", stages, micro_batches, 1, nccl)
 
 
 def interleaved_1f1b(stages: int, micro_batches: int, chunks: int, nccl: bool = True) -> PipeSchedule:
@@ -646,6 +642,11 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int, nccl: bool = 
     warm-up forwards: Megatron defines its count only for v > 1, and 2(S-1-r) would keep more
     activations alive for the same bubble.
     """
+    return _interleaved("interleaved", stages, micro_batches, chunks, nccl)
+
+
+def _interleaved(name: str, stages: int, micro_batches: int, chunks: int, nccl: bool) -> PipeSchedule:
+    """``interleaved_1f1b``'s schedule, named ``name`` (1F1B is its v = 1)."""
     S, v, total = stages, chunks, micro_batches * chunks
     check_schedule("interleaved", S, micro_batches, v)
 
@@ -656,7 +657,7 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int, nccl: bool = 
         seq = [(Op.FORWARD, k) for k in range(warmup)] + steady + drain
         return [(op, (k // (S * v)) * S + k % S,
                  r + S * (v - 1 - (k // S) % v if op is Op.BACKWARD else (k // S) % v)) for op, k in seq]
-    return _build("interleaved", stages, micro_batches, chunks, order, nccl)
+    return _build(name, stages, micro_batches, chunks, order, nccl)
 
 
 def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tuple[int, ...] | None = None,

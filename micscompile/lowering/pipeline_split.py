@@ -31,6 +31,7 @@ it receives; its output is ``(loss or None, *grads, *activations sent, *gradient
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,14 +187,19 @@ def unit_params(tg: TrainGraph, units: list[str]) -> list[bool]:
     return reads
 
 
+def param_units(tg: TrainGraph, units: Sequence[str]) -> dict[str, int]:
+    """The unit each parameter's block is (a tied parameter: its own block's only); parameters outside every unit
+    are absent."""
+    index = {u: i for i, u in enumerate(units)}
+    out = {name: index.get(block_of(name.rpartition(".")[0], tg.blocks)) for name in tg.param_names}
+    return {name: i for name, i in out.items() if i is not None}
+
+
 def unit_state(tg: TrainGraph, units: list[str], t: int) -> list[float]:
     """Model-state bytes per unit on one of ``t`` ranks: fp32 weights, gradients, Adam m and v, sharded."""
-    index = {u: i for i, u in enumerate(units)}
     state = [0.0] * len(units)
-    for name in tg.param_names:
-        i = index.get(block_of(name.rpartition(".")[0], tg.blocks))
-        if i is not None:
-            state[i] += 16 * tg.param_bytes(name) / 4 / t
+    for name, i in param_units(tg, units).items():
+        state[i] += 16 * tg.param_bytes(name) / 4 / t
     return state
 
 

@@ -126,6 +126,7 @@ def _recompute_segment(
     keep: Callable[[torch.fx.Node], bool] | None, offload: bool,
 ) -> None:
     outputs, need, order = recomputed(forward, keep)
+    owned = set(order)
     if offload:  # the segment's outputs go to host memory between forward and backward (micscompile.passes.offload)
         for v in outputs:
             v.meta[META_OFFLOAD] = True
@@ -135,7 +136,7 @@ def _recompute_segment(
         if v.target in RANDOM_OPS:
             raise PlanError(f"checkpoint: {v.meta.get(META_FQN) or '<root>'} runs a random op ({v.target}); "
                             f"recomputing it would draw new numbers: turn checkpoint off for this model")
-        if mutates_first(v) and v.args[0] not in order:
+        if mutates_first(v) and v.args[0] not in owned:
             raise PlanError(f"checkpoint: {v.meta.get(META_FQN) or '<root>'} writes {v.args[0].name} in place "
                             f"({v.target}), a value the recomputation does not own")
     first = min((u for v in need for u in v.users if _is_bwd(u)), key=position.__getitem__)

@@ -24,8 +24,7 @@ from micscompile.cost_model.collective_time import ALL_REDUCE, REDUCE_SCATTER, c
 from micscompile.cost_model.node_cost import META_TIME_S, node_work
 from micscompile.cost_model.simulator import compute_time_s, stream_floor_s
 from micscompile.cost_model.specs import Cluster
-from micscompile.lowering.pipeline_split import node_block
-from micscompile.passes.buckets import block_of
+from micscompile.lowering.pipeline_split import node_block, param_units
 from micscompile.passes.checkpoint import keep_rule, recomputed, segment_members
 from micscompile.trace import META_BYTES, META_REGION, TrainGraph
 
@@ -70,10 +69,9 @@ def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: s
 def unit_grad_numel(tg: TrainGraph, units: Sequence[str]) -> np.ndarray:
     """The trainable elements each unit holds (a tied parameter at its own block's unit only): what a chunk of
     those units reduces over the replicas at least."""
-    index = {u: i for i, u in enumerate(units)}
-    out = np.zeros(len(units))
+    out, unit = np.zeros(len(units)), param_units(tg, units)
     for name in tg.trainable:
-        if (i := index.get(block_of(name.rpartition(".")[0], tg.blocks))) is not None:
+        if (i := unit.get(name)) is not None:
             out[i] += tg.param_shapes[name].numel()
     return out
 

@@ -282,10 +282,10 @@ class Pricer:
     def _shard_stream(self, rp: ResolvedPlan, kept: int | None) -> float:
         """A sharded flat plan's floor of its partition group's stream each micro-step (``_floor``), ``kept`` buckets
         kept live (None: all) (cached: it depends on neither the micro-batch size nor the count)."""
-        key = (rp.partition_size, rp.optimizer_shards, rp.bucket_bytes, rp.plan.param_dtype, rp.plan.reduce_dtype,
-               rp.plan.grad_sync, kept)
+        layouts = self._layouts_of(self.trace, rp)
+        key = (id(layouts), rp.plan.grad_sync, kept)  # (the layouts: per partition size, so the shard group too)
         if key not in self._streams:
-            shard, layouts = planned_groups(rp)["shard"].ranks, self._layouts_of(self.trace, rp)
+            shard = planned_groups(rp)["shard"].ranks
             gathers = sorted(stream_floor_s(ALL_GATHER, lay.full_bytes, shard, self.cluster) for lay in layouts)
             kept = len(gathers) if kept is None else kept
             self._streams[key] = sum(gathers) + sum(gathers[:len(gathers) - kept]) + (sum(
