@@ -36,7 +36,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, optimization_hint
 from torch.nn import functional as F
@@ -215,8 +215,7 @@ class TrainGraph:
             for key, expr in exprs.items():
                 node.meta[key] = (tuple(value(d) if isinstance(d, sympy.Expr) else d for d in expr)
                                   if key == META_SHAPE else value(expr))
-        with _use_lazy_graph_module(True):
-            gm = torch.fx.GraphModule(self.gm, graph)
+        gm = _LazyGraphModule(self.gm, graph)  # (its Python code generated when first called)
         specs = [(torch.Size((batch if isinstance(batch, int) else sizes[0], *shape[1:])), dtype)
                  for shape, dtype in self.input_specs]
         tokens = self.token_shape and (batch if isinstance(batch, int) else sizes[0], self.token_shape[1])

@@ -180,12 +180,46 @@ def test_autotune_best_equals_brute_force(symbolic):
     first = mc.autotune(symbolic, cl, global_batch_size=32, verbose=False, progress=False, top=3, **opts)
     skipped = [c for c in first if c.prediction is None and c.floor_s is not None]
     assert skipped and all("not simulated" in c.reason for c in skipped)
+    # a pipeline whose planned peak is above the device is ruled out before its timeline: that peak is
+    # mc.simulate's (mutation caught: pipeline_peak_bytes without the chunks' static bytes)
+    peak = {(x[2], x[3], x[4]): x[1] for x in brute}
+    over = [c for c in first if c.over_memory_bytes is not None]
+    assert over and all(c.over_memory_bytes == peak[c.plan, c.micro_batch_size, c.prefetch] > capacity and
+                        c.plan.pipeline_stages > 1 and not c.feasible for c in over)
     assert all(c.floor_s <= by[c.plan, c.micro_batch_size, c.prefetch] * (1 + 1e-9) for c in first
                if c.floor_s is not None)
     assert [(c.label(), c.step_time_s) for c in first[:3]] == [(c.label(), c.step_time_s) for c in ranked[:3]]
     for fam in ("MiCS", "MiCS-Pipe", "PTD-P"):
         assert next(c.label() for c in first if c.feasible and c.family == fam) == \
             next(c.label() for c in ranked if c.feasible and c.family == fam)
+
+
+def test_meta_propagation_runs_each_distinct_call_once(symbolic, monkeypatch):
+    """A tensor split's values are propagated on meta running each op once per distinct call (its arguments'
+    shapes, strides, dtypes and values: the repeated blocks make the same calls), the repeats given fresh tensors
+    like its results: node for node what running every op gives. Mutation caught: the key without the arguments'
+    strides (a transpose of a transposed weight)."""
+    from micscompile.lowering import tensor_split as ts
+
+    ran = []
+    plain = torch.fx.Interpreter.call_function
+    monkeypatch.setattr(torch.fx.Interpreter, "call_function", lambda self, *a: ran.append(1) or plain(self, *a))
+    tg = symbolic.at_batch(3)
+    cached = ts.tensor_split(tg, 2, True)
+    hits = sum(1 for n in cached.gm.graph.nodes if n.op == "call_function") - len(ran)
+    monkeypatch.setattr(ts, "_call_key", lambda *a: None)
+    every = ts.tensor_split(tg, 2, True)
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), v.stride(), v.dtype
+        return tuple(map(value, v)) if isinstance(v, (tuple, list)) else v
+
+    assert hits > (hits + len(ran)) / 5  # (a quarter of the calls repeat one before: the later blocks')
+    pairs = list(zip(cached.gm.graph.nodes, every.gm.graph.nodes, strict=True))
+    for x, y in pairs:
+        assert x.target == y.target and value(x.meta.get("val")) == value(y.meta.get("val")), x.name
+        assert {k: v for k, v in x.meta.items() if k != "val"} == {k: v for k, v in y.meta.items() if k != "val"}
 
 
 @pytest.mark.parametrize("sequence", [False, True])

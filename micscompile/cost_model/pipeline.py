@@ -8,6 +8,8 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from micscompile.core.pipeline_schedule import (
     Op,
     PipeAction,
@@ -103,9 +105,17 @@ def _rank_peak(sched: PipeSchedule, r: int, mem: tuple) -> int:
     static, saved, w_saved, acts, w_acts = mem
     cs = sched.chunks_of(r)
     if sched.split_backward:
-        return sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], saved, w_saved, acts, w_acts)
+        return sum(static[c] for c in cs) + _walked_peak(sched.ranks[r], mem)
     in_flight = sched.chunk_in_flight
     return sum(static[c] + (in_flight[c] - 1) * saved[c] for c in cs) + max(max(acts[c]) for c in cs)
+
+
+def pipeline_peak_bytes(sched: PipeSchedule, prices: Sequence[ChunkPrice]) -> int:
+    """The busiest rank's planned peak (``_rank_peak``) of ``sched`` over chunks priced ``prices``: what
+    ``simulate_pipeline`` reports, without its timeline (``mc.autotune`` rules out a pipeline that does not fit
+    before simulating it)."""
+    mem = _memory(prices)
+    return int(max(_rank_peak(sched, r, mem) for r in range(sched.stages)))
 
 
 def chunk_prices(programs: Sequence[Program], priced: dict[int, ChunkPrice], cluster: Cluster, costs: dict) -> list:
@@ -133,11 +143,10 @@ def memory_neutral(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Pro
     mem = _memory(chunk_prices(programs, {} if priced is None else priced, cluster, costs))
     ref = make_schedule("1f1b", S, m, nccl=False)  # (its memory)
     budget = max(_rank_peak(ref, r, mem) for r in range(S))
-    static, saved, w_saved, acts, w_acts = mem
+    static = mem[0]
 
     def peak(r: int, d: int) -> int:
-        return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(_zb_h1_order(S, m, r, d), saved, w_saved,
-                                                                         acts, w_acts)
+        return sum(static[c] for c in ref.chunks_of(r)) + _walked_peak(_zb_h1_order(S, m, r, d), mem)
 
     deferred = []
     for r in range(S):
@@ -155,21 +164,41 @@ def _zb_h1_order(S: int, m: int, r: int, d: int) -> tuple[PipeAction, ...]:
     return tuple(PipeAction(op, mb, c) for op, mb, c in zero_bubble_order(S, m, 1, r, d))
 
 
-def _walked_peak(actions, saved, w_saved, acts, w_acts) -> int:
+def _walked_peak(actions: tuple[PipeAction, ...], mem: tuple) -> int:
     """A zero-bubble rank's activation peak over its schedule: each F adds what its chunk saves (its own
     peak on top while it runs), each B trades that for what W reads (its peak counted with its micro-batch's
     saved values, as a backward's is), each W frees that (likewise). At v = 1 a 1F1B schedule walked so gives
-    ``simulate_pipeline``'s formula: (in flight - 1) saved micro-batches under the largest phase's peak."""
-    live = peak = 0
-    for a in actions:
-        if a.op is Op.FORWARD:
-            peak, live = max(peak, live + acts[a.chunk][0]), live + saved[a.chunk]
-        elif a.op is Op.BACKWARD:
-            peak = max(peak, live - saved[a.chunk] + acts[a.chunk][1])
-            live += w_saved[a.chunk] - saved[a.chunk]
-        elif a.op is Op.WEIGHT:
-            peak, live = max(peak, live - w_saved[a.chunk] + w_acts[a.chunk]), live - w_saved[a.chunk]
-    return peak
+    ``simulate_pipeline``'s formula: (in flight - 1) saved micro-batches under the largest phase's peak.
+    Walked in numpy over the rank's computes (``_computes``): the live bytes before each are a running sum."""
+    _, saved, w_saved, acts, w_acts = mem
+    op, chunk = _computes(actions)
+    if not len(op):
+        return 0
+    s, ws = np.asarray(saved, dtype=np.int64)[chunk], np.asarray(w_saved, dtype=np.int64)[chunk]
+    a = np.asarray(acts, dtype=np.int64).reshape(-1, 2)[chunk]
+    wa = np.asarray(w_acts, dtype=np.int64)[chunk]
+    forward, backward = op == 0, op == 1
+    delta = np.where(forward, s, np.where(backward, ws - s, -ws))  # (what each leaves live)
+    top = np.where(forward, a[:, 0], np.where(backward, a[:, 1] - s, wa - ws))  # (its peak over what was live)
+    return int(max(0, (np.cumsum(delta) - delta + top).max()))
+
+
+_COMPUTES: dict[int, tuple] = {}
+"""``_computes``'s encodings by the id of the action tuple they encode (kept with it, so the id stays its own)."""
+
+
+def _computes(actions: tuple[PipeAction, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(phase: 0 F, 1 B, 2 W; chunk) of each compute of ``actions``, in order (cached: a schedule's ranks and
+    ZB-H1's orders are walked by every candidate of their shape)."""
+    got = _COMPUTES.get(id(actions))
+    if got is None or got[0] is not actions:
+        if len(_COMPUTES) > 8192:
+            _COMPUTES.clear()
+        phase = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.WEIGHT: 2}
+        mine = [(phase[a.op], a.chunk) for a in actions if a.op in phase]
+        got = _COMPUTES[id(actions)] = (actions, np.array([p for p, _ in mine], dtype=np.int8),
+                                        np.array([c for _, c in mine], dtype=np.int64))
+    return got[1], got[2]
 
 
 def pipeline_floor_s(stages: int, micro_batches: int, forward_s: Sequence[float], backward_s: Sequence[float], *,

@@ -287,13 +287,18 @@ def _grad_parts(grad: torch.fx.Node, chunk: dict) -> tuple[dict[int, list[torch.
 
 
 def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
-          starts: tuple[int, ...] | None = None, only: set[int] | None = None) -> PipelineSplit:
+          starts: tuple[int, ...] | None = None, only: set[int] | None = None,
+          unit_seconds: Sequence[float] | None = None) -> PipelineSplit:
     """Cut ``tg`` into ``S * v`` chunks for ``rp`` (``starts`` forces the cut points). ``only``: build
-    the graphs of these chunks alone (``mc.autotune`` has the others' shapes); the rest are None."""
+    the graphs of these chunks alone (``mc.autotune`` has the others' shapes); the rest are None.
+    ``unit_seconds``: with ``starts``, the units' ``unit_costs`` seconds where the caller has them (not costed again)."""
     plan = rp.plan
     chunks = rp.stages * plan.pipeline_chunks
     units = forward_units(tg)
-    seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
+    if starts is None or unit_seconds is None:
+        seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
+    else:
+        seconds = list(unit_seconds)
     if starts is None:
         starts = cut_points(rp, seconds, state, saved, gpu, unit_params(tg, units))
     if len(starts) != chunks or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(units):

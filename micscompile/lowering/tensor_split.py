@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
@@ -1144,7 +1145,7 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
     analysis = analyse(tg, tp, sequence_parallel)
     rw = _Rewrite(tg, analysis)
     graph = rw.run()
-    gm = torch.fx.GraphModule(tg.gm, graph)
+    gm = _LazyGraphModule(tg.gm, graph)  # (its Python code generated when first called: a priced split never is)
     _propagate_meta(gm, tg, analysis, rw.source)
     for old_node, new_node in rw.env.items():  # what each value is on a tensor rank (a pipeline's cut reads it)
         pl = analysis.values.get(old_node)
@@ -1159,7 +1160,25 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
 
 class _MetaProp(torch.fx.Interpreter):
     """Runs a graph on meta tensors, keeping each node's value as ``meta["val"]`` (what FakeTensorProp keeps, at
-    half its cost: the split's shapes are concrete, nothing needs a fake tensor's shape environment)."""
+    half its cost: the split's shapes are concrete, nothing needs a fake tensor's shape environment). An op is run
+    once per distinct call: its arguments' shapes, strides, dtypes and values (a model's repeated blocks make the
+    same calls), the next such call given fresh tensors of the results' shapes, strides and dtypes (an op's meta
+    result depends on nothing else; one that writes its arguments is always run)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.results: dict = {}
+
+    def call_function(self, target, args, kwargs):
+        key = _call_key(target, args, kwargs)
+        if key is None:
+            return super().call_function(target, args, kwargs)
+        if key not in self.results:
+            result = super().call_function(target, args, kwargs)
+            self.results[key] = _result_template(result)
+            return result
+        return _from_template(self.results[key]) if self.results[key] is not None else \
+            super().call_function(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node):
         result = super().run_node(n)
@@ -1167,6 +1186,50 @@ class _MetaProp(torch.fx.Interpreter):
         if val is not None:
             n.meta["val"] = val
         return result
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _call_key(target, args, kwargs):
+    """What an op's meta result depends on (``_MetaProp``), hashable; None where it cannot be cached (an op that
+    writes its arguments, an argument of another kind)."""
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return None
+
+    def key(a):
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), a.stride(), a.dtype, a.storage_offset())
+        if isinstance(a, (tuple, list)):
+            parts = tuple(key(x) for x in a)
+            return None if any(p is _NO for p in parts) else (type(a).__name__, parts)
+        return (type(a).__name__, a) if isinstance(a, _PLAIN) else _NO
+
+    out = key((args, tuple(sorted(kwargs.items()))))
+    return None if out is _NO else (target, out)
+
+
+_NO = object()
+
+
+def _result_template(result):
+    """``result`` with each tensor as (shape, stride, dtype); None where a tensor starts inside its storage or
+    another kind of value is returned (not cached)."""
+    if isinstance(result, torch.Tensor):
+        return None if result.storage_offset() else ("T", tuple(result.shape), result.stride(), result.dtype)
+    if isinstance(result, (tuple, list)):
+        parts = [_result_template(r) for r in result]
+        return None if any(p is None for p in parts) else (type(result), parts)
+    return ("V", result) if isinstance(result, (int, float, bool, type(None))) else None
+
+
+def _from_template(template):
+    if template[0] == "T":
+        return torch.empty_strided(template[1], template[2], dtype=template[3], device="meta")
+    if template[0] == "V":
+        return template[1]
+    kind, parts = template
+    return kind(_from_template(p) for p in parts)
 
 
 def _propagate_meta(gm: torch.fx.GraphModule, tg: TrainGraph, analysis: Analysis, source: dict) -> None:

@@ -43,7 +43,7 @@ from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.tensor_split import TensorSplitError
 from micscompile.runtime.compile import compile as compile_step
 from micscompile.trace import TrainGraph
-from micscompile.tune.repricing import Pricer
+from micscompile.tune.repricing import OverMemory, Pricer
 from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
     OPTIMIZER_SHARDING,
@@ -76,6 +76,9 @@ class Candidate:
     tie: bool = False
     """Its predicted interval overlaps the best candidate's (``Prediction.uncertainty``): the
     prediction cannot tell them apart; measure them (``measure=True``)."""
+    over_memory_bytes: int | None = None
+    """A pipeline ruled out by its planned peak (this, above the device's memory) before its step was simulated
+    (``Pricer.predict``'s ``capacity``); its ``prediction`` is then None."""
     floor_s: float | None = None
     """A lower bound of its predicted step time (``Pricer.floor``, or its Program's): priced best first, a candidate
     whose floor is above the ``top``-th best step and its family's best is not simulated (``reason`` says so)."""
@@ -95,7 +98,7 @@ class Candidate:
 
     @property
     def peak_memory_bytes(self) -> int | None:
-        return self.prediction.peak_memory_bytes if self.prediction else None
+        return self.prediction.peak_memory_bytes if self.prediction else self.over_memory_bytes
 
     @property
     def exposed_comm_s(self) -> float | None:
@@ -323,10 +326,12 @@ def autotune(
         ranked = measure_top(ranked, **measure_kwargs)
     if verbose:
         good, priced = sum(c.feasible for c in ranked), sum(c.prediction is not None for c in ranked)
-        below = sum(c.prediction is None and c.floor_s is not None for c in ranked)
+        over = sum(c.over_memory_bytes is not None for c in ranked)
+        below = sum(c.prediction is None and c.floor_s is not None for c in ranked) - over
         print(f"autotune: {len(ranked)} candidates on {n} x {cluster.gpu.name} ({cluster.name}), global batch "
-              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit - below} ruled out by their "
-              f"model states alone" + (f", {below} by their floors" if below else "")
+              f"{global_batch_size}: {priced} simulated ({len(ranked) - priced - unsplit - below - over} ruled out by "
+              f"their model states alone" + (f", {below} by their floors" if below else "")
+              + (f", {over} by their planned peaks" if over else "")
               + (f", {unsplit} not priced: tensor groups the model does not split" if unsplit else "")
               + f"), {good} feasible")
         print_table(ranked, top)
@@ -392,10 +397,15 @@ class _Job:
                     out[i] = _below(plan, b, pf, low, limit)
                     continue
             try:
-                pred = self.pricer.predict(plan, b, pf, limit)
+                pred = self.pricer.predict(plan, b, pf, limit, capacity if self.top else None)
             except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
                 unsplit += 1
                 out[i] = Candidate(plan, b, pf, False, f"not priced: {exc}".splitlines()[0])
+                continue
+            if isinstance(pred, OverMemory):  # (a pipeline's planned peak, before its timeline is simulated)
+                out[i] = Candidate(plan, b, pf, False, f"planned peak {fmt_bytes(pred.peak_bytes)} exceeds the "
+                                   f"{fmt_bytes(capacity)} of a {cluster.gpu.name} (its step not simulated)",
+                                   over_memory_bytes=pred.peak_bytes, floor_s=low)
                 continue
             if not isinstance(pred, Prediction):  # (its Program's floor, above the limit)
                 out[i] = _below(plan, b, pf, pred, limit)
@@ -421,7 +431,7 @@ class _Job:
         twin = dataclasses.replace(zb.plan, pipeline_schedule="interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b")
         for i, c in enumerate(out):
             if c.plan == twin and c.micro_batch_size == zb.micro_batch_size and c.prefetch == zb.prefetch \
-                    and c.prediction is None and c.floor_s is not None:
+                    and c.prediction is None and c.floor_s is not None and c.over_memory_bytes is None:
                 pred = self.pricer.predict(c.plan, c.micro_batch_size, c.prefetch)
                 pred.flops_per_step = zb.prediction.flops_per_step  # (the same plan but its schedule)
                 out[i] = self._priced(c.plan, c.micro_batch_size, c.prefetch, pred, c.floor_s)

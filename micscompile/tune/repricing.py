@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,7 +31,13 @@ from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.collective_time import ALL_GATHER, REDUCE_SCATTER
-from micscompile.cost_model.pipeline import chunk_prices, memory_neutral, pipeline_floor_s, second_hops_end_s
+from micscompile.cost_model.pipeline import (
+    chunk_prices,
+    memory_neutral,
+    pipeline_floor_s,
+    pipeline_peak_bytes,
+    second_hops_end_s,
+)
 from micscompile.cost_model.simulator import Prediction, floor_s, simulate_program, stream_floor_s
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
@@ -143,6 +150,14 @@ def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes:
     except ValueError:
         return None
     return dataclasses.replace(one, batch_symbols=trace.batch_symbols)
+
+
+@dataclass(frozen=True)
+class OverMemory:
+    """What ``Pricer.predict`` returns, given a ``capacity``, for a pipeline whose planned peak (its chunks' prices on
+    its schedule, ``cost_model.pipeline.pipeline_peak_bytes``: the prediction's own) is above it: not simulated."""
+
+    peak_bytes: int
 
 
 def _lower(tg: TrainGraph, rp: ResolvedPlan) -> Program:
@@ -345,7 +360,8 @@ class Pricer:
             if keys[c] not in self._stages:
                 new.setdefault(keys[c], c)
         if new:
-            sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=set(new.values()))
+            sp = split(self.trace, rp, self.cluster.gpu, starts=starts, only=set(new.values()),
+                       unit_seconds=self._unit_analysis()[1])
             for key, c in new.items():
                 self._stages[key] = sp.stages[c]
         return [(keys[c], self._stages[keys[c]]) for c in chunks]
@@ -381,10 +397,11 @@ class Pricer:
         priced[id(stand.program)] = price
         return stand, short[0][1]
 
-    def pipeline(self, plan: Plan, b: int, prefetch: Prefetch) -> Prediction:
+    def pipeline(self, plan: Plan, b: int, prefetch: Prefetch, capacity: int | None = None) -> Prediction | OverMemory:
         """What ``mc.simulate`` predicts for the pipelined ``plan`` at micro-batch size ``b``: each chunk
         shape (``chunk_keys``) lowered once per structure and priced once per candidate; a chunk of more than
-        ``depth.DEPTH[-1]`` repeated blocks priced from three shorter ones."""
+        ``depth.DEPTH[-1]`` repeated blocks priced from three shorter ones. Its planned peak instead where that is
+        above ``capacity`` (bytes: its schedule's timeline is not simulated)."""
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         i = self._index(b)
         starts = self._cuts(rp, i)
@@ -406,6 +423,10 @@ class Pricer:
         sched = memory_neutral(rp, self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches,
                                                   plan.pipeline_chunks),
                                [c.program for c in chunks], self.cluster, priced=priced, nccl=False, **self.costs)
+        if capacity is not None:
+            peak = pipeline_peak_bytes(sched, chunk_prices([c.program for c in chunks], priced, self.cluster, self.costs))
+            if peak > capacity:
+                return OverMemory(peak)
         pp = LoweredPipeline(rp, _split_at(sp, i), sched, chunks, 0, self.cluster)
         return pp.predict(self.cluster, record=False, priced=priced, **self.costs)
 
@@ -426,11 +447,13 @@ class Pricer:
             self._tensor_pricers[t, sp, b] = Pricer(tensor_split(tg, t, sp), self.cluster, [b], **self.costs)
         return self._tensor_pricers[t, sp, b]
 
-    def predict(self, plan: Plan, b: int, prefetch: Prefetch, above: float = math.inf) -> Prediction | float:
+    def predict(self, plan: Plan, b: int, prefetch: Prefetch, above: float = math.inf,
+                capacity: int | None = None) -> Prediction | float | OverMemory:
         """What ``mc.simulate`` predicts; where a floor found on the way is above ``above``, that floor (a float)
-        instead (``mc.autotune``: the candidate cannot beat what it must)."""
+        instead (``mc.autotune``: the candidate cannot beat what it must); a pipeline whose planned peak is above
+        ``capacity`` bytes, ``OverMemory`` (it cannot run)."""
         if plan.tensor_parallel_size != self.source.tensor_parallel:  # (a Pricer of the split trace prices it)
-            return self._tensor(plan, b).predict(plan, b, prefetch, above)
+            return self._tensor(plan, b).predict(plan, b, prefetch, above, capacity)
         if plan.pipeline_stages > 1:
-            return self.pipeline(plan, b, prefetch)
+            return self.pipeline(plan, b, prefetch, capacity)
         return self.flat(plan, b, prefetch, above)
