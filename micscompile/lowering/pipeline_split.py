@@ -203,17 +203,22 @@ def unit_state(tg: TrainGraph, units: list[str], t: int) -> list[float]:
     return state
 
 
-def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved: list[float],
-               gpu: GpuSpec | None, params: list[bool]) -> tuple[int, ...]:
-    """Where the S * v chunks start: time balanced among the cuts whose chunks fit the device (each
-    keeps its model states and the activations of its rank's most micro-batches in flight) and read
-    a parameter each (``params``: per unit, ``unit_params``)."""
+def in_flight(rp: ResolvedPlan) -> int:
+    """How many micro-batches' activations each chunk of ``rp`` is cut to keep (``cut_points``): its rank's most in
+    flight on ``rp``'s schedule, shared by its v chunks."""
     plan = rp.plan
-    chunks = rp.stages * plan.pipeline_chunks
-    # each chunk keeps this many micro-batches' activations: its rank's most in flight, shared by its v chunks
     sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks, nccl=False)
-    in_flight = -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
-    memory = [s + a * in_flight for s, a in zip(state, saved)]
+    return -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
+
+
+def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved: list[float],
+               gpu: GpuSpec | None, params: list[bool], flight: int | None = None) -> tuple[int, ...]:
+    """Where the S * v chunks start: time balanced among the cuts whose chunks fit the device (each
+    keeps its model states and the activations of ``flight`` micro-batches, default ``in_flight(rp)``) and read
+    a parameter each (``params``: per unit, ``unit_params``). Nothing else of ``rp`` than S * v is read."""
+    chunks = rp.stages * rp.plan.pipeline_chunks
+    in_flight_ = in_flight(rp) if flight is None else flight
+    memory = [s + a * in_flight_ for s, a in zip(state, saved)]
     capacity = (gpu or A100_40GB).memory_bytes
     # every chunk must hold parameters (its rank's optimizer steps them): a block without any (a
     # normalisation held in buffers) is cut together with the next block that has some

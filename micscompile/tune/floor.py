@@ -30,16 +30,24 @@ from micscompile.trace import META_BYTES, META_REGION, TrainGraph
 
 
 def unit_floors(tg: TrainGraph, units: Sequence[str], cluster: Cluster, dtype: str, tensor_ranks: Sequence[int],
-                sizes: int, checkpoint=False, every: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                sizes: int, checkpoint=False, every: int = 1, memo: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) floor seconds of each unit (rows) at each of the trace's ``sizes`` evaluated micro-batch
     sizes (columns); the backward's with what ``checkpoint`` (every ``every`` blocks) recomputes there
     (``passes.checkpoint.recomputed`` on the trace: a pipeline chunk keeps no more than the whole graph does, so
     it recomputes no less). A trace with measured times (``tune.profile``) floors each operation at its own (an
-    unmeasured one at 0: a measured run of operations prices only its measured ones)."""
+    unmeasured one at 0: a measured run of operations prices only its measured ones). ``memo``: each node's floor,
+    kept for another call on the same trace, cluster, dtype and ranks (another checkpointing)."""
     index = {u: i for i, u in enumerate(units)}
     measured = any(META_TIME_S in n.meta for n in tg.gm.graph.nodes)
 
+    memo = {} if memo is None else memo
+
     def floor(n: torch.fx.Node):
+        if n not in memo:
+            memo[n] = node_floor(n)
+        return memo[n]
+
+    def node_floor(n: torch.fx.Node):
         if n.target in TENSOR_KIND:
             # (a reduce-scatter's input: tp pieces like its output, as lowering.build counts it)
             nbytes = np.broadcast_to(n.meta.get(META_BYTES, 0) * (n.args[4] if n.target is C.tensor_reduce_scatter

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,7 @@ from micscompile.lowering.pipeline_split import (
     Transfer,
     cut_points,
     forward_units,
+    in_flight,
     split,
     unit_costs,
     unit_params,
@@ -121,7 +122,8 @@ def _structure(rp: ResolvedPlan) -> tuple:
             None if gathers else rp.optimizer_shards, plan.weight_split)
 
 
-def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int]) -> TrainGraph | None:
+def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes: Sequence[int],
+                     at_batch: Callable[[int], TrainGraph] | None = None) -> TrainGraph | None:
     """``trace`` (symbolic batch) tensor-split and evaluated at every size of ``sizes``, all at least 2 (what
     ``at_batch(sizes)`` is for t = 1): split at the two smallest, each byte, FLOP and shape count taken as the line
     through the two (a transformer's are affine in the batch: the split divides dims other than the batch, or the
@@ -131,7 +133,7 @@ def split_over_sizes(trace: TrainGraph, tp: int, sequence_parallel: bool, sizes:
     if not trace.batch_symbols or len(sizes) < 2 or min(sizes) < 2:
         return None
     b1, b2 = sorted(sizes)[:2]
-    one, two = (tensor_split(trace.at_batch(b), tp, sequence_parallel) for b in (b1, b2))
+    one, two = (tensor_split((at_batch or trace.at_batch)(b), tp, sequence_parallel) for b in (b1, b2))
     first, second = list(one.gm.graph.nodes), list(two.gm.graph.nodes)
     if len(first) != len(second) or any(x.target != y.target for x, y in zip(first, second)):
         return None
@@ -178,6 +180,7 @@ class Pricer:
         self.cluster, self.costs = cluster, costs
         self.source = trace
         self._tensor_pricers: dict[tuple, Pricer] = {}
+        self._concrete: dict[int, TrainGraph] = {}
         self.sizes = list(sizes)
         self.trace = evaluated or (trace.at_batch(self.sizes) if trace.batch_symbols else trace)
         if evaluated is None and not trace.batch_symbols and self.sizes != [trace.batch_size]:
@@ -193,6 +196,7 @@ class Pricer:
         self._schedules: dict[tuple, object] = {}
         self._units = None
         self._unit_floors: dict[tuple, tuple] = {}
+        self._node_floors: dict[tuple, dict] = {}  # (each node's floor per dtype and tensor ranks: unit_floors' memo)
         self._floor_cache: dict[tuple, float] = {}
         self._numel = None
         self._streams: dict[tuple, float] = {}
@@ -320,7 +324,8 @@ class Pricer:
         if key not in self._unit_floors:
             ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
             self._unit_floors[key] = unit_floors(self.trace, self._unit_analysis()[0], self.cluster, dtype, ranks,
-                                                 len(self.sizes), *how)
+                                                 len(self.sizes), *how,
+                                                 memo=self._node_floors.setdefault((dtype, tuple(ranks)), {}))
         return self._unit_floors[key]
 
     def _schedule(self, *how) -> PipeSchedule:
@@ -343,10 +348,15 @@ class Pricer:
         plan, t = rp.plan, rp.partition_size
         key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
         if key not in self._cut_cache:  # (the same for every checkpointing, offload and prefetch choice)
-            if t not in states:
-                states[t] = unit_state(self.trace, units, t)
-            self._cut_cache[key] = cut_points(rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds],
-                                              states[t], [_pick(a, i) for a in saved], self.cluster.gpu, params)
+            flight = in_flight(rp)
+            cut = (rp.stages * plan.pipeline_chunks, flight, t, i)  # (what cut_points reads: schedules share it)
+            if cut not in self._cut_cache:
+                if t not in states:
+                    states[t] = unit_state(self.trace, units, t)
+                self._cut_cache[cut] = cut_points(
+                    rp, [float(s[i]) if isinstance(s, np.ndarray) else s for s in seconds], states[t],
+                    [_pick(a, i) for a in saved], self.cluster.gpu, params, flight)
+            self._cut_cache[key] = self._cut_cache[cut]
         return self._cut_cache[key]
 
     def _stages_of(self, rp: ResolvedPlan, starts: tuple[int, ...], chunks: Sequence[int]) -> list[tuple]:
@@ -438,14 +448,21 @@ class Pricer:
         t, sp = plan.tensor_parallel_size, plan.sequence_parallel
         if (t, sp) not in self._tensor_pricers:
             sizes = [n for n in self.sizes if n > 1]
-            split = split_over_sizes(self.source, t, sp, sizes)
+            split = split_over_sizes(self.source, t, sp, sizes, self._at_batch)
             self._tensor_pricers[t, sp] = split and Pricer(split, self.cluster, sizes, evaluated=split, **self.costs)
         if b > 1 and self._tensor_pricers[t, sp] is not None:
             return self._tensor_pricers[t, sp]
         if (t, sp, b) not in self._tensor_pricers:
-            tg = self.source.at_batch(b) if self.source.batch_symbols else self.source
+            tg = self._at_batch(b) if self.source.batch_symbols else self.source
             self._tensor_pricers[t, sp, b] = Pricer(tensor_split(tg, t, sp), self.cluster, [b], **self.costs)
         return self._tensor_pricers[t, sp, b]
+
+    def _at_batch(self, b: int) -> TrainGraph:
+        """``self.source.at_batch(b)``, once per size (every tensor split of the search starts from the same ones;
+        a split reads it and builds its own graph)."""
+        if b not in self._concrete:
+            self._concrete[b] = self.source.at_batch(b)
+        return self._concrete[b]
 
     def predict(self, plan: Plan, b: int, prefetch: Prefetch, above: float = math.inf,
                 capacity: int | None = None) -> Prediction | float | OverMemory:
