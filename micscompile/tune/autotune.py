@@ -271,7 +271,8 @@ def autotune(
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
     recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
     group's tensor split and lowerings are its own; the same candidates in the same order).
-    Each group is priced best first (lowest floor first, ``Candidate.floor_s``; the largest group first, and the
+    Each group is priced best first (lowest floor first, ``Candidate.floor_s``, a pipeline's first without its
+    schedule's timeline, then with it where that did not rule it out; the largest group first, and the
     groups, in processes too, share what must be beaten); a candidate whose floor is above the ``top``-th best step
     priced so far and its family's best is not simulated: the top ``top``, each family's best and the ties among
     them are those of pricing every candidate. ``exhaustive=True`` simulates every one.
@@ -375,8 +376,8 @@ class _Job:
                                   f"optimizer_sharding='world'), more than the {fmt_bytes(capacity)} of a "
                                   f"{cluster.gpu.name}") for pf in pfs]
                 continue
-            try:
-                lows = [self.pricer.floor(plan, cfg.micro_batch, pf) if self.top else 0.0 for pf in pfs]
+            try:  # (a pipeline's without its timeline: run below, where this one does not rule it out)
+                lows = [self.pricer.floor(plan, cfg.micro_batch, pf, timeline=False) if self.top else 0.0 for pf in pfs]
             except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
                 tick(len(pfs))
                 unsplit += len(pfs)
@@ -391,12 +392,14 @@ class _Job:
         for low, i, plan, b, pf, per_sample in sorted(todo, key=lambda x: x[:2]):
             tick()
             fam, limit = family(plan.pipeline_stages, plan.tensor_parallel_size), math.inf
-            if self.top:
-                limit = beat.limit(fam)
-                if low > limit:
-                    out[i] = _below(plan, b, pf, low, limit)
-                    continue
             try:
+                if self.top:
+                    limit = beat.limit(fam)
+                    if low <= limit and plan.pipeline_stages > 1:
+                        low = self.pricer.floor(plan, b, pf)
+                    if low > limit:
+                        out[i] = _below(plan, b, pf, low, limit)
+                        continue
                 pred = self.pricer.predict(plan, b, pf, limit, capacity if self.top else None)
             except (PlanError, TensorSplitError) as exc:  # a tensor size the model's shapes do not split
                 unsplit += 1

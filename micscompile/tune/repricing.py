@@ -62,7 +62,7 @@ from micscompile.passes.manager import build_pass_list, run_passes
 from micscompile.trace import META_BYTES, META_FLOPS, META_SHAPE, TrainGraph
 from micscompile.tune.chunk_keys import ChunkKeys
 from micscompile.tune.depth import OffLine, exact_line, on_line, shortened
-from micscompile.tune.floor import second_hop_floor_s, unit_floors, unit_grad_numel
+from micscompile.tune.floor import backward_phase_floors, second_hop_floor_s, unit_floors, unit_grad_numel
 
 _PER_SIZE = ("flops", "matmul_flops", "mem_bytes", "activation_bytes", "activation_peak_bytes")
 """The Action fields that depend on the micro-batch size."""
@@ -196,6 +196,7 @@ class Pricer:
         self._schedules: dict[tuple, object] = {}
         self._units = None
         self._unit_floors: dict[tuple, tuple] = {}
+        self._phases: dict[tuple, tuple] = {}
         self._node_floors: dict[tuple, dict] = {}  # (each node's floor per dtype and tensor ranks: unit_floors' memo)
         self._floor_cache: dict[tuple, float] = {}
         self._numel = None
@@ -250,22 +251,24 @@ class Pricer:
             return low
         return simulate_program(program, self.cluster, buffer_bytes=self.buffer_bytes, record=False, **self.costs)
 
-    def floor(self, plan: Plan, b: int, prefetch: Prefetch | None = None) -> float:
+    def floor(self, plan: Plan, b: int, prefetch: Prefetch | None = None, timeline: bool = True) -> float:
         """A lower bound of ``predict(plan, b, prefetch).step_time_s`` (None: of every prefetch) from the trace
         alone (``tune.floor``): a flat plan's micro-steps of its units' floors or of its collectives, a pipeline's
-        chunks' floors on its schedule at its cut points (cached)."""
+        chunks' floors on its schedule at its cut points (cached). ``timeline=False``: a pipeline's without its
+        schedule's timeline, its busiest rank's work alone (``pipeline_floor_s``: lower, in a fraction of the time;
+        ``mc.autotune`` orders by it and runs the timeline only for a candidate it does not rule out)."""
         if plan.tensor_parallel_size != self.source.tensor_parallel:
-            return self._tensor(plan, b).floor(plan, b, prefetch)
+            return self._tensor(plan, b).floor(plan, b, prefetch, timeline)
         # (one per what the floor reads: not offload, whose transfers it leaves out, nor the hierarchical choice, whose
         # cheaper side it takes; of the prefetch, a flat plan's buckets it keeps live, a pipeline's nothing)
         flat = plan.pipeline_stages == 1
         key = (plan.replace(offload_activations=False, hierarchical="auto"), b,
-               (prefetch and prefetch.keep_live) if flat else None)
+               (prefetch and prefetch.keep_live) if flat else None, timeline or flat)
         if key not in self._floor_cache:
-            self._floor_cache[key] = self._floor(plan, b, prefetch)
+            self._floor_cache[key] = self._floor(plan, b, prefetch, timeline)
         return self._floor_cache[key]
 
-    def _floor(self, plan: Plan, b: int, prefetch: Prefetch | None) -> float:
+    def _floor(self, plan: Plan, b: int, prefetch: Prefetch | None, timeline: bool = True) -> float:
         rp = plan.resolve(self.cluster.world_size, self.cluster.gpus_per_node)
         i = self._index(b)
         dtype = self.costs.get("compute_dtype") or str(plan.param_dtype).removeprefix("torch.")  # (the simulator's)
@@ -287,16 +290,24 @@ class Pricer:
             numel, replicas = self._grad_numel(), planned_groups(rp)["replicate"].ranks
             hops = [second_hop_floor_s(float(numel[a:e].sum()), plan.reduce_dtype.itemsize, rp.partition_size,
                                        replicas, rp.optimizer_shards, self.cluster) for a, e in cuts]
-        if plan.weight_split:  # (B's and W's floors apart are not known: a bound on any schedule)
-            return pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), chunks(bwd), split_backward=True,
-                                    v_shape=plan.pipeline_schedule == "zb-v", hops_s=hops)
-        # the schedule's own timeline, which no longer compute makes longer, and each rank's second hops on it
+        # a bound on any order of the rank's work
+        low = pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), chunks(bwd), split_backward=plan.weight_split,
+                               v_shape=plan.pipeline_schedule == "zb-v", hops_s=hops)
+        if not timeline or plan.pipeline_schedule == "zb-h1":  # (ZB-H1's W deferrals: chosen from the chunks' prices)
+            return low
         sched = self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
-        timeline = sched.simulate(chunks(fwd), chunks(bwd))
-        if hops is None:
-            return timeline.makespan_s
-        return max(timeline.makespan_s, *second_hops_end_s(
-            timeline, [sched.chunks_of(r) for r in range(rp.stages)], Op.BACKWARD, hops, hops))
+        ranks = [sched.chunks_of(r) for r in range(rp.stages)]
+        if plan.weight_split:
+            # the schedule's timeline on what is surely each chunk's B and surely its W (floor.backward_phase_floors)
+            to_b, to_w = self._phase_floors(rp, dtype)
+            run = sched.simulate(chunks(fwd), [float(to_b[a:e, a, i].sum()) for a, e in cuts], 0.0,
+                                 [float(to_w[a:e, a, i].sum()) for a, e in cuts])
+            ends = second_hops_end_s(run, ranks, Op.WEIGHT, hops, hops) if hops else ()
+            return max(low, run.makespan_s, *ends)
+        # the schedule's own timeline, which no longer compute makes longer, and each rank's second hops on it
+        run = sched.simulate(chunks(fwd), chunks(bwd))
+        ends = second_hops_end_s(run, ranks, Op.BACKWARD, hops, hops) if hops else ()
+        return max(low, run.makespan_s, *ends)
 
     def _shard_stream(self, rp: ResolvedPlan, kept: int | None) -> float:
         """A sharded flat plan's floor of its partition group's stream each micro-step (``_floor``), ``kept`` buckets
@@ -327,6 +338,15 @@ class Pricer:
                                                  len(self.sizes), *how,
                                                  memo=self._node_floors.setdefault((dtype, tuple(ranks)), {}))
         return self._unit_floors[key]
+
+    def _phase_floors(self, rp: ResolvedPlan, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """``floor.backward_phase_floors`` of this Pricer's trace (cached per dtype)."""
+        ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
+        key = (dtype, tuple(ranks))
+        if key not in self._phases:
+            self._phases[key] = backward_phase_floors(self.trace, self._unit_analysis()[0], self.cluster, dtype, ranks,
+                                                      len(self.sizes), memo=self._node_floors.setdefault(key, {}))
+        return self._phases[key]
 
     def _schedule(self, *how) -> PipeSchedule:
         """``make_schedule(*how)`` for its timeline (cached: the receives as NCCL posts them change nothing priced)."""
