@@ -280,6 +280,12 @@ def _memory_time_s(nbytes: float, gpu: GpuSpec, ops: int = 1) -> float:
     return nbytes / (gpu.memory_bandwidth_bps * gpu.memory_efficiency) + ops * gpu.op_overhead_s
 
 
+def accumulate_time_s(shard_numel: float, gpu: GpuSpec, buckets: int) -> float:
+    """A micro-step's gradient accumulation into the shard accumulators: ``shard_numel`` fp32 elements read twice and
+    written once, one operation per bucket."""
+    return _memory_time_s(3 * shard_numel * 4, gpu, ops=buckets)
+
+
 def issued_count(program: Program, a: Action) -> int:
     """In how many of the step's micro-steps ``a`` runs (``Program.issues``: the first, every middle one alike, the
     last)."""
@@ -700,7 +706,7 @@ def simulate_program(
                 note_span(start, t if end is None else end, i)
         # gradient accumulation into the shard accumulators
         if accumulate:  # (not for a pipeline chunk's forward half)
-            run_compute(_memory_time_s(3 * shard_numel * 4, gpu, ops=len(layouts)), "accumulate")
+            run_compute(accumulate_time_s(shard_numel, gpu, len(layouts)), "accumulate")
         mb += 1
     for a in deferred:
         pending[(a.kind, a.bucket)].append(issue(a))

@@ -38,7 +38,13 @@ from micscompile.cost_model.pipeline import (
     pipeline_peak_bytes,
     second_hops_end_s,
 )
-from micscompile.cost_model.simulator import Prediction, floor_s, simulate_program, stream_floor_s
+from micscompile.cost_model.simulator import (
+    Prediction,
+    accumulate_time_s,
+    floor_s,
+    simulate_program,
+    stream_floor_s,
+)
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.build import boundary_actions, build_program, with_second_hops
 from micscompile.lowering.flat import LoweredFlat, apply_prefetch, hierarchical_buckets
@@ -285,13 +291,20 @@ class Pricer:
         def chunks(unit_s: np.ndarray) -> list[float]:
             return [float(unit_s[a:e, i].sum()) for a, e in cuts]
 
+        # each micro-batch's backward (W where split) adds its gradients into the chunk's accumulators: at least the
+        # chunk's trainable elements over p, in one bucket at least (simulator.accumulate_time_s)
+        numel = self._grad_numel()
+        acc = [accumulate_time_s(float(numel[a:e].sum()) / rp.partition_size, self.cluster.gpu, 1)
+               if numel[a:e].sum() else 0.0 for a, e in cuts]
+        back = [b + x for b, x in zip(chunks(bwd), acc)]
+
         hops = None  # (each chunk's second hops over the replicas, after its last backward)
         if rp.second_hop_in_backward:
-            numel, replicas = self._grad_numel(), planned_groups(rp)["replicate"].ranks
+            replicas = planned_groups(rp)["replicate"].ranks
             hops = [second_hop_floor_s(float(numel[a:e].sum()), plan.reduce_dtype.itemsize, rp.partition_size,
                                        replicas, rp.optimizer_shards, self.cluster) for a, e in cuts]
         # a bound on any order of the rank's work
-        low = pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), chunks(bwd), split_backward=plan.weight_split,
+        low = pipeline_floor_s(rp.stages, rp.micro_batches, chunks(fwd), back, split_backward=plan.weight_split,
                                v_shape=plan.pipeline_schedule == "zb-v", hops_s=hops)
         if not timeline or plan.pipeline_schedule == "zb-h1":  # (ZB-H1's W deferrals: chosen from the chunks' prices)
             return low
@@ -301,11 +314,11 @@ class Pricer:
             # the schedule's timeline on what is surely each chunk's B and surely its W (floor.backward_phase_floors)
             to_b, to_w = self._phase_floors(rp, dtype)
             run = sched.simulate(chunks(fwd), [float(to_b[a:e, a, i].sum()) for a, e in cuts], 0.0,
-                                 [float(to_w[a:e, a, i].sum()) for a, e in cuts])
+                                 [float(to_w[a:e, a, i].sum()) + x for (a, e), x in zip(cuts, acc)])
             ends = second_hops_end_s(run, ranks, Op.WEIGHT, hops, hops) if hops else ()
             return max(low, run.makespan_s, *ends)
         # the schedule's own timeline, which no longer compute makes longer, and each rank's second hops on it
-        run = sched.simulate(chunks(fwd), chunks(bwd))
+        run = sched.simulate(chunks(fwd), back)
         ends = second_hops_end_s(run, ranks, Op.BACKWARD, hops, hops) if hops else ()
         return max(low, run.makespan_s, *ends)
 
