@@ -30,6 +30,7 @@ it receives; its output is ``(loss or None, *grads, *activations sent, *gradient
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -207,8 +208,13 @@ def in_flight(rp: ResolvedPlan) -> int:
     """How many micro-batches' activations each chunk of ``rp`` is cut to keep (``cut_points``): its rank's most in
     flight on ``rp``'s schedule, shared by its v chunks."""
     plan = rp.plan
-    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks, nccl=False)
-    return -(-max(sched.max_in_flight()) // plan.pipeline_chunks)
+    return _in_flight(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(kind: str, stages: int, micro_batches: int, chunks: int) -> int:
+    sched = make_schedule(kind, stages, micro_batches, chunks, nccl=False)
+    return -(-max(sched.max_in_flight()) // chunks)
 
 
 def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved: list[float],

@@ -3,7 +3,7 @@
 ``balance`` is the dynamic program over cut points: split ``costs`` into ``chunks``
 contiguous non-empty runs, minimising the slowest run, subject to every run's
 memory staying within its cap. Exact for that objective (tests compare it with
-brute force); O(chunks * units^2), the inner loop in numpy.
+brute force); O(chunks * units^2), each chunk's step in numpy.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ def balance(
     best = np.full((chunks + 1, n + 1), math.inf)
     cut = np.zeros((chunks + 1, n + 1), dtype=np.int64)
     best[0][0] = 0.0
-    for c in range(1, chunks + 1):
-        for j in range(c, n - (chunks - c) + 1):  # (the runs [i, j) for every i at once: the first best i)
-            before = best[c - 1][c - 1:j]
-            value = np.maximum(before, prefix[j] - prefix[c - 1:j])
-            value[(before == math.inf) | (held[j] - held[c - 1:j] > cap(c - 1))] = math.inf
-            i = int(np.argmin(value))
-            if value[i] < math.inf:
-                best[c][j], cut[c][j] = value[i], c - 1 + i
+    starts_at = np.arange(n + 1)[:, None]
+    for c in range(1, chunks + 1):  # (the runs [i, j) for every i and j at once: for each j the first best i)
+        ends = np.arange(c, n - (chunks - c) + 1)
+        before = best[c - 1][:, None]
+        value = np.maximum(before, prefix[ends] - prefix[:, None])
+        value[(starts_at < c - 1) | (starts_at >= ends) | (before == math.inf)
+              | (held[ends] - held[:, None] > cap(c - 1))] = math.inf
+        i = np.argmin(value, axis=0)
+        slowest = value[i, np.arange(len(ends))]
+        ok = slowest < math.inf
+        best[c][ends[ok]], cut[c][ends[ok]] = slowest[ok], i[ok]
     if best[chunks][n] == math.inf:
         raise PlanError(f"no split of the model into {chunks} pipeline chunks fits in memory "
                         f"(largest block {max(memory or [0]):.3g} bytes); use more stages or a larger "
