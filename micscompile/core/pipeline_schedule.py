@@ -441,27 +441,25 @@ def chunk_rank(chunk: int, stages: int, v_shape: bool) -> int:
 
 
 def _build(name: str, stages: int, micro_batches: int, chunks: int,
-           order: Callable[[int], list[tuple[Op, int, int]]], nccl: bool = True) -> PipeSchedule:
+           order: Callable[[int], list[tuple[Op, int, int]]], nccl: bool = True,
+           key: Callable[[int], object] | None = None) -> PipeSchedule:
     """Wrap each rank's (op, mb, chunk) compute order: receive right before, send right after, AR last
     (a W neither receives nor sends; a value between two chunks of one rank is handed over, not sent). ``nccl``:
     then receives posted as NCCL needs them (``_pair_order``, ``_nccl_order``); without, the schedule a timeline
-    prices (``simulate`` reads the computes and the sends only: a receive takes no time where it is posted)."""
-    n, ranks, v_shape = stages * chunks, [], name == "zb-v"
-
-    def elsewhere(c: int, other: int) -> bool:
-        return 0 <= other < n and chunk_rank(other, stages, v_shape) != chunk_rank(c, stages, v_shape)
-
+    prices (``simulate`` reads the computes and the sends only: a receive takes no time where it is posted).
+    ``key``: what rank r's order depends on besides the schedule's shape, where its wrapped actions may be
+    shared with another schedule's (ZB-H1's deferrals: ``memory_neutral`` builds many that differ in a few ranks)."""
+    ranks = []
     for r in range(stages):
-        acts: list[PipeAction] = []
-        for op, mb, c in order(r):
-            if op is Op.WEIGHT:
-                acts.append(PipeAction(op, mb, c))
-                continue
-            fwd = op is Op.FORWARD
-            recv, send = elsewhere(c, c - 1 if fwd else c + 1), elsewhere(c, c + 1 if fwd else c - 1)
-            acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
-            acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
-        ranks.append((*acts, PipeAction(Op.ALL_REDUCE)))
+        if key is None:
+            ranks.append(_rank_actions(name, stages, chunks, order(r)))
+            continue
+        shared = (name, stages, micro_batches, chunks, r, key(r))
+        if shared not in _RANKS:
+            if len(_RANKS) > 16384:
+                _RANKS.clear()
+            _RANKS[shared] = _rank_actions(name, stages, chunks, order(r))
+        ranks.append(_RANKS[shared])
     s = PipeSchedule(name, stages, chunks, micro_batches, tuple(ranks))
     if nccl:
         return _nccl_order(_pair_order(s))
@@ -469,6 +467,29 @@ def _build(name: str, stages: int, micro_batches: int, chunks: int,
     # posts, which is; test_a_timeline_schedule_prices_as_the_one_the_runtime_posts)
     s.__dict__["_checked"] = True
     return s
+
+
+_RANKS: dict[tuple, tuple[PipeAction, ...]] = {}
+"""``_build``'s ranks shared by key."""
+
+
+def _rank_actions(name: str, stages: int, chunks: int, order: list[tuple[Op, int, int]]) -> tuple[PipeAction, ...]:
+    """One rank's ``order`` wrapped as ``_build`` wraps it."""
+    n, v_shape = stages * chunks, name == "zb-v"
+
+    def elsewhere(c: int, other: int) -> bool:
+        return 0 <= other < n and chunk_rank(other, stages, v_shape) != chunk_rank(c, stages, v_shape)
+
+    acts: list[PipeAction] = []
+    for op, mb, c in order:
+        if op is Op.WEIGHT:
+            acts.append(PipeAction(op, mb, c))
+            continue
+        fwd = op is Op.FORWARD
+        recv, send = elsewhere(c, c - 1 if fwd else c + 1), elsewhere(c, c + 1 if fwd else c - 1)
+        acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
+        acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
+    return (*acts, PipeAction(Op.ALL_REDUCE))
 
 
 def _pair_order(s: PipeSchedule) -> PipeSchedule:
@@ -678,8 +699,9 @@ def zero_bubble(stages: int, micro_batches: int, chunks: int = 1, deferred: tupl
     check_schedule(kind, S, micro_batches, v)
     if deferred is not None and (len(deferred) != S or min(deferred) < 0):
         raise ScheduleError(f"deferred needs one count >= 0 per rank ({S}), got {deferred}")
-    return _build(kind, stages, micro_batches, chunks,
-                  lambda r: zero_bubble_order(S, micro_batches, v, r, r if deferred is None else deferred[r]), nccl)
+    held = (lambda r: r) if deferred is None else deferred.__getitem__
+    return _build(kind, stages, micro_batches, chunks, lambda r: zero_bubble_order(S, micro_batches, v, r, held(r)), nccl,
+                  key=held)
 
 
 def zero_bubble_order(stages: int, micro_batches: int, chunks: int, rank: int, deferred: int) -> list[tuple[Op, int, int]]:
