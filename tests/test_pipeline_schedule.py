@@ -462,3 +462,20 @@ def test_walked_peak_is_the_walk_one_action_after_another(kind, S, m, v):
                                       if kind == "zb-h1" else [])
         for actions in orders:
             assert _walked_peak(actions, tuple(mem)) == _walk(actions, *mem[1:])
+
+
+def test_zb_h1_schedules_share_ranks_only_where_they_are_alike():
+    """ZB-H1 schedules that differ in some ranks' deferrals share the others' wrapped actions (``_build``'s key):
+    each is the schedule built alone, and each rank runs its own chunk (mutation caught: the key without the
+    rank, so two ranks deferring alike share one list)."""
+    import micscompile.core.pipeline_schedule as module
+
+    S, m = 4, 8
+    built = [zero_bubble(S, m, 1, d, nccl=False) for d in ((0, 0, 0, 0), (0, 1, 1, 1), (0, 1, 2, 3), (0, 1, 1, 1))]
+    module._RANKS.clear()
+    alone = zero_bubble(S, m, 1, (0, 1, 1, 1), nccl=False)
+    assert built[1].ranks == built[3].ranks == alone.ranks
+    assert built[0].ranks[0] is built[1].ranks[0]  # (rank 0 defers none in both: shared)
+    for sched in built:
+        for r, actions in enumerate(sched.ranks):
+            assert {a.chunk for a in actions if a.op in COMPUTE} == {r}
