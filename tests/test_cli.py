@@ -89,6 +89,17 @@ def test_autotune_prints_its_table():
     assert len([line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]) >= 3, out
 
 
+def test_autotune_prices_on_every_core_by_default(monkeypatch):
+    """``autotune``'s workers default to the cores the process may use (Linux's affinity; mutation caught: 1)."""
+    import os
+
+    from micscompile.cli import command
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    args = command.parser().parse_args(["autotune", "gpt:tiny", "--global-batch-size", "16"])
+    assert args.workers == 3
+
+
 def test_a_user_function_is_a_model_spec(tmp_path):
     (tmp_path / "mine.py").write_text(
         "import torch\n"

@@ -261,6 +261,11 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cores() -> int:
+    """The cores this process may run on (Linux: its affinity); 1 where forking workers is not the norm."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
 def _autotune(args: argparse.Namespace) -> int:
     import micscompile as mc
     from micscompile.tune.search_space import TENSOR_SIZES, check_global_batch, tensor_choices
@@ -369,8 +374,9 @@ def parser() -> argparse.ArgumentParser:
                       help="search each tensor group size > 1 with sequence parallelism too")
     tune.add_argument("--zero-bubble", action=argparse.BooleanOptionalAction, default=True,
                       help="search each pipeline with a zero-bubble schedule too (ZB-H1, interleaved zero bubble)")
-    tune.add_argument("--workers", type=_count("--workers", 256), default=1,
-                      help="processes pricing the tensor groups' candidates side by side (default 1)")
+    tune.add_argument("--workers", type=_count("--workers", 256), default=_cores(),
+                      help="processes pricing the tensor groups' candidates side by side, forked (default: the cores "
+                           "this process may use, on Linux; 1 elsewhere; the same table with any number)")
     tune.add_argument("--exhaustive", action="store_true",
                       help="simulate every candidate (default: best first, skipping those whose floor cannot beat "
                            "the top ones or their family's best; the same table)")
