@@ -114,7 +114,10 @@ def pipeline_peak_bytes(sched: PipeSchedule, prices: Sequence[ChunkPrice]) -> in
     """The busiest rank's planned peak (``_rank_peak``) of ``sched`` over chunks priced ``prices``: what
     ``simulate_pipeline`` reports, without its timeline (``mc.autotune`` rules out a pipeline that does not fit
     before simulating it)."""
-    mem = _memory(prices)
+    return _peak(sched, _memory(prices))
+
+
+def _peak(sched: PipeSchedule, mem: tuple) -> int:
     return int(max(_rank_peak(sched, r, mem) for r in range(sched.stages)))
 
 
@@ -283,7 +286,8 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
         # the last backward (W) with its second hops: when they end (from its start), how long they hold the links
         hop_end.append(p.last.step_time_s if p.last else 0.0)
         hop_busy.append(p.last.stream_busy_s.get("comm:replicate", 0.0) if p.last else 0.0)
-    static, saved, w_saved, acts, w_acts = _memory(prices)
+    mem = _memory(prices)
+    static = mem[0]
     # the activations of one micro-batch crossing a cut, the p * tp ranks of a stage sharing the node link when
     # it crosses nodes; a scattered one then all-gathered inside the receiving tensor group
     first, k = rp.pipe_ranks(0), rp.gpus_per_node
@@ -310,9 +314,6 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     # a rank's boundary: its second hops and the loss all-reduce (every rank's compute) done, then the rest
     ends = [max(makespan, replicated[r]) + sum(edge[c].step_time_s for c in cs) for r, cs in enumerate(ranks)]
     waits = [max(0.0, replicated[r] - makespan) for r in range(rp.stages)]
-    # a chunk keeps what its forward saved for each micro-batch in flight; its backward's peak on top of one
-    mem = static, saved, w_saved, acts, w_acts
-    peaks = [_rank_peak(sched, r, mem) for r in range(rp.stages)]
     compute = [sum(m * (fwd[c] + bwd[c] + wgt[c]) for c in cs) for cs in ranks]
     flops = sum(p.flops for p in prices)
     busy = {"compute": max(compute)}
@@ -321,7 +322,7 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     pred = Prediction(
         step_time_s=max(ends), compute_s=max(compute),
         exposed_comm_s=max(sum(exposed[c] for c in cs) + waits[r] for r, cs in enumerate(ranks)),
-        stream_busy_s=busy, peak_memory_bytes=int(max(peaks)),
+        stream_busy_s=busy, peak_memory_bytes=_peak(sched, mem),  # (each micro-batch in flight keeps what it saved)
         static_memory_bytes=int(max(sum(static[c] for c in cs) for cs in ranks)),
         flops_per_step=m * flops / rp.stages, world_size=rp.world_size, uncertainty=cluster.prediction_error,
         exposed_boundary_s=max(waits[r] + sum(edge[c].exposed_boundary_s for c in cs) for r, cs in enumerate(ranks)),

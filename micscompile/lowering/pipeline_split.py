@@ -223,8 +223,8 @@ def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved
     keeps its model states and the activations of ``flight`` micro-batches, default ``in_flight(rp)``) and read
     a parameter each (``params``: per unit, ``unit_params``). Nothing else of ``rp`` than S * v is read."""
     chunks = rp.stages * rp.plan.pipeline_chunks
-    in_flight_ = in_flight(rp) if flight is None else flight
-    memory = [s + a * in_flight_ for s, a in zip(state, saved)]
+    kept = in_flight(rp) if flight is None else flight
+    memory = [s + a * kept for s, a in zip(state, saved)]
     capacity = (gpu or A100_40GB).memory_bytes
     # every chunk must hold parameters (its rank's optimizer steps them): a block without any (a
     # normalisation held in buffers) is cut together with the next block that has some

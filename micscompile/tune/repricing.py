@@ -296,7 +296,7 @@ class Pricer:
         numel = self._grad_numel()
         acc = [accumulate_time_s(float(numel[a:e].sum()) / rp.partition_size, self.cluster.gpu, 1)
                if numel[a:e].sum() else 0.0 for a, e in cuts]
-        back = [b + x for b, x in zip(chunks(bwd), acc)]
+        back = [s + x for s, x in zip(chunks(bwd), acc)]
 
         hops = None  # (each chunk's second hops over the replicas, after its last backward)
         if rp.second_hop_in_backward:
@@ -346,20 +346,25 @@ class Pricer:
         """``floor.unit_floors`` of this Pricer's trace (cached per dtype and checkpointing)."""
         key = (dtype, *how)
         if key not in self._unit_floors:
-            ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
+            ranks, memo = self._node_floor_memo(rp, dtype)
             self._unit_floors[key] = unit_floors(self.trace, self._unit_analysis()[0], self.cluster, dtype, ranks,
-                                                 len(self.sizes), *how,
-                                                 memo=self._node_floors.setdefault((dtype, tuple(ranks)), {}))
+                                                 len(self.sizes), *how, memo=memo)
         return self._unit_floors[key]
 
     def _phase_floors(self, rp: ResolvedPlan, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """``floor.backward_phase_floors`` of this Pricer's trace (cached per dtype)."""
-        ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
+        ranks, memo = self._node_floor_memo(rp, dtype)
         key = (dtype, tuple(ranks))
         if key not in self._phases:
             self._phases[key] = backward_phase_floors(self.trace, self._unit_analysis()[0], self.cluster, dtype, ranks,
-                                                      len(self.sizes), memo=self._node_floors.setdefault(key, {}))
+                                                      len(self.sizes), memo=memo)
         return self._phases[key]
+
+    def _node_floor_memo(self, rp: ResolvedPlan, dtype: str) -> tuple[list[int], dict]:
+        """(the tensor group's ranks, each node's floor at ``dtype`` on them so far): what ``unit_floors`` and
+        ``backward_phase_floors`` share."""
+        ranks = planned_groups(rp)["tensor"].ranks if rp.tensor > 1 else [0]
+        return ranks, self._node_floors.setdefault((dtype, tuple(ranks)), {})
 
     def _schedule(self, *how) -> PipeSchedule:
         """``make_schedule(*how)`` for its timeline (cached: the receives as NCCL posts them change nothing priced)."""
