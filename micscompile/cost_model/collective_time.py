@@ -120,7 +120,10 @@ across nodes (and for all-reduce), / 3 inside one node, a tree at / 3.8 (tuning.
 def ll_network_step_s(cluster: Cluster) -> float:
     """One network step of an LL ring. NCCL adds the network's own latency L to hwLat once for LL and
     twice for Simple ("the flush extra latency"): Simple = 14 us + 2 L, LL = 2.7 us + L, so L comes
-    from the fitted Simple step (``Cluster.inter.latency_s``; EFA: ``specs.EFA_STEP_LATENCY_S``)."""
+    from the fitted Simple step (``Cluster.inter.latency_s``; EFA: ``specs.EFA_STEP_LATENCY_S``), unless
+    the preset measured the LL step apart (``Link.ll_latency_s``: today's small messages)."""
+    if cluster.inter.ll_latency_s:
+        return cluster.inter.ll_latency_s
     net = max(cluster.inter.latency_s - NCCL_NET_HW_LATENCY_S["ring_simple"], 0.0) / 2
     return NCCL_NET_HW_LATENCY_S["ring_ll"] + net
 

@@ -61,6 +61,10 @@ class Link:
 
     bandwidth_bps: float
     latency_s: float
+    """One step of a ring with NCCL's Simple protocol (the bandwidth protocol): for a NIC, a network step."""
+    ll_latency_s: float = 0.0
+    """One network step with NCCL's LL protocol, where it was measured apart (small messages: today's
+    presets); 0: NCCL's own relation to the Simple step (``collective_time.ll_network_step_s``)."""
 
 
 class ClusterError(ValueError):
@@ -189,14 +193,16 @@ H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e
                memory_bandwidth_bps=3350e9, memory_bytes=80 * GIB)
 
 def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float, nics: int, nic_latency_s: float,
-                     *, nvlink_efficiency: float = 1.0, nic_efficiency: float = 1.0, fabric_nodes: int = 0,
+                     *, nic_ll_latency_s: float = 0.0, nvlink_efficiency: float = 1.0, nic_efficiency: float = 1.0,
+                     fabric_nodes: int = 0,
                      fabric_oversubscription: float = 1.0, nic_node_exponent: float = 0.0,
                      prediction_error: float = 0.0, era: str = "") -> Cluster:
     """A cluster of 8-GPU nodes: per-GPU NVLink/NVSwitch inside, ``nics`` NICs per node across, each
     link at the fraction of its line rate a ring achieves."""
     return Cluster(name=name, nodes=1, gpus_per_node=8, gpu=gpu,
                    intra=Link(bandwidth_bps=nvlink_bps * nvlink_efficiency, latency_s=5e-6),
-                   inter=Link(bandwidth_bps=nic_gbps * GBPS_TO_BPS * nic_efficiency, latency_s=nic_latency_s),
+                   inter=Link(bandwidth_bps=nic_gbps * GBPS_TO_BPS * nic_efficiency, latency_s=nic_latency_s,
+                              ll_latency_s=nic_ll_latency_s),
                    nics_per_node=nics, fabric_nodes=fabric_nodes, fabric_oversubscription=fabric_oversubscription,
                    nic_node_exponent=nic_node_exponent,
                    prediction_error=prediction_error, era=era)
@@ -237,6 +243,43 @@ ERA_2021 = ("2021-22 software: NCCL 2.7-2.9, PyTorch 1.x without fused attention
 ERA_SPEC = ("spec-sheet links at line rate with A100's 2021-22 compute fit (judged on the Megatron-LM paper's 2021 "
             "rows: NCCL 2.8, PyTorch 1.8)")
 ERA_NONE = "spec sheets only: links at line rate, compute at half of peak (no row fitted or judged)"
+ERA_2023 = ("2023-25 software: NCCL 2.18-2.27, PyTorch 2.x with flash attention, FSDP (fitted on llm-foundry's MPT-7B "
+            "rows and nccl-tests runs of NCCL 2.20-2.27; benchmarks/reproduce_current.py)")
+
+# ---- today's software (issue 55): the same machines, fitted by the same protocol on current public evidence ----
+
+A100_MATMUL_EFFICIENCY_2023, H100_MATMUL_EFFICIENCY_2023 = 0.696, 0.543
+"""The fraction of 16-bit peak the matmuls (and fused attention) of today's stack reach, fitted on the one
+end-to-end row per GPU type the protocol allows (``benchmarks/reproduce_current.py --fit``): llm-foundry's MPT-7B
+on one 8-GPU node (seq 2048, micro-batch 6, FSDP FULL_SHARD, bf16, no checkpointing; mosaicml/llm-foundry
+``scripts/train/benchmarking/README.md``, 2023): 64.23% MFU on A100-80GB, 46.44% on H100, with the links fixed."""
+A100_80GB_2023 = dataclasses.replace(A100_80GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
+A100_40GB_2023 = dataclasses.replace(A100_40GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
+H100_2023 = dataclasses.replace(H100, matmul_efficiency=H100_MATMUL_EFFICIENCY_2023)
+
+A100_NVLINK_EFFICIENCY, H100_NVLINK_EFFICIENCY = 0.77, 370 / 450
+"""A ring's share of NVSwitch's line rate inside one node: A100 230.8 of 300 GB/s (nccl-tests on one p4d,
+NVIDIA/nccl#527, NCCL 2.9.9: no later one-node A100 figure is public, so today's presets keep it), H100 about
+370 of 450 GB/s (NVIDIA/nccl-tests#212)."""
+
+DGX_A100_NIC_EFFICIENCY_2023, DGX_A100_LL_STEP_S_2023 = 0.98, 38.0e-6
+"""DGX A100's 8 x 200 Gb/s InfiniBand with today's NCCL: "192 GB/s AllReduce BusBW" (an NVIDIA maintainer,
+NVIDIA/nccl#812) and 93 us for an 8-byte all-reduce on 2 nodes, which sets the LL network step
+(``reproduce_current.py --fit``); the Simple step is taken equal to it, as p5's sweep wants."""
+P4DE_NIC_EFFICIENCY_2024, P4DE_LL_STEP_S_2024 = 0.827, 73.5e-6
+"""2 x p4de with NCCL 2.20.3 over EFA (aws-samples/awsome-distributed-training, 2024-04): 41.0 GB/s of
+all-reduce algorithm bandwidth at 1 GiB (a tree on 2 nodes) sets the NICs' rate, 164 us for 8 bytes the LL network
+step. p4d has the same NICs: its current preset takes them with the 40 GB GPU."""
+
+CURRENT_HELD_OUT_ERROR = 0.05
+"""Median |error| in MFU of the held-out llm-foundry rows (``benchmarks/reproduce_current.py``): 5% on dgx-a100@2023
+(17 rows, one to 128 nodes' worth of A100s; 16 within 10%, a 70B on 64 A100-40GB at +38%) and 5% on p5.48xlarge@2025
+(four one-node H100 rows). p4d and p4de's current presets have no end-to-end row of their own: none."""
+P5_NIC_EFFICIENCY_2025, P5_LL_STEP_S_2025 = 0.78, 26.5e-6
+"""p5's 32 x 100 Gb/s EFA with NCCL 2.27.7: the all-gather bus bandwidth at 1 GiB over 2-32 nodes
+(crazyguitar/aws-gpu-communication-benchmark: 322, 289, 224, 262, 222 GB/s) sets the NICs' rate and the Simple
+step (no fall with the node count: the fit's exponent is 0), 2 x p5's 8-byte all-reduce (65-75 us, NCCL 2.20.3,
+awsome-distributed-training) the LL step; the fit leaves the Simple step at its floor, the LL step."""
 
 PRESETS: dict[str, Cluster] = {
     # fitted on collective measurements only (thesis §3.3.2, Fig. 3-2, §3.5.2.2; nccl-tests on 2 nodes,
@@ -264,6 +307,21 @@ PRESETS: dict[str, Cluster] = {
     "dgx-a100": _eight_gpu_nodes("dgx-a100", A100_80GB, 300e9, 200, 8, 10e-6, prediction_error=DGX_A100_HELD_OUT_ERROR,
                                  era=ERA_SPEC),
     "dgx-h100": _eight_gpu_nodes("dgx-h100", H100, 450e9, 400, 8, 10e-6, era=ERA_NONE),
+    # today's software on the same machines (and p5, H100 on EFA): benchmarks/reproduce_current.py --fit
+    "dgx-a100@2023": _eight_gpu_nodes("dgx-a100@2023", A100_80GB_2023, 300e9, 200, 8, DGX_A100_LL_STEP_S_2023,
+                                      nic_ll_latency_s=DGX_A100_LL_STEP_S_2023, nvlink_efficiency=A100_NVLINK_EFFICIENCY,
+                                      nic_efficiency=DGX_A100_NIC_EFFICIENCY_2023,
+                                      prediction_error=CURRENT_HELD_OUT_ERROR, era=ERA_2023),
+    "p4de.24xlarge@2024": _eight_gpu_nodes("p4de.24xlarge@2024", A100_80GB_2023, 300e9, 100, 4, P4DE_LL_STEP_S_2024,
+                                           nic_ll_latency_s=P4DE_LL_STEP_S_2024, nvlink_efficiency=A100_NVLINK_EFFICIENCY,
+                                           nic_efficiency=P4DE_NIC_EFFICIENCY_2024, era=ERA_2023),
+    "p4d.24xlarge@2024": _eight_gpu_nodes("p4d.24xlarge@2024", A100_40GB_2023, 300e9, 100, 4, P4DE_LL_STEP_S_2024,
+                                          nic_ll_latency_s=P4DE_LL_STEP_S_2024, nvlink_efficiency=A100_NVLINK_EFFICIENCY,
+                                          nic_efficiency=P4DE_NIC_EFFICIENCY_2024, era=ERA_2023),
+    "p5.48xlarge@2025": _eight_gpu_nodes("p5.48xlarge@2025", H100_2023, 450e9, 100, 32, P5_LL_STEP_S_2025,
+                                         nic_ll_latency_s=P5_LL_STEP_S_2025, nvlink_efficiency=H100_NVLINK_EFFICIENCY,
+                                         nic_efficiency=P5_NIC_EFFICIENCY_2025,
+                                         prediction_error=CURRENT_HELD_OUT_ERROR, era=ERA_2023),
 }
 
 
@@ -290,9 +348,10 @@ def _cpu_estimate(world_size: int, gpus_per_node: int) -> Cluster:
                    gpu=CPU_ESTIMATE, intra=link, inter=link, overlap=0.0)
 
 
-GPU_PRESETS = (("H100", "dgx-h100"), ("A100-SXM4-80GB", "p4de.24xlarge"), ("A100 80GB", "p4de.24xlarge"),
-               ("A100", "p4d.24xlarge"), ("V100", "p3dn.24xlarge"))
-"""(a substring of ``torch.cuda.get_device_name()``, the preset of the machines that GPU comes in), first match."""
+GPU_PRESETS = (("H100", "p5.48xlarge@2025"), ("A100-SXM4-80GB", "p4de.24xlarge@2024"),
+               ("A100 80GB", "p4de.24xlarge@2024"), ("A100", "p4d.24xlarge@2024"), ("V100", "p3dn.24xlarge"))
+"""(a substring of ``torch.cuda.get_device_name()``, the preset of the machines that GPU comes in), first match: the
+current software's preset where there is one (what ``mc.compile`` runs is today's stack), the thesis's for V100."""
 
 
 def default_cluster(device_type: str, device_name: str, world_size: int, gpus_per_node: int) -> Cluster | None:
