@@ -248,6 +248,9 @@ EXCLUDED = (
 RANDOM_ONLY = ("memory_budget_bytes", "max_gathers_in_flight")
 """The Plan fields only the random seeds draw (a budget below a bucket is a refusal, not a pairing); every
 other Plan field is set by some covering case (tests/test_fuzz.py), through an axis or drawn beside it."""
+DEVICE_ONLY = ("cuda_graph",)
+"""The Plan fields that change nothing on the CPU the fuzzer trains on (a CUDA graph needs a CUDA device: "auto" is
+off there, True refused): tests/test_cuda_graph.py checks them on a CPU, tests/test_cuda_paths.py on a GPU."""
 
 
 def _constraints() -> list[dict]:

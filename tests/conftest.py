@@ -9,10 +9,12 @@ and every rank and command it launches, prices on the built-in estimate, written
 
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from micscompile.cost_model import specs
 
@@ -27,3 +29,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-rank world under torchrun's environment (a free port), destroyed after the test; the test starts it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.util
-import socket
 import statistics
 import time
 import types
@@ -278,20 +277,6 @@ def needs_gpu(test):
     return pytest.mark.gpu(skip(test))
 
 
-@pytest.fixture
-def one_rank(monkeypatch, tmp_path):
-    """A one-rank world under torchrun's environment, destroyed after the test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(name, value)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @needs_gpu
 def test_gpu_host_scalar_collectives_work_on_a_pure_nccl_group(one_rank, tiny_trace):
     """What crashed: CPU tensors reduced over a plain "nccl" group (as a user's script may start it)."""
@@ -343,3 +328,52 @@ def test_gpu_calibration_measures_the_gpus_matmul_peak_and_memory_bandwidth(one_
     gpu = calibrate.calibrate(repeats=3).gpu
     assert gpu.flops("bfloat16") > 0.5 * preset.gpu.flops("bfloat16"), (gpu.peak_flops, preset.gpu.peak_flops)
     assert gpu.memory_bandwidth_bps > 0.75 * preset.gpu.memory_bandwidth_bps
+
+
+@needs_gpu
+def test_gpu_a_captured_step_replays_what_the_eager_step_computes(one_rank, monkeypatch):
+    """Issue 57: ``Plan.cuda_graph=True`` captures the third call whole and replays it; with deterministic kernels
+    its losses, weights and counted collectives equal an eager twin's step for step (docs/gpu.md's probe: bitwise at
+    p = 1); a changed float learning rate recaptures; under "auto" a batch of another shape runs eagerly."""
+    import copy
+
+    import micscompile as mc
+    from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
+        cfg = GPTConfig(layers=2, hidden=128, heads=4, seq_len=64, vocab_size=256)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        twin = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(0)
+        batches = [tuple(t.to(device) for t in lm_batch(cfg, 8, gen)) for _ in range(6)]
+
+        def build(m, setting):
+            return mc.compile(m, mc.Plan(partition_size=1, micro_batches=2, cuda_graph=setting), loss_fn=lm_loss,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_inputs=batches[0])
+
+        graphed, eager = build(model, True), build(twin, False)
+        assert graphed.cuda_graph_choice.captured and not eager.cuda_graph_choice.captured
+        for i, b in enumerate(batches):
+            torch.testing.assert_close(graphed(*b), eager(*b), msg=f"step {i + 1}")
+        assert graphed._graphed.captures == 1 and graphed.steps == eager.steps == len(batches)
+        assert graphed.comm_stats().as_dict() == eager.comm_stats().as_dict()
+        for step in (graphed, eager):
+            for g in step.optimizer.param_groups:
+                g["lr"] = 5e-4
+        with pytest.warns(UserWarning, match="recapturing"):
+            torch.testing.assert_close(graphed(*batches[0]), eager(*batches[0]))
+        assert graphed._graphed.captures == 2
+        for name, value in eager.full_state_dict().items():
+            torch.testing.assert_close(graphed.full_state_dict()[name], value, msg=name)
+        auto = build(copy.deepcopy(model), "auto")
+        assert auto.cuda_graph_choice.captured, auto.cuda_graph_choice
+        for b in batches[:3]:
+            auto(*b)
+        with pytest.warns(UserWarning, match="runs eagerly"):
+            auto(*(t[:4] for t in batches[3]))
+    finally:
+        torch.use_deterministic_algorithms(False)

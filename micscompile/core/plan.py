@@ -120,6 +120,11 @@ class Plan:
     picks one by the cost model on the cluster it schedules on (``runtime.codegen.choose_codegen``:
     Inductor where fusing is predicted >= 5% faster and pays for its compile; ``step.codegen_choice``
     says which and why)."""
+    cuda_graph: Literal["auto", True, False] = "auto"
+    """Replay the whole step (every micro-step, the boundary, the optimizer) as one CUDA graph captured over the
+    static arena after two eager steps (``runtime.cuda_graph``): no host cost per op. "auto": where nothing rules
+    capture out (a CUDA device, a flat plan, no host synchronization in the step, a capturable optimizer);
+    True: the same, or a ``PlanError`` naming what rules it out; ``step.cuda_graph_choice`` says which and why."""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None, optional: bool = False) -> None:
@@ -158,6 +163,8 @@ class Plan:
         positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         positive("bucket_bytes", self.bucket_bytes, optional=True)
         positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
+        if self.cuda_graph not in ("auto", True, False):
+            raise PlanError(f"Plan.cuda_graph must be 'auto', True or False, got {self.cuda_graph!r}")
         if self.hierarchical not in ("auto", True, False):
             raise PlanError(f"Plan.hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
         if self.checkpoint not in (False, True, "selective", "attention"):

@@ -34,6 +34,7 @@ from micscompile.lowering.lowered import lower
 from micscompile.lowering.pipeline import LoweredPipeline
 from micscompile.lowering.tensor_split import tensor_split
 from micscompile.memory.lifetimes import arena_offsets
+from micscompile.runtime import cuda_graph
 from micscompile.runtime.codegen import choose_codegen
 from micscompile.runtime.flat import TrainStep
 from micscompile.runtime.materialize import check_initializable, fingerprint
@@ -202,7 +203,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         C.check_nccl_timeout(str(dist.get_backend()), device)
         if not isinstance(timeout, datetime.timedelta):
             timeout = datetime.timedelta(seconds=float(timeout))
-    prints, error, order = None, None, None
+    prints, error, order, graph_choice = None, None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         _check_max_grad_norm(max_grad_norm)
         rp = plan.resolve(world, local_world_size())
@@ -235,6 +236,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if isinstance(lowered, LoweredFlat):  # the boundary as the step will run it
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
                 tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
+        lowered_plan = lowered.program.plan if isinstance(lowered, LoweredFlat) else rp
+        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(device, lowered_plan,
+                                                                                      max_grad_norm))
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None
@@ -250,6 +254,12 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
     step.codegen_choice = codegen_choice
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+    if graph_choice.captured:  # the optimizer exists now: one more condition, the same on every rank
+        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.optimizer_blockers(
+            step.optimizer, step.fused_optimizer, decided=True))
+    step.cuda_graph_choice = graph_choice
+    if graph_choice.captured:
+        step._graphed = cuda_graph.GraphedStep(step, forced=plan.cuda_graph is True)
     step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
     return step
 

@@ -141,6 +141,9 @@ class Step(Checkpointable):
         """With ``Plan.codegen="inductor"``: the compiled regions and their compile times (print it)."""
         self.codegen_choice = None
         """With ``Plan.codegen="auto"``: what the cost model chose and why (``runtime.codegen.CodegenChoice``)."""
+        self.cuda_graph_choice = None
+        """Whether the step replays as one CUDA graph and why (``runtime.cuda_graph.GraphChoice``)."""
+        self._graphed = None
         self.graph = graph
         self.device = device
         self._parts = parts
@@ -202,7 +205,7 @@ class Step(Checkpointable):
         fails or times out: another rank died, hung or left the step."""
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         try:
-            return self._step(batch)
+            return self._step(batch) if self._graphed is None else self._graphed(batch)
         except C.CollectiveError as exc:
             raise C.step_failure(exc, dist.get_rank(), self.steps + 1, self.timeout) from exc
 

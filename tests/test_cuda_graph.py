@@ -1,0 +1,100 @@
+"""Issue 57: the whole step as one CUDA graph (``Plan.cuda_graph``, ``runtime.cuda_graph``). What capture needs,
+checked on a CPU: each condition that rules it out is named before any collective, and a step's host
+synchronizations (run under ``HostSyncProbe``) are exactly those a blocker names. Capture and replay themselves
+run on a GPU (tests/test_cuda_paths.py, ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+import micscompile as mc
+from micscompile.core import launch
+from micscompile.runtime import cuda_graph
+from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gloo_rank(one_rank):
+    """A one-rank gloo world on this CPU."""
+    return launch.init_distributed(timeout=datetime.timedelta(seconds=60))
+
+
+def _blockers(world: int = 1, max_grad_norm=None, **plan) -> list[str]:
+    return cuda_graph.static_blockers(CUDA, mc.Plan(**plan).resolve(world, world), max_grad_norm)
+
+
+def test_plan_takes_auto_true_or_false():
+    assert mc.Plan().cuda_graph == "auto"
+    with pytest.raises(mc.PlanError, match="cuda_graph must be 'auto', True or False"):
+        mc.Plan(cuda_graph="always")
+
+
+def test_each_condition_that_rules_capture_out_is_named_with_what_lifts_it():
+    """A flat fp32 or bf16 step on CUDA captures; each of the others is one blocker naming its cause."""
+    assert _blockers(partition_size=1) == [] and _blockers(partition_size=1, param_dtype=torch.bfloat16) == []
+    assert _blockers(world=4, partition_size=2, optimizer_sharding="partition") == []
+    cases = {
+        "pipeline_stages > 1": _blockers(world=2, partition_size=1, pipeline_stages=2),
+        "offload_activations": _blockers(partition_size=1, checkpoint=True, offload_activations=True),
+        "optimizer_sharding='partition' captures": _blockers(world=4, partition_size=2, optimizer_sharding="world"),
+        "(max_grad_norm)": _blockers(partition_size=1, max_grad_norm=1.0),
+        "(fp16's loss scale)": _blockers(partition_size=1, param_dtype=torch.float16),
+    }
+    for words, blockers in cases.items():
+        assert len(blockers) == 1 and words in blockers[0], (words, blockers)
+    assert "CUDA graphs need a CUDA device" in cuda_graph.static_blockers(
+        torch.device("cpu"), mc.Plan(partition_size=1).resolve(1, 1), None)[0]
+
+
+def test_an_optimizer_with_its_step_count_on_the_host_rules_capture_out_unless_micscompile_chose_its_kernel():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    own = torch.optim.AdamW(params, capturable=False)
+    assert "capturable=True" in cuda_graph.optimizer_blockers(own, fused_by_us=False, decided=True)[0]
+    chosen = torch.optim.AdamW(params)  # the fused kernel micscompile picked: capturable turned on with it
+    assert cuda_graph.optimizer_blockers(chosen, fused_by_us=True, decided=True) == []
+    assert all(g["capturable"] for g in chosen.param_groups)
+    assert cuda_graph.optimizer_blockers(torch.optim.SGD(params, lr=0.1), fused_by_us=False, decided=True) == []
+
+
+def test_true_with_a_blocker_is_an_error_auto_says_why_it_is_off():
+    with pytest.raises(mc.PlanError, match="cannot capture this step: because"):
+        cuda_graph.resolve(True, ["because"])
+    off = cuda_graph.resolve("auto", ["because"])
+    assert not off.captured and "because" in str(off)
+    assert cuda_graph.resolve("auto", []).captured and not cuda_graph.resolve(False, []).captured
+
+
+@pytest.mark.parametrize("setup", [
+    {}, {"max_grad_norm": 1.0}, {"micro_batches": 2}, {"param_dtype": torch.bfloat16}, {"checkpoint": True},
+    {"codegen": "inductor"}])
+def test_a_step_synchronizes_the_host_exactly_where_a_blocker_says_so(gloo_rank, setup):
+    """One step of the zoo's GPT on this CPU under ``HostSyncProbe``: a ``.item()``, ``bool()`` of a tensor or a
+    data-dependent shape on the step path shows up, and must be one ``static_blockers`` names (as it would be on
+    CUDA). Mutations caught: a ``float(loss_sum)`` added to ``Step._step``; the host-sync blocker removed."""
+    setup = dict(setup)
+    max_grad_norm = setup.pop("max_grad_norm", None)
+    plan = mc.Plan(partition_size=1, **setup)
+    cfg = GPTConfig(layers=2, hidden=64, heads=2, seq_len=16, vocab_size=64)
+    torch.manual_seed(0)
+    batch = lm_batch(cfg, 4, torch.Generator().manual_seed(0))
+    step = mc.compile(GPT(cfg), plan, loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                      example_inputs=batch, max_grad_norm=max_grad_norm)
+    assert not step.cuda_graph_choice.captured and "CUDA device" in step.cuda_graph_choice.reason
+    step(*batch)  # (the first step makes the optimizer's state)
+    with cuda_graph.HostSyncProbe() as probe:
+        step(*batch)
+    named = [b for b in cuda_graph.static_blockers(CUDA, step.program.plan, max_grad_norm) if "host synchronization" in b]
+    assert bool(probe.syncs) == bool(named), (probe.syncs, named)
+
+
+def test_true_on_a_cpu_is_refused_before_any_collective(gloo_rank):
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, seq_len=8, vocab_size=32)
+    batch = lm_batch(cfg, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(mc.PlanError, match="cuda_graph=True cannot capture this step: the step runs on cpu"):
+        mc.compile(GPT(cfg), mc.Plan(partition_size=1, cuda_graph=True), loss_fn=lm_loss,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), example_inputs=batch)
