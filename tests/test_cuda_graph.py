@@ -5,6 +5,7 @@ run on a GPU (tests/test_cuda_paths.py, ``pytest -m gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
@@ -24,8 +25,8 @@ def gloo_rank(one_rank):
     return launch.init_distributed(timeout=datetime.timedelta(seconds=60))
 
 
-def _blockers(world: int = 1, max_grad_norm=None, **plan) -> list[str]:
-    return cuda_graph.static_blockers(CUDA, mc.Plan(**plan).resolve(world, world), max_grad_norm)
+def _blockers(world: int = 1, **plan) -> list[str]:
+    return cuda_graph.static_blockers(CUDA, mc.Plan(**plan).resolve(world, world))
 
 
 def test_plan_takes_auto_true_or_false():
@@ -42,23 +43,28 @@ def test_each_condition_that_rules_capture_out_is_named_with_what_lifts_it():
         "pipeline_stages > 1": _blockers(world=2, partition_size=1, pipeline_stages=2),
         "offload_activations": _blockers(partition_size=1, checkpoint=True, offload_activations=True),
         "optimizer_sharding='partition' captures": _blockers(world=4, partition_size=2, optimizer_sharding="world"),
-        "(max_grad_norm)": _blockers(partition_size=1, max_grad_norm=1.0),
-        "(fp16's loss scale)": _blockers(partition_size=1, param_dtype=torch.float16),
+        "fp16's loss scale": _blockers(partition_size=1, param_dtype=torch.float16),
     }
     for words, blockers in cases.items():
         assert len(blockers) == 1 and words in blockers[0], (words, blockers)
     assert "CUDA graphs need a CUDA device" in cuda_graph.static_blockers(
-        torch.device("cpu"), mc.Plan(partition_size=1).resolve(1, 1), None)[0]
+        torch.device("cpu"), mc.Plan(partition_size=1).resolve(1, 1))[0]
 
 
-def test_an_optimizer_with_its_step_count_on_the_host_rules_capture_out_unless_micscompile_chose_its_kernel():
+def test_an_optimizer_rules_capture_out_by_a_host_step_count_or_with_clipping_no_device_skip():
+    """AdamW's step count on the host (capturable=False) is a blocker unless micscompile chose the fused kernel
+    (it then turns capturable on); with max_grad_norm, so is an optimizer that cannot skip a non-finite step on
+    the device (torch's fused kernels can: found_inf)."""
     params = [torch.nn.Parameter(torch.ones(3))]
     own = torch.optim.AdamW(params, capturable=False)
-    assert "capturable=True" in cuda_graph.optimizer_blockers(own, fused_by_us=False, decided=True)[0]
-    chosen = torch.optim.AdamW(params)  # the fused kernel micscompile picked: capturable turned on with it
-    assert cuda_graph.optimizer_blockers(chosen, fused_by_us=True, decided=True) == []
-    assert all(g["capturable"] for g in chosen.param_groups)
-    assert cuda_graph.optimizer_blockers(torch.optim.SGD(params, lr=0.1), fused_by_us=False, decided=True) == []
+    assert "capturable=True" in cuda_graph.optimizer_blockers(own, fused_by_us=False, clipped=False)[0]
+    chosen = torch.optim.AdamW(params, fused=True)  # as micscompile's prefer_fused leaves it
+    assert cuda_graph.optimizer_blockers(chosen, fused_by_us=True, clipped=True) == []
+    assert all(g["capturable"] for g in chosen.param_groups) and cuda_graph.device_skip(chosen)
+    sgd = torch.optim.SGD(params, lr=0.1)
+    assert cuda_graph.optimizer_blockers(sgd, fused_by_us=False, clipped=False) == []
+    clipped = cuda_graph.optimizer_blockers(sgd, fused_by_us=False, clipped=True)
+    assert len(clipped) == 1 and "host synchronization" in clipped[0] and not cuda_graph.device_skip(sgd)
 
 
 def test_true_with_a_blocker_is_an_error_auto_says_why_it_is_off():
@@ -85,11 +91,47 @@ def test_a_step_synchronizes_the_host_exactly_where_a_blocker_says_so(gloo_rank,
     step = mc.compile(GPT(cfg), plan, loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
                       example_inputs=batch, max_grad_norm=max_grad_norm)
     assert not step.cuda_graph_choice.captured and "CUDA device" in step.cuda_graph_choice.reason
+    step._device_skip = cuda_graph.device_skip(step.optimizer)  # the step as a capture runs it
     step(*batch)  # (the first step makes the optimizer's state)
     with cuda_graph.HostSyncProbe() as probe:
         step(*batch)
-    named = [b for b in cuda_graph.static_blockers(CUDA, step.program.plan, max_grad_norm) if "host synchronization" in b]
-    assert bool(probe.syncs) == bool(named), (probe.syncs, named)
+    named = [b for b in (*cuda_graph.static_blockers(CUDA, step.program.plan),
+                         *cuda_graph.optimizer_blockers(step.optimizer, False, clipped=max_grad_norm is not None))
+             if "host synchronization" in b]
+    assert bool(probe.seen) == bool(named), (probe.seen, named)
+
+
+def test_a_non_finite_step_skipped_on_the_device_is_the_one_skipped_from_the_host(gloo_rank):
+    """With max_grad_norm, a step whose gradient is not finite (an inf in the batch) leaves the weights and the
+    optimizer's state as they were, on the device (the fused kernel's found_inf, what a captured step runs) as
+    from the host; both count it, and the next step trains alike. Mutation caught: found_inf left unset."""
+    import copy
+
+    from models import ConvNet, cls_loss, conv_batches
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    batches = conv_batches(4, 3, seed=0)
+    poisoned = (batches[1][0].clone(), batches[1][1])
+    poisoned[0][0, 0, 0] = float("inf")
+    steps = []
+    for on_device in (False, True):
+        step = mc.compile(copy.deepcopy(model), mc.Plan(partition_size=1), loss_fn=cls_loss,
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), example_inputs=batches[0],
+                          max_grad_norm=1.0)
+        step._device_skip = on_device and cuda_graph.device_skip(step.optimizer)
+        assert step._device_skip == on_device
+        with pytest.warns(UserWarning, match="skipped") if not on_device else contextlib.nullcontext():
+            for b in (batches[0], poisoned, batches[2]):
+                step(*b)
+        assert step.skipped_steps == 1 and step.steps == 3
+        steps.append(step)
+    host, device = (s.full_state_dict() for s in steps)
+    for name, value in host.items():
+        torch.testing.assert_close(device[name], value, rtol=0, atol=0, msg=name)
+    for a, b in zip(*(s.optimizer.state.values() for s in steps), strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
 
 
 def test_true_on_a_cpu_is_refused_before_any_collective(gloo_rank):

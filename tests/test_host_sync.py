@@ -1,13 +1,12 @@
 """Issue 28 item 5: a training step never makes the host wait for the device. On CPU the test runs
-whole steps (flat p in {1, 2} with s = 3, a pipeline, fp16 loss scaling off) under a dispatch mode
-that records every ``aten._local_scalar_dense`` (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``)
-and every copy from a device to the host: none. Clipping needs one (the finite-norm check that skips
+whole steps (flat p in {1, 2} with s = 3, a pipeline, fp16 loss scaling off) under ``HostSyncProbe``
+(``runtime.cuda_graph``), which records every scalar read (``.item()``, ``.tolist()``, ``bool(t)``,
+``float(t)``), data-dependent shape and copy from a device to the host: none. Clipping needs one (the finite-norm check that skips
 a step on every rank, ``Step._scale_grads``): exactly one per step."""
 
 from __future__ import annotations
 
 import contextlib
-import traceback
 
 import pytest
 import torch
@@ -16,31 +15,11 @@ from models import TiedLM, lm_batches, lm_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import micscompile as mc
+from micscompile.runtime.cuda_graph import HostSyncProbe
 from micscompile.tune.profile import OpCounter
 
 pytestmark = pytest.mark.multiproc
 aten = torch.ops.aten
-
-
-class HostSyncs(TorchDispatchMode):
-    """Records where an op makes the host wait for the device: a scalar read, or a copy to the CPU
-    from another device."""
-
-    def __init__(self, host_scalars: set[int]) -> None:
-        super().__init__()
-        self.host_scalars = host_scalars
-        """ids of tensors that live on the host on every device: the optimizer's step counts (torch.optim
-        keeps them on the CPU unless ``capturable``), so reading them waits for nothing."""
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        to_host = func in (aten._to_copy.default, aten.copy_.default) and _to_host(func, args, kwargs)
-        scalar = func is aten._local_scalar_dense.default and id(args[0]) not in self.host_scalars
-        if scalar or to_host:
-            self.seen.append(f"{func}: " + " | ".join(line.strip().splitlines()[0]
-                                                      for line in traceback.format_stack(limit=8)[:-2]))
-        return func(*args, **kwargs)
 
 
 class ArenaSlices(TorchDispatchMode):
@@ -76,13 +55,6 @@ def eager_ops(batch, micro_batches: int) -> int:
     return ops.total
 
 
-def _to_host(func, args, kwargs) -> bool:
-    src = args[0] if func is aten._to_copy.default else args[1]
-    dst = kwargs.get("device") if func is aten._to_copy.default else args[0].device
-    return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
-        and torch.device(dst).type == "cpu"
-
-
 PLANS = {
     "p1 s3": (mc.Plan(partition_size=1, micro_batches=3), None),
     "p2 s3": (mc.Plan(partition_size=2, micro_batches=3), None),
@@ -99,7 +71,7 @@ def run(rank: int, world: int) -> dict:
         step = mc.compile(TiedLM(), plan, loss_fn=lm_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                           example_inputs=batches[0], max_grad_norm=clip)
         step(*batches[0])  # the first step may set things up
-        syncs = HostSyncs({id(st["step"]) for st in step.optimizer.state.values() if "step" in st})
+        syncs = HostSyncProbe({id(st["step"]) for st in step.optimizer.state.values() if "step" in st})
         with syncs:
             for b in batches[1:]:
                 step(*b)

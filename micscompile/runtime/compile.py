@@ -188,7 +188,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     boundary reduction) to it before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
     does; ``step.grad_norm`` holds the norm before clipping (``float("inf")``: measure, never clip).
     A step whose norm is not finite is skipped on every rank (``step.skipped_steps``). Costs one
-    all-reduce of a scalar and one host sync per step (``docs/training.md``).
+    all-reduce of a scalar and one host sync per step (``docs/training.md``); a step replayed as a CUDA graph
+    (``Plan.cuda_graph``) skips on the device instead, through the fused optimizer's ``found_inf``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
@@ -237,8 +238,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
                 tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
         lowered_plan = lowered.program.plan if isinstance(lowered, LoweredFlat) else rp
-        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(device, lowered_plan,
-                                                                                      max_grad_norm))
+        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(device, lowered_plan))
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None
@@ -256,9 +256,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
     if graph_choice.captured:  # the optimizer exists now: one more condition, the same on every rank
         graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.optimizer_blockers(
-            step.optimizer, step.fused_optimizer, decided=True))
+            step.optimizer, step.fused_optimizer, clipped=max_grad_norm is not None))
     step.cuda_graph_choice = graph_choice
     if graph_choice.captured:
+        step._device_skip = cuda_graph.device_skip(step.optimizer)
         step._graphed = cuda_graph.GraphedStep(step, forced=plan.cuda_graph is True)
     step.eval_source = EvalSource(model, loss_fn, micro_example, num_model_inputs, lowered)
     return step

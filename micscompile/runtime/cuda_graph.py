@@ -12,10 +12,12 @@ What rules capture out is found before the step runs, every part of it checkable
 
 * ``static_blockers``, before any collective: a device other than CUDA; a pipeline (its point-to-point sends
   are posted from the host's schedule); activation offload (host copies); ``optimizer_sharding="world"`` (its
-  update all-gathers stay in flight from one step into the next); a host synchronization in the step (the
-  finite check that skips a step whose gradient norm is not finite: ``max_grad_norm``, fp16's loss scale).
+  update all-gathers stay in flight from one step into the next); fp16's loss scale (the host decides whether
+  to back off and skip).
 * ``optimizer_blockers``, when the optimizer exists: one that keeps its step count on the host
-  (``capturable=False``); "auto" turns capturable on where micscompile already chose the fused kernel.
+  (``capturable=False``; turned on where micscompile chose the fused kernel), or, with ``max_grad_norm``, one
+  that cannot skip a non-finite step on the device (``device_skip``: torch's fused kernels take ``found_inf``;
+  a captured step skips there, ``Step._device_skip``).
 * ``HostSyncProbe`` counts the ops of a step that make the host wait for the device (``.item()``, ``bool()``
   of a tensor, data-dependent shapes): the tests run a CPU step under it, so a synchronization added to the
   step path without a blocker that names it fails there.
@@ -25,6 +27,7 @@ What rules capture out is found before the step runs, every part of it checkable
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from dataclasses import dataclass
 
@@ -57,7 +60,7 @@ class GraphChoice:
         return f"cuda_graph: {'captured' if self.captured else 'off'} ({self.reason})"
 
 
-def static_blockers(device: torch.device, plan, max_grad_norm: float | None) -> list[str]:
+def static_blockers(device: torch.device, plan) -> list[str]:
     """What rules capture out for a step of ``plan`` (a ``ResolvedPlan`` as lowered) on ``device``, known before
     any collective; each names the cause and what would lift it."""
     out = []
@@ -71,29 +74,40 @@ def static_blockers(device: torch.device, plan, max_grad_norm: float | None) -> 
     if plan.optimizer_shards > 1:
         out.append("optimizer_sharding='world' leaves its update all-gathers in flight into the next step, and a "
                    "graph ends with its work: optimizer_sharding='partition' captures")
-    if max_grad_norm is not None or plan.plan.loss_scaled:
-        why = "max_grad_norm" if max_grad_norm is not None else "fp16's loss scale"
-        out.append(f"a host synchronization: the step reads on the host whether the gradient norm is finite, to "
-                   f"skip a non-finite step ({why}); bf16 without max_grad_norm captures (the device-side skip, "
-                   "the fused optimizer's found_inf, is not built yet)")
+    if plan.plan.loss_scaled:
+        out.append("a host synchronization: fp16's loss scale reads on the host whether the gradient norm is finite, "
+                   "to back off and skip the step; bf16 captures")
     return out
 
 
-def optimizer_blockers(optimizer: torch.optim.Optimizer, fused_by_us: bool, decided: bool) -> list[str]:
-    """What in ``optimizer`` rules capture out. Adam's and AdamW's (and others') step count lives on the host
-    unless ``capturable=True``: where micscompile chose the fused kernel (``fused_by_us``) and capture is not
-    forced off (``decided``: True or "auto" resolved to capture), it turns ``capturable`` on, which the fused
-    kernel computes the same with."""
+def device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip a step on the device: torch's fused kernels take ``found_inf`` and leave
+    every piece and its state as they were where it is nonzero (what ``max_grad_norm``'s finite check needs
+    without the host)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def optimizer_blockers(optimizer: torch.optim.Optimizer, fused_by_us: bool, clipped: bool) -> list[str]:
+    """What in ``optimizer`` rules capture out, once capture is otherwise decided. Adam's and AdamW's (and
+    others') step count lives on the host unless ``capturable=True``: where micscompile chose the fused kernel
+    (``fused_by_us``) it turns ``capturable`` on, which the fused kernel computes the same with. With
+    ``max_grad_norm`` (``clipped``), a non-finite step is skipped on the device, which needs a fused kernel
+    (``device_skip``)."""
+    out = []
+    name = type(optimizer).__name__
     groups = [g for g in optimizer.param_groups if "capturable" in g and not g["capturable"]]
-    if groups and fused_by_us and decided and not optimizer.state:
+    if groups and fused_by_us and not optimizer.state:
         for g in optimizer.param_groups:
             g["capturable"] = True
         optimizer.defaults["capturable"] = True
-        return []
-    if groups:
-        return [f"the optimizer ({type(optimizer).__name__}) keeps its step count on the host: construct it with "
-                "capturable=True"]
-    return []
+    elif groups:
+        out.append(f"the optimizer ({name}) keeps its step count on the host: construct it with capturable=True")
+    if clipped and not device_skip(optimizer):
+        out.append(f"a host synchronization: with max_grad_norm the step reads whether the gradient norm is finite, "
+                   f"to skip a non-finite step, and {name} cannot skip on the device (torch's fused Adam and AdamW "
+                   "can: fused=True, or leave the choice to micscompile)")
+    return out
 
 
 def resolve(setting, blockers: list[str]) -> GraphChoice:
@@ -108,17 +122,31 @@ def resolve(setting, blockers: list[str]) -> GraphChoice:
 
 
 class HostSyncProbe(TorchDispatchMode):
-    """Counts the ops that make the host wait for the device (``HOST_SYNC_OPS``), by name, while active."""
+    """Records, while active, each op that makes the host wait for the device (``HOST_SYNC_OPS``: a scalar read,
+    a data-dependent shape) and each copy from a device to the host, with the lines that called it. On a CPU
+    step nothing waits, but the ops are the ones that would on CUDA: the tests run steps under it."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_scalars: set[int] = frozenset()) -> None:
         super().__init__()
-        self.syncs: dict[str, int] = {}
+        self.host_scalars = host_scalars
+        """ids of tensors that live on the host on every device (torch.optim's step counts without
+        ``capturable``): reading them waits for nothing."""
+        self.seen: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in HOST_SYNC_OPS:
-            name = str(func.overloadpacket.__name__)
-            self.syncs[name] = self.syncs.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        to_host = func in (aten._to_copy.default, aten.copy_.default) and _to_host(func, args, kwargs)
+        if (func in HOST_SYNC_OPS and id(args[0]) not in self.host_scalars) or to_host:
+            where = " | ".join(line.strip().splitlines()[0] for line in traceback.format_stack(limit=8)[:-2])
+            self.seen.append(f"{func}: {where}")
+        return func(*args, **kwargs)
+
+
+def _to_host(func, args, kwargs) -> bool:
+    src = args[0] if func is aten._to_copy.default else args[1]
+    dst = kwargs.get("device") if func is aten._to_copy.default else args[0].device
+    return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
+        and torch.device(dst).type == "cpu"
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -147,10 +175,11 @@ class GraphedStep:
 
     def __call__(self, batch) -> torch.Tensor:
         step = self.step
-        if step.track_memory or step.max_grad_norm is not None:  # (set after mc.compile)
-            if self.forced and step.max_grad_norm is not None:
-                raise PlanError("Plan.cuda_graph=True: step.max_grad_norm was set after mc.compile, and the step "
-                                "now reads on the host whether the gradient norm is finite")
+        clipped_on_host = step.max_grad_norm is not None and not step._device_skip  # (max_grad_norm set later)
+        if step.track_memory or clipped_on_host:
+            if self.forced and clipped_on_host:
+                raise PlanError("Plan.cuda_graph=True: step.max_grad_norm was set after mc.compile, and this "
+                                "optimizer can only skip a non-finite step from the host")
             return step._step(batch)  # eagerly: the memory probe counts eager ops; the finite check syncs
         self.calls += 1
         if self.calls <= WARMUP_STEPS:

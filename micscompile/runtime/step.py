@@ -179,8 +179,11 @@ class Step(Checkpointable):
         must change on every rank."""
         self.grad_norm: torch.Tensor | None = None
         """The last step's global gradient norm before clipping (with ``max_grad_norm`` set, or fp16)."""
-        self.skipped_steps = 0
-        """Steps whose gradient norm was not finite: the optimizer did not step (on any rank)."""
+        self._skipped = 0
+        self._skipped_on_device: torch.Tensor | None = None
+        self._device_skip = False
+        """Skip a step whose gradient norm is not finite on the device (the fused optimizer's ``found_inf``) rather
+        than from the host: no host synchronization, as a captured step needs (``runtime.cuda_graph``)."""
         self._scale_inputs = [part.buffer_state[LOSS_SCALE] for part in parts if LOSS_SCALE in part.buffer_state]
         # a plan-wide choice: a pipeline's first stages have no loss (no scale input) but scaled gradients
         self.loss_scaler: LossScaler | None = LossScaler() if program.plan.plan.loss_scaled else None
@@ -244,6 +247,7 @@ class Step(Checkpointable):
         unscale them (fp16) and clip them with ``max_grad_norm``; False when their norm is not finite:
         the step is skipped (and an fp16 loss scale backs off)."""
         scaler = self.loss_scaler
+        self.optimizer.found_inf = None  # (set below where the device skips; a fused kernel reads it)
         if scaler is not None:
             scale = scale / scaler.scale
         factor = scale
@@ -257,16 +261,30 @@ class Step(Checkpointable):
                 torch._foreach_mul_(part.step_grads, factor)
         if not measured:
             return True
+        if self._device_skip and scaler is None:  # the fused kernel leaves every piece as it was where found_inf
+            bad = (~torch.isfinite(self.grad_norm)).to(torch.float32)
+            self.optimizer.found_inf, self.optimizer.grad_scale = bad, None
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=self.device)
+            self._skipped_on_device.add_(bad)  # (in place: a captured step adds to it at every replay)
+            return True
         finite = bool(torch.isfinite(self.grad_norm))  # one host sync, clipping or fp16 only
         if scaler is not None:
             scaler.update(finite)
         if finite:
             return True
-        self.skipped_steps += 1
-        if self.skipped_steps == 1 and scaler is None:  # fp16 overflows are routine: the scale backs off
+        self._skipped += 1
+        if self._skipped == 1 and scaler is None:  # fp16 overflows are routine: the scale backs off
             warnings.warn(f"step {self.steps + 1}: the gradient norm is {float(self.grad_norm)}; the optimizer "
                           "step is skipped on every rank (step.skipped_steps counts them)", stacklevel=4)
         return False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradient norm was not finite: the optimizer did not step (on any rank). Skipped on the
+        device (a captured step), they are counted there: reading this waits for the device."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
+        return self._skipped + on_device
 
     def _global_grad_norm(self) -> torch.Tensor:
         """The L2 norm of the whole (summed) gradient, every element once: this rank's pieces without
