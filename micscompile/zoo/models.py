@@ -95,6 +95,107 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP."""
+
+    vocab_size: int = 512
+    seq_len: int = 64
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    """Key/value heads: each serves ``heads // kv_heads`` query heads (grouped-query attention)."""
+    ffn: int = 344
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = True
+
+
+LLAMA_1B = LlamaConfig(vocab_size=128256, seq_len=2048, layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192)
+"""Llama 3.2 1B's shape (1.24B parameters, tied embeddings)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return norm.type_as(x) * self.weight
+
+
+def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (batch, heads, seq, head_dim): each pair of halves turned by the
+    position times its frequency."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    a, b = x[..., : dim // 2], x[..., dim // 2:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        head_dim = cfg.hidden // cfg.heads
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k = nn.Linear(cfg.hidden, cfg.kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(cfg.hidden, cfg.kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, h = x.shape
+        d = h // cfg.heads
+        q = _rotate(self.q(x).view(b, s, cfg.heads, d).transpose(1, 2), cfg.rope_theta)
+        k = _rotate(self.k(x).view(b, s, cfg.kv_heads, d).transpose(1, 2), cfg.rope_theta)
+        v = self.v(x).view(b, s, cfg.kv_heads, d).transpose(1, 2)
+        rep = cfg.heads // cfg.kv_heads  # each key/value head repeated for its query heads: the fused kernels run
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, h))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden)
+        self.attn = LlamaAttention(cfg)
+        self.norm2 = RMSNorm(cfg.hidden)
+        self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        y = self.norm2(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder (``LlamaConfig``) with the GPT's interface: ``blocks``, logits out, ``lm_loss``."""
+
+    def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = TokenEmbedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
