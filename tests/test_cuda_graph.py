@@ -69,11 +69,32 @@ def test_an_optimizer_rules_capture_out_by_a_host_step_count_or_with_clipping_no
 
 
 def test_true_with_a_blocker_is_an_error_auto_says_why_it_is_off():
+    """True with a blocker raises; "auto" says why it is off, and keeps a step over several ranks eager (a replayed
+    collective is outside NCCL's watchdog), which True captures; a wait that polls from the host is a blocker."""
     with pytest.raises(mc.PlanError, match="cannot capture this step: because"):
         cuda_graph.resolve(True, ["because"])
     off = cuda_graph.resolve("auto", ["because"])
     assert not off.captured and "because" in str(off)
     assert cuda_graph.resolve("auto", []).captured and not cuda_graph.resolve(False, []).captured
+    several = cuda_graph.resolve("auto", [], world_size=2)
+    assert not several.captured and "watchdog" in several.reason and cuda_graph.resolve(True, [], world_size=2).captured
+    plan = mc.Plan(partition_size=2).resolve(2, 2)
+    assert cuda_graph.static_blockers(CUDA, plan) == []
+    assert "TORCH_NCCL_BLOCKING_WAIT" in cuda_graph.static_blockers(CUDA, plan, blocking_wait=True)[0]
+
+
+def test_optimizer_state_left_on_the_host_is_found_after_a_step():
+    """A replay would not advance a step count kept on the host (a Python number, a CPU tensor next to CUDA
+    weights: non-capturable Adam, Adagrad); state on the step's device is fine."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    for opt in (torch.optim.AdamW([p], capturable=False), torch.optim.Adagrad([p])):
+        opt.step()
+        assert "keeps 'step' on cpu" in cuda_graph.host_state(opt, CUDA), type(opt).__name__
+        assert cuda_graph.host_state(opt, torch.device("cpu")) is None
+    sgd = torch.optim.SGD([p], lr=0.1)
+    sgd.step()
+    assert cuda_graph.host_state(sgd, CUDA) is None
 
 
 @pytest.mark.parametrize("setup", [

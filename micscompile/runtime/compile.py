@@ -238,7 +238,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
                 tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
         lowered_plan = lowered.program.plan if isinstance(lowered, LoweredFlat) else rp
-        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(device, lowered_plan))
+        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(
+            device, lowered_plan, blocking_wait=C.nccl_blocking_wait()), rp.world_size)
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None
@@ -256,7 +257,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
     if graph_choice.captured:  # the optimizer exists now: one more condition, the same on every rank
         graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.optimizer_blockers(
-            step.optimizer, step.fused_optimizer, clipped=max_grad_norm is not None))
+            step.optimizer, step.fused_optimizer, clipped=max_grad_norm is not None), rp.world_size)
     step.cuda_graph_choice = graph_choice
     if graph_choice.captured:
         step._device_skip = cuda_graph.device_skip(step.optimizer)

@@ -21,8 +21,14 @@ What rules capture out is found before the step runs, every part of it checkable
 * ``HostSyncProbe`` counts the ops of a step that make the host wait for the device (``.item()``, ``bool()``
   of a tensor, data-dependent shapes): the tests run a CPU step under it, so a synchronization added to the
   step path without a blocker that names it fails there.
-* at each call: the batch's shapes and dtypes (a graph replays fixed ones), and the optimizer's hyperparameters
-  (a float learning rate is baked into the graph: a change recaptures, a tensor one is read in place).
+* once the step has run (``host_state``): optimizer state left on the host (a Python step count, a CPU tensor),
+  which a replay would not advance: the step runs eagerly ("auto") or raises (True).
+* at each call: what the graph bakes in, ``max_grad_norm`` and the optimizer's hyperparameters (a float learning
+  rate; a device tensor is read in place): a change recaptures, up to ``MAX_CAPTURES``. The batch's shapes are
+  fixed already (``check_batch``: a step runs the shape it was compiled for).
+* "auto" keeps a step over several ranks eager: a replayed collective is outside NCCL's watchdog, so a dead rank
+  would hang the others with no timeout (``SEVERAL_RANKS``); True captures it anyway, and
+  ``TORCH_NCCL_BLOCKING_WAIT=1`` (a wait that polls from the host) rules it out.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from micscompile.core.collectives import CommRow
 from micscompile.core.plan import PlanError
 
 aten = torch.ops.aten
@@ -60,12 +67,15 @@ class GraphChoice:
         return f"cuda_graph: {'captured' if self.captured else 'off'} ({self.reason})"
 
 
-def static_blockers(device: torch.device, plan) -> list[str]:
+def static_blockers(device: torch.device, plan, blocking_wait: bool = False) -> list[str]:
     """What rules capture out for a step of ``plan`` (a ``ResolvedPlan`` as lowered) on ``device``, known before
-    any collective; each names the cause and what would lift it."""
+    any collective; each names the cause and what would lift it. ``blocking_wait``: NCCL's Work.wait() polls
+    its event from the host (``TORCH_NCCL_BLOCKING_WAIT=1``), which a capture forbids."""
     out = []
     if device.type != "cuda":
         out.append(f"the step runs on {device.type}: CUDA graphs need a CUDA device")
+    if blocking_wait and plan.world_size > 1:
+        out.append("TORCH_NCCL_BLOCKING_WAIT=1: each collective's wait polls from the host, which a capture forbids")
     if plan.stages > 1:
         out.append("a pipeline (pipeline_stages > 1) posts its point-to-point sends from the host's schedule: "
                    "not captured yet")
@@ -110,15 +120,34 @@ def optimizer_blockers(optimizer: torch.optim.Optimizer, fused_by_us: bool, clip
     return out
 
 
-def resolve(setting, blockers: list[str]) -> GraphChoice:
-    """``Plan.cuda_graph`` against what rules capture out: True with a blocker is a ``PlanError``."""
+SEVERAL_RANKS = ("several ranks: a replayed collective is outside NCCL's watchdog, so a dead or hung rank would leave "
+                 "the others waiting with no timeout; cuda_graph=True captures anyway")
+"""Why "auto" does not capture a step over several ranks (True does, and says so in docs/gpu.md)."""
+
+
+def resolve(setting, blockers: list[str], world_size: int = 1) -> GraphChoice:
+    """``Plan.cuda_graph`` against what rules capture out: True with a blocker is a ``PlanError``; "auto" also
+    keeps a step over several ranks eager (``SEVERAL_RANKS``)."""
     if setting is False:
         return GraphChoice(False, "Plan.cuda_graph=False")
     if blockers:
         if setting is True:
             raise PlanError("Plan.cuda_graph=True cannot capture this step: " + "; ".join(blockers))
         return GraphChoice(False, "auto: " + "; ".join(blockers))
+    if setting == "auto" and world_size > 1:
+        return GraphChoice(False, "auto: " + SEVERAL_RANKS)
     return GraphChoice(True, "auto: nothing rules capture out" if setting == "auto" else "Plan.cuda_graph=True")
+
+
+def host_state(optimizer: torch.optim.Optimizer, device: torch.device) -> str | None:
+    """What of ``optimizer``'s state lives on the host after a step (a Python number, a CPU tensor: a step
+    count a replay would not advance), or None."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.device != device:
+                where = "a Python number" if not isinstance(value, torch.Tensor) else f"on {value.device}"
+                return f"the optimizer ({type(optimizer).__name__}) keeps {key!r} {where}: a replay would not update it"
+    return None
 
 
 class HostSyncProbe(TorchDispatchMode):
@@ -149,11 +178,21 @@ def _to_host(func, args, kwargs) -> bool:
         and torch.device(dst).type == "cpu"
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The values a captured optimizer step bakes in: every non-tensor entry of every group (a tensor one, such as
-    ``lr=torch.tensor(...)``, is read in place by the graph)."""
-    return [{k: v for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)}
-            for g in optimizer.param_groups]
+def _baked_in(step) -> list:
+    """The values a captured step bakes in: ``max_grad_norm`` and every entry of every optimizer group but a
+    device tensor's (``lr=torch.tensor(..., device="cuda")`` is read in place by the graph; a CPU tensor is read
+    on the host when captured, so by its value)."""
+    def value(v):
+        return v.tolist() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+
+    return [step.max_grad_norm] + [{k: value(v) for k, v in g.items() if k != "params"
+                                    and not (isinstance(v, torch.Tensor) and v.device.type != "cpu")}
+                                   for g in step.optimizer.param_groups]
+
+
+MAX_CAPTURES = 4
+"""Captures a step may take (the first and three after a change baked into the graph) before it runs eagerly: a
+schedule that changes a float learning rate every step would otherwise capture every step."""
 
 
 class GraphedStep:
@@ -162,31 +201,40 @@ class GraphedStep:
     def __init__(self, step, forced: bool) -> None:
         self.step = step
         self.forced = forced
-        """Plan.cuda_graph=True: a batch the graph cannot take is an error (else it runs eagerly)."""
+        """Plan.cuda_graph=True: what rules capture out once the step runs is an error (else it runs eagerly)."""
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: list[torch.Tensor] = []
         self.out: torch.Tensor | None = None
         self.calls = 0
         self.captures = 0
-        """How many times the step was captured (more than once: the optimizer's hyperparameters changed)."""
-        self._hyper: list[dict] | None = None
+        """How many times the step was captured (more than once: something baked into the graph changed)."""
+        self.eager_reason: str | None = None
+        """Why the step runs eagerly from now on (None: it replays)."""
+        self._baked: list | None = None
+        self._grad_norm: torch.Tensor | None = None
         self._per_replay: dict = {}
-        self._warned = False
+        self._side = torch.cuda.Stream(step.device)
+        # a counter the graph adds to in place must exist before the capture
+        step._skipped_on_device = torch.zeros((), dtype=torch.float32, device=step.device)
 
     def __call__(self, batch) -> torch.Tensor:
         step = self.step
-        clipped_on_host = step.max_grad_norm is not None and not step._device_skip  # (max_grad_norm set later)
-        if step.track_memory or clipped_on_host:
-            if self.forced and clipped_on_host:
-                raise PlanError("Plan.cuda_graph=True: step.max_grad_norm was set after mc.compile, and this "
-                                "optimizer can only skip a non-finite step from the host")
-            return step._step(batch)  # eagerly: the memory probe counts eager ops; the finite check syncs
+        if step.max_grad_norm is not None and not step._device_skip:  # (set after mc.compile)
+            self._go_eager("step.max_grad_norm was set after mc.compile, and this optimizer can only skip a "
+                           "non-finite step from the host")
+        if step.track_memory or self.eager_reason is not None:
+            return step._step(batch)  # the memory probe counts eager ops
         self.calls += 1
         if self.calls <= WARMUP_STEPS:
             return self._on_side_stream(batch)
-        if self.graph is not None and not self._fits(batch):
-            return step._step(batch)
-        if self.graph is None or _hyperparameters(step.optimizer) != self._hyper:
+        if self.graph is None or _baked_in(step) != self._baked:
+            if self.captures >= MAX_CAPTURES:
+                self._go_eager(f"captured {self.captures} times: what the graph bakes in (max_grad_norm, a float "
+                               "learning rate) keeps changing; lr=torch.tensor(..., device='cuda') is read in place")
+                return step._step(batch)
+            if self.graph is None and (why := host_state(step.optimizer, step.device)):
+                self._go_eager(why)
+                return step._step(batch)
             self._capture(batch)  # (its collectives counted as the capture queued them)
         else:
             self._count()
@@ -194,37 +242,31 @@ class GraphedStep:
             s.copy_(x, non_blocking=True)
         self.graph.replay()
         step.steps += 1
+        step.grad_norm = self._grad_norm  # (an eager step in between may have pointed it elsewhere)
         return self.out.clone()  # (the graph's output is overwritten by the next replay)
 
-    def _on_side_stream(self, batch) -> torch.Tensor:
-        side = torch.cuda.Stream(self.step.device)
-        side.wait_stream(torch.cuda.current_stream(self.step.device))
-        with torch.cuda.stream(side):
-            out = self.step._step(batch)
-        torch.cuda.current_stream(self.step.device).wait_stream(side)
-        return out
-
-    def _fits(self, batch) -> bool:
-        same = all(s.shape == x.shape and s.dtype == x.dtype for s, x in zip(self.static, batch))
-        if same:
-            return True
-        what = (f"the batch's shapes {[tuple(x.shape) for x in batch]} differ from the captured "
-                f"{[tuple(s.shape) for s in self.static]}")
+    def _go_eager(self, why: str) -> None:
         if self.forced:
-            raise PlanError(f"Plan.cuda_graph=True: {what}; a graph replays fixed shapes (pad the batch, or "
-                            "cuda_graph='auto' to run such a step eagerly)")
-        if not self._warned:
-            warnings.warn(f"cuda_graph: {what}: this step runs eagerly (as does any other such step)", stacklevel=4)
-            self._warned = True
-        return False
+            raise PlanError(f"Plan.cuda_graph=True: {why}")
+        if self.eager_reason is None:
+            warnings.warn(f"cuda_graph: {why}; the step runs eagerly from now on", stacklevel=4)
+            self.eager_reason = why
+            self.step.cuda_graph_choice = GraphChoice(False, f"auto, after {self.calls} steps: {why}")
+
+    def _on_side_stream(self, batch) -> torch.Tensor:
+        current = torch.cuda.current_stream(self.step.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            out = self.step._step(batch)
+        current.wait_stream(self._side)
+        return out
 
     def _capture(self, batch) -> None:
         step = self.step
-        if self.graph is not None and not self._warned:
-            warnings.warn("cuda_graph: the optimizer's hyperparameters changed since the capture (a float learning "
-                          "rate is baked into the graph): recapturing; a tensor learning rate (lr=torch.tensor(...)) "
-                          "is read in place", stacklevel=4)
-            self._warned = True
+        if self.graph is not None:
+            warnings.warn("cuda_graph: max_grad_norm or the optimizer's hyperparameters changed since the capture (a "
+                          "float learning rate is baked into the graph): recapturing; lr=torch.tensor(..., "
+                          "device='cuda') is read in place", stacklevel=4)
         self.static = [x.to(step.device).clone() for x in batch]
         self.graph = torch.cuda.CUDAGraph()
         before = {k: vars(r).copy() for k, r in step._stats.rows.items()}
@@ -233,13 +275,14 @@ class GraphedStep:
         step.steps -= 1  # the capture queued the work, it did not run it
         self._per_replay = {k: {f: v - before.get(k, {}).get(f, 0) for f, v in vars(r).items()}
                             for k, r in step._stats.rows.items()}
-        self._hyper = _hyperparameters(step.optimizer)
+        self._grad_norm = step.grad_norm
+        self._baked = _baked_in(step)
         self.captures += 1
 
     def _count(self) -> None:
         """Add one replay's collectives to the step's ``comm_stats`` (the host no longer calls them)."""
         rows = self.step._stats.rows
         for key, delta in self._per_replay.items():
-            row = rows[key]
+            row = rows.setdefault(key, CommRow())
             for f, v in delta.items():
                 setattr(row, f, getattr(row, f) + v)

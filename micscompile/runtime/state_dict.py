@@ -278,8 +278,8 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
     for group in optimizer.param_groups:
         first = next((names[id(p)] for p in group["params"] if id(p) in names), None)
         saved = next((g for g in optim["param_groups"] if first in g["params"]), None)
-        if saved is not None:  # (the kernel, fused or foreach, is the loading step's own choice)
-            group.update({k: v for k, v in saved.items() if k not in ("params", "fused", "foreach")})
+        if saved is not None:  # (the kernel, fused or foreach, and capturable are the loading step's own choice)
+            group.update({k: v for k, v in saved.items() if k not in ("params", "fused", "foreach", "capturable")})
     return int(sd["steps"])
 
 
@@ -322,6 +322,8 @@ class Checkpointable:
         if self.loss_scaler is not None and "loss_scale" in sd:
             self.loss_scaler.load_state_dict(sd["loss_scale"])
         self._provisional = self.steps == 0
+        if getattr(self, "_graphed", None) is not None:  # the loaded tensors are new: the next call captures anew
+            self._graphed.graph = None
 
     def _settle(self, exact: bool = False) -> None:
         """Wait for what the last step left in flight on the shards (none by default)."""
