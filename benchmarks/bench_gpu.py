@@ -1,22 +1,31 @@
-"""One GPU, one rank: micscompile's step against DDP, FSDP2 and plain eager PyTorch on CUDA.
+"""One GPU, one rank: micscompile's step against torch.compile, DDP, FSDP2 and plain eager PyTorch on CUDA.
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py
+    torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --tf32                  # the GPTs, fp32
+    torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models llama-1b --micro-batches 1 --alone
 
 What ``bench_peers.py`` measures on 4 gloo ranks, on the one GPU a rank owns (NCCL refuses two
 ranks on one GPU, so p=1 and world 1): what each system's runtime costs on top of the same model's
-compute, on the device it is built for. Same GPT, same batches (on the GPU before timing), fp32
-(``--tf32``: TF32 matmuls) for all; micscompile steps AdamW by torch's fused kernel (``core.optim.prefer_fused``),
-the peers by torch's default (foreach on CUDA), "eager" by the fused kernel as micscompile does (the
-floor: no wrapper, no collective). Every system is built first and then timed in alternation
+compute, on the device it is built for. Same model, same batches (on the GPU before timing). The GPTs train in
+fp32 (``--tf32``: TF32 matmuls); ``llama-1b`` (``zoo.models.LLAMA_1B``, Llama 3.2 1B's shape, 1.24B parameters,
+seq 2048) in bf16: micscompile with ``Plan.param_dtype=torch.bfloat16`` (fp32 master weights), the others under
+``torch.autocast`` (fp32 weights, bf16 matmuls; FSDP2 with its ``MixedPrecisionPolicy``). micscompile steps AdamW
+by torch's fused kernel (``core.optim.prefer_fused``) and by default replays its step as one CUDA graph
+(``Plan.cuda_graph="auto"``); "eager" and "torch.compile" step fused AdamW too (the floor: no wrapper, no
+collective; ``torch.compile(model)``, Inductor's default mode), DDP and FSDP2 by torch's default (foreach on CUDA).
+Every system is built first and then timed in alternation
 (``timing.interleaved_times_s``: each round times every system once on the same batch; ``--alone``:
-each system built, timed and freed in turn, no other system's memory or streams in the process), each
+each system built, timed and freed in turn, no other system's memory or streams in the process: the 1B model's
+five systems do not fit one GPU together), each
 step from an idle device to its end (synchronized). Per (model, s): the median step, its ratio to
-micscompile's, the system's GPU memory at the peak of its first step, and, for micscompile, whether a step makes the host
+micscompile's, tokens/s, model FLOP utilization (MFU: 6 N + 12 l h s FLOPs per token, recomputation not counted,
+over the GPU's dense peak in the run's precision: ``PEAKS``), the system's GPU memory at the peak of its first
+step, and, for micscompile, whether a step makes the host
 wait for the GPU (``torch.cuda.set_sync_debug_mode("error")`` around whole steps after warm-up).
 Per system also the host's side of a step (``host_side``): the median time until the step returns
-(its kernels queued, the device not waited for), the aten ops it dispatches (``OpCounter``) and the
-kernels it launches (``torch.profiler``: the runtime's and the driver's launch calls, Triton's
-included): what ``Plan.codegen="auto"`` must price on a host-bound GPU (docs/performance.md).
+(its kernels queued, the device not waited for) and its share of the step, the aten ops it dispatches
+(``OpCounter``) and the kernels it launches (``torch.profiler``: the runtime's and the driver's launch calls,
+Triton's and a graph replay's included): what ``Plan.codegen="auto"`` must price on a host-bound GPU
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import datetime
 import gc
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,34 +48,92 @@ import micscompile as mc
 from micscompile.core.launch import init_distributed
 from micscompile.core.optim import prefer_fused
 from micscompile.tune.profile import OpCounter
-from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.zoo.models import GPT, LLAMA_1B, GPTConfig, Llama, LlamaConfig, lm_batch, lm_loss
 
-SYSTEMS = ["micscompile p=1", "eager (fused AdamW)", "DDP (no_sync)", "FSDP2 (1 rank)"]
-MODELS = {  # name -> (layers, hidden, seq, samples per step)
-    "small": (4, 256, 64, 8),  # bench_peers' CPU model: the GPU idles, the host's launches are the step
-    "gpt-350m": (24, 1024, 512, 16),
+SYSTEMS = ["micscompile p=1", "eager (fused AdamW)", "torch.compile (fused AdamW)", "DDP (no_sync)", "FSDP2 (1 rank)"]
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    cfg: GPTConfig | LlamaConfig
+    samples: int
+    """Samples per optimizer step (split into the micro-batches)."""
+    dtype: torch.dtype = torch.float32
+    """The compute precision (bf16: fp32 master weights, bf16 matmuls)."""
+
+    def build(self) -> torch.nn.Module:
+        return (Llama if isinstance(self.cfg, LlamaConfig) else GPT)(self.cfg)
+
+
+MODELS = {
+    "small": BenchModel(GPTConfig(seq_len=64, layers=4, hidden=256), 8),  # bench_peers' CPU model: host-bound
+    "gpt-350m": BenchModel(GPTConfig(seq_len=512, layers=24, hidden=1024), 16),  # (303M parameters)
+    "llama-1b": BenchModel(LLAMA_1B, 4, torch.bfloat16),
+}
+PEAKS = {  # a substring of the device's name -> dense peak FLOP/s per precision (the vendors' sheets, no sparsity)
+    "H100": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
 }
 
 
-def build(system: str, model: GPT, s: int, example, device: torch.device, codegen: str):
+def precision(dtype: torch.dtype, tf32: bool) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "tf32" if tf32 else "fp32"
+
+
+def model_flops_per_token(model: torch.nn.Module) -> float:
+    """6 N + 12 l h s: the forward and backward of every parameter and of attention's two sequence-long matmuls
+    (PaLM's MFU; recomputation not counted)."""
+    cfg = model.cfg
+    return 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.layers * cfg.hidden * cfg.seq_len
+
+
+class Autocast(torch.nn.Module):
+    """``model`` with its forward under ``torch.autocast`` (the peers' bf16: fp32 weights, bf16 matmuls)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x):
+        with torch.autocast("cuda", dtype=self.dtype):
+            return self.model(x)
+
+
+def build(system: str, model: torch.nn.Module, s: int, example, device: torch.device, codegen: str,
+          dtype: torch.dtype):
     """step(x, y) of one system."""
     if system.startswith("micscompile"):
         codegen = "inductor" if system.endswith("Inductor") else codegen
-        step = mc.compile(model, mc.Plan(partition_size=1, micro_batches=s, codegen=codegen), loss_fn=lm_loss,
-                          optimizer=adamw, example_inputs=example)
-        print(f"  {system}: {step.codegen_choice or 'codegen ' + codegen}", flush=True)
+        plan = mc.Plan(partition_size=1, micro_batches=s, codegen=codegen, param_dtype=dtype)
+        step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
+        print(f"  {system}: {step.codegen_choice or 'codegen ' + codegen}; {step.cuda_graph_choice}", flush=True)
         return step
+    low = dtype != torch.float32
     if system.startswith("DDP"):
-        return peer("DDP (no_sync)", model, 1, s, 1, example, len(example[0]))
+        return peer("DDP (no_sync)", Autocast(model, dtype) if low else model, 1, s, 1, example, len(example[0]))
     if system.startswith("FSDP2"):  # full shard over the one rank
-        return peer("FSDP2 full shard", model, 1, s, 1, example, len(example[0]))
+        if not low:
+            return peer("FSDP2 full shard", model, 1, s, 1, example, len(example[0]))
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = copy.deepcopy(model).to(device)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = adamw(model.parameters())
+        return lambda x, y: eager_step(model, opt, s, x, y)
     model = copy.deepcopy(model).to(device)
     opt = adamw(model.parameters())
     prefer_fused(opt)
-    return lambda x, y: eager_step(model, opt, s, x, y)
+    run = torch.compile(model) if system.startswith("torch.compile") else model
+    run = Autocast(run, dtype) if low else run
+    return lambda x, y: eager_step(run, opt, s, x, y)
 
 
-def built(systems: list[str], model: GPT, s: int, batch, device: torch.device, codegen: str) -> tuple[dict, dict]:
+def built(systems: list[str], model: torch.nn.Module, s: int, batch, device: torch.device, codegen: str,
+          dtype: torch.dtype) -> tuple[dict, dict]:
     """name -> step(x, y) for every system, all built before any is timed; name -> its bytes at the
     peak of its first step (built from nothing: parameters, optimizer states, buffers and the step's own)."""
     steps, peaks = {}, {}
@@ -73,7 +141,7 @@ def built(systems: list[str], model: GPT, s: int, batch, device: torch.device, c
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        steps[system] = build(system, model, s, batch, device, codegen)
+        steps[system] = build(system, model, s, batch, device, codegen, dtype)
         steps[system](*batch)
         torch.cuda.synchronize()
         peaks[system] = torch.cuda.max_memory_allocated() - base
@@ -137,43 +205,50 @@ def main() -> None:
           f"{'TF32' if args.tf32 else 'fp32'} matmuls, "
           f"AdamW; step = median of {args.steps} steps, systems timed "
           f"{'alone, one after another' if args.alone else 'in alternation'}", flush=True)
-    head = (f"{'model':<10}{'s':>3} {'system':<26}{'step ms':>9}{'/mc':>7}{'peak GiB':>10}{'host ms':>9}"
-            f"{'aten ops':>9}{'kernels':>8}  host syncs")
+    head = (f"{'model':<10}{'s':>3} {'system':<28}{'step ms':>9}{'/mc':>7}{'tok/s':>9}{'MFU':>6}{'peak GiB':>10}"
+            f"{'host ms':>9}{'host':>6}{'aten ops':>9}{'kernels':>8}  host syncs")
     rows = []
+    peaks = next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), None)
     for name in args.models:
-        layers, hidden, seq, batch = MODELS[name]
-        cfg = GPTConfig(seq_len=seq, layers=layers, hidden=hidden)
+        bench = MODELS[name]
+        cfg, batch = bench.cfg, bench.samples
         torch.manual_seed(0)
-        model = GPT(cfg)
+        model = bench.build()
         n = sum(t.numel() for t in model.parameters())
+        tokens = batch * cfg.seq_len
+        flops = model_flops_per_token(model) * tokens
+        peak = peaks and peaks[precision(bench.dtype, args.tf32)]
         gen = torch.Generator().manual_seed(0)
         batches = [tuple(t.to(device) for t in lm_batch(cfg, batch, gen)) for _ in range(args.warmup + args.steps)]
         for s in args.micro_batches:
-            print(f"{name} ({n / 1e6:.0f}M params, {layers} layers h={hidden} seq {seq}, {batch} samples), s={s}; "
+            print(f"{name} ({n / 1e6:.0f}M params, {cfg.layers} layers h={cfg.hidden} seq {cfg.seq_len}, {batch} "
+                  f"samples, {precision(bench.dtype, args.tf32)}), s={s}; "
                   f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated before building", flush=True)
             # interleaved: all built, then timed in alternation; alone: each built, timed and freed in turn
             groups = [[system] for system in systems] if args.alone else [systems]
             measured = {}  # system -> (median step s, peak bytes, host s, aten ops, kernels, host syncs)
             for group in groups:
-                steps, peaks = built(group, model, s, batches[0], device, args.codegen)
+                steps, memory = built(group, model, s, batches[0], device, args.codegen, bench.dtype)
                 times = interleaved_times_s(steps, batches, args.warmup)
                 for system in group:
                     syncs = host_syncs(steps[system], batches[-1]) if system.startswith("micscompile") else ""
-                    measured[system] = (statistics.median(times[system]), peaks[system],
+                    measured[system] = (statistics.median(times[system]), memory[system],
                                         *host_side(steps[system], batches[-5:]), syncs)
                 del steps
                 gc.collect()  # a step's reference cycles would keep its GPU memory into the next one
                 torch.cuda.empty_cache()
             ours = measured["micscompile p=1"][0]
-            for system, (t, peak, host, ops, launches, syncs) in measured.items():
-                rows.append(f"{name:<10}{s:>3} {system:<26}{t * 1e3:>9.1f}{t / ours:>6.2f}x"
-                            f"{peak / 2**30:>10.2f}{host * 1e3:>9.1f}{ops:>9}{launches:>8}  {syncs}")
+            for system, (t, mem, host, ops, launches, syncs) in measured.items():
+                mfu = f"{flops / t / peak:>6.1%}" if peak else f"{'-':>6}"
+                rows.append(f"{name:<10}{s:>3} {system:<28}{t * 1e3:>9.1f}{t / ours:>6.2f}x{tokens / t:>9.0f}{mfu}"
+                            f"{mem / 2**30:>10.2f}{host * 1e3:>9.1f}{host / t:>6.0%}{ops:>9}{launches:>8}  {syncs}")
     print(head)
     print("-" * len(head))
     print("\n".join(rows))
-    print("/mc > 1: the system is slower than micscompile. peak GiB: the system's bytes at the peak of its first "
+    print("/mc > 1: the system is slower than micscompile. MFU: (6 N + 12 l h s) per token over the GPU's dense peak "
+          "in the run's precision. peak GiB: the system's bytes at the peak of its first "
           "step, parameters, optimizer states and buffers included. host ms: until the step returns, "
-          "its kernels queued; aten ops and kernels: dispatched and launched per step.")
+          "its kernels queued, and its share of the step; aten ops and kernels: dispatched and launched per step.")
     dist.destroy_process_group()
 
 

@@ -26,7 +26,7 @@ from bench_gpu import MODELS
 
 import micscompile as mc
 from micscompile.core.launch import init_distributed
-from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+from micscompile.zoo.models import lm_batch, lm_loss
 
 
 def adamw(params):
@@ -48,10 +48,9 @@ def timed(fn, n: int = 20) -> tuple[float, float]:
 
 
 def probe(name: str, s: int, device: torch.device) -> None:
-    layers, hidden, seq, samples = MODELS[name]
-    cfg = GPTConfig(seq_len=seq, layers=layers, hidden=hidden)
+    cfg, samples = MODELS[name].cfg, MODELS[name].samples
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = MODELS[name].build()
     twin_model = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(device) for t in lm_batch(cfg, samples, gen)) for _ in range(8)]
