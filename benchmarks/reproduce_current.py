@@ -193,34 +193,51 @@ class MptRow:
                 f"{', checkpointed' if self.checkpoint else ''}")
 
 
-ROWS = (
-    # A100 80GB, 1600 Gbps RoCE
-    MptRow("a100_80gb", "7b", 2048, 8, 6, 2, False, 64.23, fit=True),
-    MptRow("a100_80gb", "1b", 2048, 8, 14, 4, False, 59.86),
-    MptRow("a100_80gb", "3b", 2048, 8, 10, 2, False, 62.11),
-    MptRow("a100_80gb", "13b", 2048, 8, 2, 3, False, 59.57),
-    MptRow("a100_80gb", "30b", 2048, 8, 3, 21, True, 55.3),
-    MptRow("a100_80gb", "7b", 8192, 8, 8, 2, True, 54.47),
-    MptRow("a100_80gb", "70b", 2048, 32, 2, 16, True, 48.56, pure=True),
-    MptRow("a100_80gb", "70b", 2048, 64, 8, 4, True, 53.33, pure=True),
-    # A100 40GB, 1600 Gbps RoCE: the node sweeps
-    MptRow("a100_40gb", "7b", 2048, 16, 16, 1, True, 50.44, pure=True),
-    MptRow("a100_40gb", "7b", 2048, 32, 18, 1, True, 51.55, pure=True),
-    MptRow("a100_40gb", "7b", 2048, 64, 18, 1, True, 50.73, pure=True),
-    MptRow("a100_40gb", "7b", 2048, 128, 18, 1, True, 50.14, pure=True),
-    MptRow("a100_40gb", "13b", 2048, 16, 10, 1, True, 52.5, pure=True),
-    MptRow("a100_40gb", "13b", 2048, 128, 16, 1, True, 51.93, pure=True),
-    MptRow("a100_40gb", "30b", 2048, 32, 4, 1, True, 51.74, pure=True),
-    MptRow("a100_40gb", "30b", 2048, 128, 6, 1, True, 52.25, pure=True),
-    MptRow("a100_40gb", "70b", 2048, 64, 2, 1, True, 35.87, pure=True),
-    MptRow("a100_40gb", "70b", 2048, 128, 4, 1, True, 48.91, pure=True),
-    # H100 80GB, one node
-    MptRow("h100_80gb", "7b", 2048, 8, 6, 1, False, 46.44, fit=True),
-    MptRow("h100_80gb", "1b", 2048, 8, 14, 1, False, 41.82),
-    MptRow("h100_80gb", "13b", 2048, 8, 2, 1, False, 39.79),
-    MptRow("h100_80gb", "3b", 4096, 8, 5, 6, False, 42.31),
-    MptRow("h100_80gb", "30b", 2048, 8, 3, 21, True, 38.11),
-)
+TABLE = """
+gpu        size seq   gpus b  accum ckpt mfu   mp
+# A100 80GB, 1600 Gbps RoCE (the first row is the fit)
+a100_80gb  7b   2048  8    6  2     no   64.23 default fit
+a100_80gb  1b   2048  8    14 4     no   59.86 default
+a100_80gb  3b   2048  8    10 2     no   62.11 default
+a100_80gb  13b  2048  8    2  3     no   59.57 default
+a100_80gb  30b  2048  8    3  21    yes  55.3  default
+a100_80gb  7b   8192  8    8  2     yes  54.47 default
+a100_80gb  70b  2048  32   2  16    yes  48.56 pure
+a100_80gb  70b  2048  64   8  4     yes  53.33 pure
+# A100 40GB, 1600 Gbps RoCE: the node sweeps
+a100_40gb  7b   2048  16   16 1     yes  50.44 pure
+a100_40gb  7b   2048  32   18 1     yes  51.55 pure
+a100_40gb  7b   2048  64   18 1     yes  50.73 pure
+a100_40gb  7b   2048  128  18 1     yes  50.14 pure
+a100_40gb  13b  2048  16   10 1     yes  52.5  pure
+a100_40gb  13b  2048  128  16 1     yes  51.93 pure
+a100_40gb  30b  2048  32   4  1     yes  51.74 pure
+a100_40gb  30b  2048  128  6  1     yes  52.25 pure
+a100_40gb  70b  2048  64   2  1     yes  35.87 pure
+a100_40gb  70b  2048  128  4  1     yes  48.91 pure
+# H100 80GB, one node (the first row is the fit)
+h100_80gb  7b   2048  8    6  1     no   46.44 default fit
+h100_80gb  1b   2048  8    14 1     no   41.82 default
+h100_80gb  13b  2048  8    2  1     no   39.79 default
+h100_80gb  3b   4096  8    5  6     no   42.31 default
+h100_80gb  30b  2048  8    3  21    yes  38.11 default
+"""
+"""The rows of llm-foundry's table used here, as it prints them (b: micro-batch size, accum: gradient accumulation,
+ckpt: activation checkpointing, mp: composer's mixed precision)."""
+
+
+def _rows(table: str) -> tuple[MptRow, ...]:
+    out = []
+    for line in table.strip().splitlines()[1:]:
+        if line.startswith("#"):
+            continue
+        gpu, size, seq, gpus, b, accum, ckpt, mfu, mp, *fit = line.split()
+        out.append(MptRow(gpu, size, int(seq), int(gpus), int(b), int(accum), ckpt == "yes", float(mfu),
+                          pure=mp == "pure", fit=fit == ["fit"]))
+    return tuple(out)
+
+
+ROWS = _rows(TABLE)
 
 
 def mpt_config(size: str, seq: int) -> GPTConfig:

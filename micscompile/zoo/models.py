@@ -96,19 +96,16 @@ class GPT(nn.Module):
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP."""
+class LlamaConfig(GPTConfig):
+    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP of ``ffn`` (the
+    GPT's sizes; its ``causal`` and ``mlp_ratio`` unused: always causal, the MLP sized by ``ffn``)."""
 
-    vocab_size: int = 512
-    seq_len: int = 64
     layers: int = 2
     hidden: int = 128
-    heads: int = 4
     kv_heads: int = 2
     """Key/value heads: each serves ``heads // kv_heads`` query heads (grouped-query attention)."""
     ffn: int = 344
     rope_theta: float = 500000.0
-    tie_embeddings: bool = True
 
 
 LLAMA_1B = LlamaConfig(vocab_size=128256, seq_len=2048, layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192)
