@@ -105,7 +105,8 @@ def build(system: str, model: torch.nn.Module, s: int, example, device: torch.de
     """step(x, y) of one system."""
     if system.startswith("micscompile"):
         codegen = "inductor" if system.endswith("Inductor") else codegen
-        plan = mc.Plan(partition_size=1, micro_batches=s, codegen=codegen, param_dtype=dtype)
+        plan = mc.Plan(partition_size=1, micro_batches=s, codegen=codegen, param_dtype=dtype,
+                       cuda_graph=False if system.endswith("no graph") else "auto")
         step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
         print(f"  {system}: {step.codegen_choice or 'codegen ' + codegen}; {step.cuda_graph_choice}", flush=True)
         return step
@@ -193,10 +194,13 @@ def main() -> None:
                     help="Plan.codegen of the micscompile row")
     ap.add_argument("--tf32", action="store_true", help="fp32 matmuls in TF32 (PyTorch's default: off)")
     ap.add_argument("--inductor", action="store_true", help="also a micscompile row with codegen='inductor'")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="also a micscompile row with cuda_graph=False (what replaying the step as one graph buys)")
     ap.add_argument("--alone", action="store_true",
                     help="build, time and free each system in turn (default: all built, timed in alternation)")
     args = ap.parse_args()
-    systems = SYSTEMS[:1] + ["micscompile p=1, Inductor"] * args.inductor + SYSTEMS[1:]
+    systems = (SYSTEMS[:1] + ["micscompile p=1, Inductor"] * args.inductor + ["micscompile p=1, no graph"] * args.no_graph
+               + SYSTEMS[1:])
     device = init_distributed(timeout=datetime.timedelta(seconds=300))
     if device.type != "cuda" or dist.get_world_size() != 1:
         raise SystemExit("bench_gpu.py runs one rank on one GPU: torchrun --nproc-per-node 1 on a CUDA machine")
