@@ -4,12 +4,29 @@
 # small GPT and the 303M one, the latter at s=4 once more with each system alone in the process.
 # Run from the repository root on a machine with one CUDA GPU:
 #     bash benchmarks/gpu/checks.sh 2>&1 | tee gpu_checks.log
+#     bash benchmarks/gpu/checks.sh issue57 2>&1 | tee issue57.log    # issue 57's checks alone (about 10 min)
 # Each step has its own time limit, so one that hangs leaves the others their time.
-export PYTHONPATH="$PWD/benchmarks/gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export PYTHONPATH="$PWD/benchmarks/gpu:$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 step() { echo "=== $(date +%T) $*"; }
 step machine
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+if [ "${1:-}" = issue57 ]; then
+    # the capture's replay parity, then bench_gpu's rows against torch.compile, DDP and FSDP2 with MFU and the host's
+    # share, on the 303M GPT (TF32) and the 1.24B Llama-style model (bf16). A micscompile step captures at its third
+    # call: bench_gpu's first (peak-memory) call and --warmup 2 leave every timed step a replay.
+    step "capture and replay against eager (pytest -m gpu)"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_host_sync.py \
+        2>&1 | tail -8
+    step "bench_gpu.py, the 303M GPT (TF32), s = 1 and 4, with the step uncaptured beside it"
+    timeout 260 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models gpt-350m --steps 8 \
+        --warmup 2 --tf32 --no-graph 2>&1 | grep -v Warning | tail -16
+    step "bench_gpu.py, the 1.24B Llama-style model (bf16), s = 1, each system alone"
+    timeout 280 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models llama-1b --micro-batches 1 \
+        --steps 6 --warmup 2 --alone --no-graph 2>&1 | grep -v Warning | tail -12
+    step done
+    exit 0
+fi
 step "GPU tests"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_target_device.py \
     tests/test_host_sync.py 2>&1 | tail -6
