@@ -105,9 +105,11 @@ def figure(cluster: mc.Cluster, what: str, nodes: int, nbytes: int = GIB) -> flo
     raise ValueError(what)
 
 
-def _bisect(f, target: float, lo: float, hi: float) -> float:
-    """The x in [lo, hi] where the increasing f(x) meets target."""
+def _bisect(f, target: float, lo: float, hi: float, tol: float = 0.0) -> float:
+    """The x in [lo, hi] where the increasing f(x) meets target: to ``tol``, or 60 halvings."""
     for _ in range(60):
+        if hi - lo <= tol:
+            break
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
     return (lo + hi) / 2
@@ -268,7 +270,7 @@ def simulated_mfu(row: MptRow, matmul_efficiency: float | None = None, preset: s
                    param_dtype=torch.bfloat16,
                    reduce_dtype=torch.bfloat16 if row.pure else torch.float32)
     step = mc.simulate(graph, plan, cluster, system="fsdp2", scaling=False).step_time_s
-    flops_per_seq = 6 * params * row.seq + 12 * cfg.layers * cfg.hidden * row.seq**2
+    flops_per_seq = mc.model_flops_per_token(params, cfg.layers, cfg.hidden, row.seq) * row.seq
     return 100 * row.micro_batch * row.grad_accum * flops_per_seq / step / gpu.flops("bfloat16")
 
 
@@ -276,11 +278,7 @@ def fit_compute() -> None:
     """Each GPU's matmul efficiency on its one fit row, the links fixed: bisection to 0.001."""
     print("compute (matmul efficiency of 16-bit peak):")
     for row in (r for r in ROWS if r.fit):
-        lo, hi = 0.2, 0.95
-        while hi - lo > 0.001:
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if simulated_mfu(row, mid) < row.mfu else (lo, mid)
-        fitted = (lo + hi) / 2
+        fitted = _bisect(lambda e, row=row: simulated_mfu(row, e), row.mfu, 0.2, 0.95, tol=0.001)
         have = mc.Cluster.preset(row.preset).gpu.matmul_efficiency
         print(f"  {row.gpu}: {fitted:.3f} gives {row.name} {simulated_mfu(row, fitted):.2f}% MFU (published "
               f"{row.mfu}); the preset ({row.preset}) has {have:.3f}: {simulated_mfu(row):.2f}%", flush=True)

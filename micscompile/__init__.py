@@ -12,7 +12,13 @@ from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster, ClusterError, GpuSpec, Link
 from micscompile.dynamo import CaptureError, GraphBreakError, MiCSBackend, backend
-from micscompile.lowering.predict import activation_bytes_per_layer, simulate, step_memory, transformer_flops
+from micscompile.lowering.predict import (
+    activation_bytes_per_layer,
+    model_flops_per_token,
+    simulate,
+    step_memory,
+    transformer_flops,
+)
 from micscompile.memory.planner import Buffer, MemoryPlan, MemoryPlanError, plan_memory
 from micscompile.memory.stats import MemoryStats
 from micscompile.runtime.codegen import CodegenError, CodegenReport
@@ -29,5 +35,5 @@ __all__ = [
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "ShardParams", "TraceError",
     "TrainGraph", "TrainStep", "activation_bytes_per_layer", "compile",
     "decay_groups", "plan_memory", "simulate", "step_memory", "trace",
-    "transformer_flops",
+    "transformer_flops", "model_flops_per_token",
 ]

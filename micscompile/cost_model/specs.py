@@ -246,6 +246,11 @@ ERA_NONE = "spec sheets only: links at line rate, compute at half of peak (no ro
 ERA_2023 = ("2023-25 software: NCCL 2.18-2.27, PyTorch 2.x with flash attention, FSDP (fitted on llm-foundry's MPT-7B "
             "rows and nccl-tests runs of NCCL 2.20-2.27; benchmarks/reproduce_current.py)")
 
+A100_NVLINK_EFFICIENCY, H100_NVLINK_EFFICIENCY = 0.77, 370 / 450
+"""A ring's share of NVSwitch's line rate inside one node: A100 230.8 of 300 GB/s (nccl-tests on one p4d,
+NVIDIA/nccl#527, NCCL 2.9.9: the p4d and p4de presets; no later one-node A100 figure is public, so today's presets
+keep it), H100 about 370 of 450 GB/s (NVIDIA/nccl-tests#212)."""
+
 # ---- today's software (issue 55): the same machines, fitted by the same protocol on current public evidence ----
 
 A100_MATMUL_EFFICIENCY_2023, H100_MATMUL_EFFICIENCY_2023 = 0.696, 0.543
@@ -256,11 +261,6 @@ on one 8-GPU node (seq 2048, micro-batch 6, FSDP FULL_SHARD, bf16, no checkpoint
 A100_80GB_2023 = dataclasses.replace(A100_80GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
 A100_40GB_2023 = dataclasses.replace(A100_40GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
 H100_2023 = dataclasses.replace(H100, matmul_efficiency=H100_MATMUL_EFFICIENCY_2023)
-
-A100_NVLINK_EFFICIENCY, H100_NVLINK_EFFICIENCY = 0.77, 370 / 450
-"""A ring's share of NVSwitch's line rate inside one node: A100 230.8 of 300 GB/s (nccl-tests on one p4d,
-NVIDIA/nccl#527, NCCL 2.9.9: no later one-node A100 figure is public, so today's presets keep it), H100 about
-370 of 450 GB/s (NVIDIA/nccl-tests#212)."""
 
 DGX_A100_NIC_EFFICIENCY_2023, DGX_A100_LL_STEP_S_2023 = 0.98, 38.0e-6
 """DGX A100's 8 x 200 Gb/s InfiniBand with today's NCCL: "192 GB/s AllReduce BusBW" (an NVIDIA maintainer,
@@ -296,11 +296,11 @@ PRESETS: dict[str, Cluster] = {
     # last change the NICs ran at 0.85, from "effective 340 Gbps for all_reduce tests" in
     # stas00/ml-engineering, network/README.md, a figure without a log; Fig. 4-1 rules it out.)
     "p4d.24xlarge": _eight_gpu_nodes("p4d.24xlarge", A100_40GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
-                                     nvlink_efficiency=0.77, nic_efficiency=P4D_NIC_EFFICIENCY,
+                                     nvlink_efficiency=A100_NVLINK_EFFICIENCY, nic_efficiency=P4D_NIC_EFFICIENCY,
                                      nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR,
                                      era=ERA_2021),
     "p4de.24xlarge": _eight_gpu_nodes("p4de.24xlarge", A100_80GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
-                                      nvlink_efficiency=0.77, nic_efficiency=P4D_NIC_EFFICIENCY,
+                                      nvlink_efficiency=A100_NVLINK_EFFICIENCY, nic_efficiency=P4D_NIC_EFFICIENCY,
                                       nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR,
                                      era=ERA_2021),
     # spec sheets (InfiniBand, NVSwitch), not calibrated

@@ -133,6 +133,12 @@ def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, it
     return sbh * (8 / outside + 24 / t) * itemsize / 2 + per_head / t + 16 * batch * seq / outside
 
 
+def model_flops_per_token(params: int, layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs per trained token, as MFU counts them (PaLM; llm-foundry): 6 N for the forward and backward of
+    the N parameters, 12 l h s for attention's two sequence-long matmuls (non-causal), recomputation not counted."""
+    return 6 * params + 12 * layers * hidden * seq
+
+
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
     """FLOPs of one training iteration of a transformer (docs/design.md, thesis eq. 3.4):
     96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with activation recomputation; 72 instead of 96 without."""
