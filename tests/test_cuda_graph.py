@@ -197,3 +197,25 @@ def test_the_llama_style_benchmark_model_trains_as_eager_pytorch(gloo_rank):
     for name, value in reference.state_dict().items():
         err = float((state[name] - value).abs().max() / value.abs().max())
         assert err <= TOLERANCE, (name, err)
+
+
+def test_a_replay_adds_the_collectives_its_capture_counted(gloo_rank):
+    """A replayed step's collectives are not called by the host: ``CommStats.since`` takes what one step added
+    (``GraphedStep``'s capture) and ``add`` adds it per replay, so ``comm_stats`` reads as if each step had called
+    them, also after a ``reset``."""
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, seq_len=8, vocab_size=32)
+    batch = lm_batch(cfg, 2, torch.Generator().manual_seed(0))
+    step = mc.compile(GPT(cfg), mc.Plan(partition_size=1, micro_batches=2), loss_fn=lm_loss,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), example_inputs=batch)
+    stats = step.comm_stats()
+    step(*batch)
+    before = stats.counts()
+    step(*batch)
+    one = stats.since(before)
+    assert one and all(delta["calls"] > 0 for delta in one.values())
+    step(*batch)
+    two_steps = {k: {f: v - before[k][f] for f, v in r.items()} for k, r in stats.counts().items()}
+    stats.reset()
+    stats.add(one)
+    stats.add(one)
+    assert stats.counts() == two_steps

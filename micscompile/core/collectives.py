@@ -125,6 +125,21 @@ class CommStats:
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.rows.values())
 
+    def counts(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Each row's counts, as they stand (``since`` takes what was added after)."""
+        return {k: vars(r).copy() for k, r in self.rows.items()}
+
+    def since(self, counts: dict[tuple[str, str], dict[str, int]]) -> dict[tuple[str, str], dict[str, int]]:
+        """What each row gained after ``counts`` was taken (what one step's collectives add: ``add`` adds it again,
+        for a step replayed as a CUDA graph, whose collectives the host no longer calls)."""
+        return {k: {f: v - counts.get(k, {}).get(f, 0) for f, v in vars(r).items()} for k, r in self.rows.items()}
+
+    def add(self, gained: dict[tuple[str, str], dict[str, int]]) -> None:
+        for key, delta in gained.items():
+            row = self.rows.setdefault(key, CommRow())
+            for f, v in delta.items():
+                setattr(row, f, getattr(row, f) + v)
+
     def reset(self) -> None:
         self.rows.clear()
         self.peak_gathered_bytes = self.live_gathered_bytes

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from micscompile.core.collectives import CommRow
 from micscompile.core.plan import PlanError
 
 aten = torch.ops.aten
@@ -237,7 +236,7 @@ class GraphedStep:
                 return step._step(batch)
             self._capture(batch)  # (its collectives counted as the capture queued them)
         else:
-            self._count()
+            step._stats.add(self._per_replay)  # (the host no longer calls the replay's collectives)
         for s, x in zip(self.static, batch):
             s.copy_(x, non_blocking=True)
         self.graph.replay()
@@ -269,20 +268,11 @@ class GraphedStep:
                           "device='cuda') is read in place", stacklevel=4)
         self.static = [x.to(step.device).clone() for x in batch]
         self.graph = torch.cuda.CUDAGraph()
-        before = {k: vars(r).copy() for k, r in step._stats.rows.items()}
+        before = step._stats.counts()
         with torch.cuda.graph(self.graph):
             self.out = step._step(self.static)
         step.steps -= 1  # the capture queued the work, it did not run it
-        self._per_replay = {k: {f: v - before.get(k, {}).get(f, 0) for f, v in vars(r).items()}
-                            for k, r in step._stats.rows.items()}
+        self._per_replay = step._stats.since(before)
         self._grad_norm = step.grad_norm
         self._baked = _baked_in(step)
         self.captures += 1
-
-    def _count(self) -> None:
-        """Add one replay's collectives to the step's ``comm_stats`` (the host no longer calls them)."""
-        rows = self.step._stats.rows
-        for key, delta in self._per_replay.items():
-            row = rows.setdefault(key, CommRow())
-            for f, v in delta.items():
-                setattr(row, f, getattr(row, f) + v)

@@ -247,7 +247,8 @@ class Step(Checkpointable):
         unscale them (fp16) and clip them with ``max_grad_norm``; False when their norm is not finite:
         the step is skipped (and an fp16 loss scale backs off)."""
         scaler = self.loss_scaler
-        self.optimizer.found_inf = None  # (set below where the device skips; a fused kernel reads it)
+        if self._device_skip:  # (set below again where this step skips; the fused kernel reads it)
+            self.optimizer.found_inf = None
         if scaler is not None:
             scale = scale / scaler.scale
         factor = scale
