@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from bench_peers import adamw, eager_step
+from bench_peers import Autocast, adamw, eager_step
 from bench_peers import build as peer
 from timing import interleaved_times_s
 
@@ -81,25 +81,6 @@ def precision(dtype: torch.dtype, tf32: bool) -> str:
     return "bf16" if dtype == torch.bfloat16 else "tf32" if tf32 else "fp32"
 
 
-def model_flops_per_token(model: torch.nn.Module) -> float:
-    """6 N + 12 l h s: the forward and backward of every parameter and of attention's two sequence-long matmuls
-    (PaLM's MFU; recomputation not counted)."""
-    cfg = model.cfg
-    return 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.layers * cfg.hidden * cfg.seq_len
-
-
-class Autocast(torch.nn.Module):
-    """``model`` with its forward under ``torch.autocast`` (the peers' bf16: fp32 weights, bf16 matmuls)."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.model, self.dtype = model, dtype
-
-    def forward(self, x):
-        with torch.autocast("cuda", dtype=self.dtype):
-            return self.model(x)
-
-
 def build(system: str, model: torch.nn.Module, s: int, example, device: torch.device, codegen: str,
           dtype: torch.dtype):
     """step(x, y) of one system."""
@@ -110,26 +91,15 @@ def build(system: str, model: torch.nn.Module, s: int, example, device: torch.de
         step = mc.compile(model, plan, loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
         print(f"  {system}: {step.codegen_choice or 'codegen ' + codegen}; {step.cuda_graph_choice}", flush=True)
         return step
-    low = dtype != torch.float32
     if system.startswith("DDP"):
-        return peer("DDP (no_sync)", Autocast(model, dtype) if low else model, 1, s, 1, example, len(example[0]))
+        return peer("DDP (no_sync)", model, 1, s, 1, example, len(example[0]), dtype)
     if system.startswith("FSDP2"):  # full shard over the one rank
-        if not low:
-            return peer("FSDP2 full shard", model, 1, s, 1, example, len(example[0]))
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        model = copy.deepcopy(model).to(device)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = adamw(model.parameters())
-        return lambda x, y: eager_step(model, opt, s, x, y)
+        return peer("FSDP2 full shard", model, 1, s, 1, example, len(example[0]), dtype)
     model = copy.deepcopy(model).to(device)
     opt = adamw(model.parameters())
     prefer_fused(opt)
     run = torch.compile(model) if system.startswith("torch.compile") else model
-    run = Autocast(run, dtype) if low else run
+    run = Autocast(run, dtype) if dtype != torch.float32 else run
     return lambda x, y: eager_step(run, opt, s, x, y)
 
 
@@ -220,7 +190,7 @@ def main() -> None:
         model = bench.build()
         n = sum(t.numel() for t in model.parameters())
         tokens = batch * cfg.seq_len
-        flops = model_flops_per_token(model) * tokens
+        flops = mc.model_flops_per_token(n, cfg.layers, cfg.hidden, cfg.seq_len) * tokens
         peak = peaks and peaks[precision(bench.dtype, args.tf32)]
         gen = torch.Generator().manual_seed(0)
         batches = [tuple(t.to(device) for t in lm_batch(cfg, batch, gen)) for _ in range(args.warmup + args.steps)]

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from measure import CommCounter, LiveBytes, max_over_ranks, mean_over_ranks
 from timing import interleaved_times_s, median_step_s
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import micscompile as mc
@@ -158,28 +158,45 @@ def _plan(system: str, p: int, s: int, k: int) -> mc.Plan:
                    else "auto", optimizer_sharding="world" if "optim. world" in system else "partition")
 
 
-def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_rank: int):
+class Autocast(torch.nn.Module):
+    """``model`` with its forward under ``torch.autocast`` in ``dtype`` on its device (a peer's low precision:
+    fp32 weights, low-precision matmuls)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            return self.model(x)
+
+
+def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_rank: int,
+          dtype: torch.dtype = torch.float32):
     """Returns step(x, y) for one system, on this rank's device (``step_device``: the CPU on gloo, its GPU
-    on NCCL, as ``bench_gpu.py`` runs the peers)."""
+    on NCCL, as ``bench_gpu.py`` runs the peers); ``dtype`` (a peer's: DDP under ``Autocast``, FSDP2 by its
+    ``MixedPrecisionPolicy`` with fp32 reductions) below fp32: mixed precision."""
     world = dist.get_world_size()
     if system.startswith("micscompile"):
         step = mc.compile(model, _plan(system, p, s, k), loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
         return lambda x, y: float(step(x, y))
     device = step_device()
     model = copy.deepcopy(model).to(device)
+    low = dtype != torch.float32
     if system.startswith("DeepSpeed"):
         return deepspeed_step(model, s, batch_per_rank)
     if system.startswith("DDP"):
-        ddp = DDP(model)
+        ddp = DDP(Autocast(model, dtype) if low else model)
         opt = adamw(ddp.parameters())
         return lambda x, y: eager_step(ddp, opt, s, x, y, sync_ctx=ddp.no_sync)
     if system.startswith("FSDP2 HSDP"):
         mesh = init_device_mesh(device.type, (world // p, p), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = adamw(model.parameters())
     if system.endswith("AR last"):
         return lambda x, y: eager_step(model, opt, s, x, y, before_last=model.set_requires_all_reduce)
