@@ -62,6 +62,9 @@ def test_an_optimizer_rules_capture_out_by_a_host_step_count_or_with_clipping_no
     chosen = torch.optim.AdamW(params, fused=True)  # as micscompile's prefer_fused leaves it
     assert cuda_graph.optimizer_blockers(chosen, fused_by_us=True, clipped=True) == []
     assert all(g["capturable"] for g in chosen.param_groups) and cuda_graph.device_skip(chosen)
+    probe = cuda_graph.probe_optimizer_blockers  # (what mc.compile checks before any collective)
+    assert probe(lambda ps: torch.optim.AdamW(ps), torch.device("cpu"), clipped=True) == []
+    assert "capturable=True" in probe(lambda ps: torch.optim.AdamW(ps, foreach=True), torch.device("cpu"), False)[0]
     sgd = torch.optim.SGD(params, lr=0.1)
     assert cuda_graph.optimizer_blockers(sgd, fused_by_us=False, clipped=False) == []
     clipped = cuda_graph.optimizer_blockers(sgd, fused_by_us=False, clipped=True)

@@ -240,6 +240,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         lowered_plan = lowered.program.plan if isinstance(lowered, LoweredFlat) else rp
         graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(
             device, lowered_plan, blocking_wait=C.nccl_blocking_wait()), rp.world_size)
+        if graph_choice.captured:  # the optimizer's conditions too, on a probe of the factory: no collective yet
+            graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.probe_optimizer_blockers(
+                optimizer, device, clipped=max_grad_norm is not None), rp.world_size)
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None
@@ -255,7 +258,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
     step.codegen_choice = codegen_choice
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-    if graph_choice.captured:  # the optimizer exists now: one more condition, the same on every rank
+    if graph_choice.captured:  # the step's optimizer as its probe was (capturable turned on where the probe's was)
         graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.optimizer_blockers(
             step.optimizer, step.fused_optimizer, clipped=max_grad_norm is not None), rp.world_size)
     step.cuda_graph_choice = graph_choice

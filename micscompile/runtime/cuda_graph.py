@@ -14,7 +14,8 @@ What rules capture out is found before the step runs, every part of it checkable
   are posted from the host's schedule); activation offload (host copies); ``optimizer_sharding="world"`` (its
   update all-gathers stay in flight from one step into the next); fp16's loss scale (the host decides whether
   to back off and skip).
-* ``optimizer_blockers``, when the optimizer exists: one that keeps its step count on the host
+* ``optimizer_blockers``, before any collective on a probe of the factory (``probe_optimizer_blockers``) and
+  again on the step's own optimizer: one that keeps its step count on the host
   (``capturable=False``; turned on where micscompile chose the fused kernel), or, with ``max_grad_norm``, one
   that cannot skip a non-finite step on the device (``device_skip``: torch's fused kernels take ``found_inf``;
   a captured step skips there, ``Step._device_skip``).
@@ -40,7 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
+from micscompile.runtime.param_groups import probe_params
 
 aten = torch.ops.aten
 
@@ -117,6 +120,13 @@ def optimizer_blockers(optimizer: torch.optim.Optimizer, fused_by_us: bool, clip
                    f"to skip a non-finite step, and {name} cannot skip on the device (torch's fused Adam and AdamW "
                    "can: fused=True, or leave the choice to micscompile)")
     return out
+
+
+def probe_optimizer_blockers(factory, device: torch.device, clipped: bool) -> list[str]:
+    """``optimizer_blockers`` of what ``factory`` builds, on a one-parameter probe on ``device`` (as
+    ``optim_check`` probes it): known before any collective, where the step's own optimizer is not."""
+    probe = factory(probe_params(torch.nn.Parameter(torch.zeros(4, device=device)), (4,)))
+    return optimizer_blockers(probe, prefer_fused(probe), clipped)
 
 
 SEVERAL_RANKS = ("several ranks: a replayed collective is outside NCCL's watchdog, so a dead or hung rank would leave "
