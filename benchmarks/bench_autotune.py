@@ -7,7 +7,7 @@
 
 One symbolic-batch meta trace per model, priced with the cost model only (no GPU needed).
 gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (issue 55's speed acceptance: >= 2000
-candidates, the whole 3D space, in < 60 s including the trace: 52.9 s for 25,100 on two
+candidates, the whole 3D space, in < 60 s including the trace: 48-49 s for 25,100 on two
 processes, docs/autotune.md).
 bert10b: thesis Table 3-I on 64 V100s, micro-batch 8
 (MiCS partitions over one node). bert104b: thesis Table 4-I on 128 A100-40GB, seq 4096 (MiCS-Pipe

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import os
 import re
 import traceback
@@ -237,7 +238,7 @@ class TrainGraph:
 
     def graph_copy(self) -> torch.fx.Graph:
         """A private copy of the graph for passes to rewrite (meta and all)."""
-        return copy.deepcopy(self.gm.graph)
+        return copy_graph(self.gm.graph)
 
     def summary(self) -> str:
         nodes = [n for n in self.gm.graph.nodes if n.op == "call_function"]
@@ -249,6 +250,69 @@ class TrainGraph:
             f"{len(self.param_names)} parameters ({total:,} elements), {len(self.buffer_names)} buffers, "
             f"{flops / 1e9:.3f} GFLOP per micro-batch"
         )
+
+
+GC_THRESHOLDS = (50_000, 20, 10)
+"""Python's collector's thresholds while a trace is made and ``mc.autotune`` prices (the defaults are (700, 10, 10)).
+The search keeps what it lowers (Programs, split graphs: about 1.5 GB for GPT-3) and makes many short-lived cyclic
+objects (fx graphs); by default each growth of a quarter of that heap runs a full collection through all of it:
+GPT-3's search (docs/autotune.md) ran 20, 18 s of its 76 s in one process. A young generation of 50,000 lets the
+graphs die there (9 collections of the middle one, none full) and the peak stays as low: 59 s. Its trace: 13.1 s
+to 12.4 s."""
+
+
+@contextlib.contextmanager
+def fewer_collections():
+    """``GC_THRESHOLDS`` inside, and what exists on entry (a search's trace) frozen out of every collection (forked
+    workers then leave its pages shared: a collection writes to each object it visits); both undone on exit."""
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def add_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None,
+             name: str | None = None, type_expr=None) -> torch.fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)``: the same node at the insert point, without
+    the check torch 2.13's ``create_node`` makes of a call's arguments (a pytree walk of them, warning of raw
+    ``SymInt`` leaves, which graphs made from a trace never hold: make_fx records sizes as nodes). The walk was a
+    tenth of ``mc.autotune``'s search, in its tensor splits, passes and graph copies (docs/autotune.md). The
+    arguments are set after the node is made, as any pass sets them (``Node.args``'s setter, torch's own)."""
+    node = graph.create_node(op, target, None, None, name, type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def add_call(graph: torch.fx.Graph, target, args: tuple = (), kwargs: dict | None = None) -> torch.fx.Node:
+    """``graph.call_function(target, args, kwargs)`` by ``add_node``."""
+    return add_node(graph, "call_function", target, args, kwargs)
+
+
+def copy_node(graph: torch.fx.Graph, node: torch.fx.Node,
+              arg_transform: Callable[[torch.fx.Node], object] = lambda n: n) -> torch.fx.Node:
+    """``graph.node_copy(node, arg_transform)`` by ``add_node``: the same name, arguments, users' order, and a
+    shallow copy of its meta."""
+    new = add_node(graph, node.op, node.target, torch.fx.node.map_arg(node.args, arg_transform),
+                   torch.fx.node.map_arg(node.kwargs, arg_transform), node.name, node.type)
+    new.meta = copy.copy(node.meta)
+    return new
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """``copy.deepcopy(graph)`` (node for node, meta copied shallowly, the same codegen) by ``copy_node``."""
+    out = torch.fx.Graph(tracer_cls=graph._tracer_cls)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = copy_node(out, node, env.__getitem__)
+    out._codegen = copy.deepcopy(graph._codegen)
+    return out
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -619,7 +683,7 @@ def trace(
     try:
         # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
         # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
-        with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
+        with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True), fewer_collections():
             gm = make_fx(recorded_joint, tracing_mode="fake", record_stack_traces=source_lines)(params, buffers,
                                                                                                    *inputs)
     except TraceError:

@@ -1,3 +1,6 @@
+import copy
+import gc
+
 import pytest
 import torch
 from models import ConvNet, TiedLM, cls_loss, lm_loss
@@ -5,6 +8,7 @@ from torch import nn
 
 import micscompile as mc
 from micscompile.trace import (
+    GC_THRESHOLDS,
     LOSS_FQN,
     META_BYTES,
     META_DTYPE,
@@ -14,6 +18,9 @@ from micscompile.trace import (
     META_SHAPE,
     REGION_BWD,
     REGION_FWD,
+    add_call,
+    copy_graph,
+    fewer_collections,
 )
 
 
@@ -169,3 +176,40 @@ def test_meta_parameters_without_an_initialiser_are_refused():
     with pytest.raises(ValueError, match=r"module '1' \(MultiheadAttention\) .* no reset_parameters"):
         check_initializable(model, None)
     check_initializable(model, lambda m: None)  # an explicit init_fn takes responsibility
+
+
+def test_our_graph_copies_and_calls_are_torch_fxs_node_for_node():
+    """``copy_graph`` / ``copy_node`` / ``add_call`` skip torch.fx's pytree check of a call's arguments (a tenth of the
+    search: docs/autotune.md) and make the nodes ``copy.deepcopy`` / ``Graph.call_function`` make: names, targets,
+    arguments, users in order, meta, the code."""
+    x = torch.zeros(4, 6, dtype=torch.long)
+    with torch.device("meta"):
+        model = TiedLM()
+    g = mc.trace(model, (x, x), lm_loss, symbolic_batch=True).gm.graph
+    ours, theirs = copy_graph(g), copy.deepcopy(g)
+    ours.lint()
+    assert ours.python_code("self").src == theirs.python_code("self").src
+    for a, b in zip(ours.nodes, theirs.nodes, strict=True):
+        assert (a.name, a.op, a.target, a.type, a.meta) == (b.name, b.op, b.target, b.type, b.meta)
+        assert [u.name for u in a.users] == [u.name for u in b.users]
+        assert [str(i) for i in a.all_input_nodes] == [str(i) for i in b.all_input_nodes]
+    made = []
+    for add in (lambda gr, *a: add_call(gr, *a), lambda gr, *a: gr.call_function(*a)):
+        gr = torch.fx.Graph()
+        p = gr.placeholder("x")
+        total = add(gr, torch.ops.aten.sum.dim_IntList, (p, [0]), {"keepdim": True})
+        gr.output(add(gr, torch.ops.aten.mul.Tensor, (total, p)))
+        gr.lint()
+        made.append((gr.python_code("self").src, [u.name for u in p.users]))
+    assert made[0] == made[1]
+
+
+def test_fewer_collections_sets_the_thresholds_inside_and_restores_them():
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # (Python's defaults; whatever an earlier test left)
+    try:
+        with fewer_collections():
+            assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)

@@ -106,7 +106,14 @@ class PipeAction:
 
 def _peer(a: PipeAction) -> PipeAction:
     op, offset = _PEER[a.op]
-    return PipeAction(op, a.mb, a.chunk + offset)
+    return _action(op, a.mb, a.chunk + offset)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _action(op: Op, mb: int | None = None, chunk: int | None = None) -> PipeAction:
+    """``PipeAction(op, mb, chunk)``, one object per value: a frozen dataclass is slow to make, and the search builds
+    and simulates hundreds of schedules of thousands of actions each (equal actions are interchangeable)."""
+    return PipeAction(op, mb, chunk)
 
 
 @dataclass(frozen=True)
@@ -262,17 +269,24 @@ class PipeSchedule:
         candidate of ``mc.autotune`` simulates one. (0, index in the rank's actions, phase, chunk, the send it reads
         or -1, action) for a compute (phase: 0 F, 1 B, 2 W), (1, index, send) for a send; receives and the boundary
         take no time."""
-        ids: dict[PipeAction, int] = {}
+        ids: dict[tuple, int] = {}  # (op, mb, chunk) of a send -> its index
+        phase = {op: k for k, op in enumerate(COMPUTE)}
+        homes = [self.rank_of(c) for c in range(self.stages * self.chunks)]
+        last = len(homes) - 1
         out = []
         for actions in self.ranks:
             mine = []
             for i, a in enumerate(actions):
-                if a.op in COMPUTE:
-                    recv = self._input_recv(a)
-                    send = -1 if recv is None else ids.setdefault(_peer(recv), len(ids))
-                    mine.append((0, i, COMPUTE.index(a.op), a.chunk, send, a))
-                elif a.op in _SENDS:
-                    mine.append((1, i, ids.setdefault(a, len(ids))))
+                op, mb, c = a.op, a.mb, a.chunk
+                if op in phase:  # (the send _input_recv's receive pairs with, without making either)
+                    send = -1
+                    if op is Op.FORWARD and c > 0 and homes[c - 1] != homes[c]:
+                        send = ids.setdefault((Op.SEND_ACT, mb, c - 1), len(ids))
+                    elif op is Op.BACKWARD and c < last and homes[c + 1] != homes[c]:
+                        send = ids.setdefault((Op.SEND_GRAD, mb, c + 1), len(ids))
+                    mine.append((0, i, phase[op], c, send, a))
+                elif op in _SENDS:
+                    mine.append((1, i, ids.setdefault((op, mb, c), len(ids))))
             out.append(mine)
         return out, len(ids)
 
@@ -483,13 +497,15 @@ def _rank_actions(name: str, stages: int, chunks: int, order: list[tuple[Op, int
     acts: list[PipeAction] = []
     for op, mb, c in order:
         if op is Op.WEIGHT:
-            acts.append(PipeAction(op, mb, c))
+            acts.append(_action(op, mb, c))
             continue
         fwd = op is Op.FORWARD
-        recv, send = elsewhere(c, c - 1 if fwd else c + 1), elsewhere(c, c + 1 if fwd else c - 1)
-        acts += [PipeAction(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c)] * recv + [PipeAction(op, mb, c)]
-        acts += [PipeAction(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c)] * send
-    return (*acts, PipeAction(Op.ALL_REDUCE))
+        if elsewhere(c, c - 1 if fwd else c + 1):
+            acts.append(_action(Op.RECV_ACT if fwd else Op.RECV_GRAD, mb, c))
+        acts.append(_action(op, mb, c))
+        if elsewhere(c, c + 1 if fwd else c - 1):
+            acts.append(_action(Op.SEND_ACT if fwd else Op.SEND_GRAD, mb, c))
+    return (*acts, _action(Op.ALL_REDUCE))
 
 
 def _pair_order(s: PipeSchedule) -> PipeSchedule:

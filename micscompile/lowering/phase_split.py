@@ -28,7 +28,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from micscompile.core import collectives as C
 from micscompile.core.program import REGION_BWD, ProgramError
 from micscompile.passes.weight_split import backward_phases
-from micscompile.trace import META_REGION
+from micscompile.trace import META_REGION, copy_node
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def split_phases(gm: torch.fx.GraphModule, forward_outputs: list[int], weight: b
         for j in range(k):
             env.update({v: placeholder_like(g, v, "saved_" if j == 0 else "carried_") for v in handed[j]})
         for n in phases[k]:
-            env[n] = g.node_copy(n, env.__getitem__)
+            env[n] = copy_node(g, n, env.__getitem__)
         g.output(tuple(env.get(o, o) if isinstance(o, torch.fx.Node) else o for o in own_outputs)
                  + tuple(env[v] for v in handed[k]))
         return flat_module(gm, g, boxed=boxed)

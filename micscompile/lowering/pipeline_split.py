@@ -60,6 +60,7 @@ from micscompile.trace import (
     REGION_BWD,
     REGION_FWD,
     TrainGraph,
+    copy_node,
 )
 
 _ADD = torch.ops.aten.add.Tensor
@@ -422,10 +423,10 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
             env[v] = placeholder_like(new, v, "grad_")
         for n in graph.nodes:  # constants
             if n.op == "get_attr" and n in need[c]:
-                env[n] = new.node_copy(n)
+                env[n] = copy_node(new, n)
         for n in sorted(own[c], key=order.__getitem__):
             if n not in env:
-                env[n] = new.node_copy(n, env.__getitem__)
+                env[n] = copy_node(new, n, env.__getitem__)
         stage_grads = []
         stage_trainable = [n for n in tg.trainable if n in stage_params]
         for name in stage_trainable:

@@ -40,7 +40,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
 from micscompile.core.tensor_layout import P, Placement, R, S
-from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, META_SHAPE, TrainGraph, source_line
+from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, META_SHAPE, TrainGraph, add_call, source_line
 
 aten = torch.ops.aten
 MAX_RESEGMENTS = 4
@@ -887,7 +887,7 @@ class _Rewrite:
         """New node -> the node it stands for (its block and phase)."""
 
     def op(self, target, *args, like: torch.fx.Node, **kwargs) -> torch.fx.Node:
-        n = self.new.call_function(target, args, kwargs)
+        n = add_call(self.new, target, args, kwargs)
         self.source[n] = like
         return n
 

@@ -37,7 +37,7 @@ from micscompile.cost_model.node_cost import mutates_first
 from micscompile.passes.buckets import block_of
 from micscompile.passes.context import PassContext
 from micscompile.passes.offload import META_OFFLOAD
-from micscompile.trace import LOSS_FQN, META_FQN, META_REGION
+from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, copy_node
 
 META_RECOMPUTE = "mc_recompute"
 """True on the backward copy of a forward node (a recomputation)."""
@@ -143,7 +143,7 @@ def _recompute_segment(
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     with graph.inserting_before(first):
         for v in order:
-            copy = graph.node_copy(v, lambda x: env.get(x, x))
+            copy = copy_node(graph, v, lambda x: env.get(x, x))
             copy.meta = {**v.meta, META_REGION: REGION_BWD, META_RECOMPUTE: True}
             env[v] = copy
     copies = set(env.values())

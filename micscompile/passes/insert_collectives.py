@@ -63,7 +63,7 @@ from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import unpack_param
 from micscompile.passes.buckets import block_of, param_derived
 from micscompile.passes.context import PassContext
-from micscompile.trace import LOSS_FQN, META_FQN, META_REGION
+from micscompile.trace import LOSS_FQN, META_FQN, META_REGION, add_call, copy_node
 
 META_BUCKET = "mc_bucket"
 """Bucket index of an inserted collective / unpack / release node."""
@@ -238,10 +238,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 where = graph.inserting_after(waits[j])
             with where:
                 fn = C.all_gather_carried if k < carried else C.all_gather_issue
-                issue = graph.call_function(fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
+                issue = add_call(graph, fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
             last_at_cut = issue if at_cut else last_at_cut
             with graph.inserting_before(iv.first):
-                src = graph.call_function(C.collective_wait, (comm, issue))
+                src = add_call(graph, C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)
             _tag(src, iv.first, iv.bucket)
             waits.append(src)
@@ -250,7 +250,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             if slot.name in iv.params:
                 args = (src, slot.offset, slot.numel, slot.shape)
                 with graph.inserting_before(anchor):
-                    iv.unpacked[slot.name] = _tag(graph.call_function(unpack_param, args), iv.first, iv.bucket)
+                    iv.unpacked[slot.name] = _tag(add_call(graph, unpack_param, args), iv.first, iv.bucket)
                 # what it holds (the compiled regions of micscompile.runtime.codegen read shapes from "val")
                 iv.unpacked[slot.name].meta["val"] = torch.empty(
                     slot.shape, dtype=lay.gather_dtype if gathers else lay.dtype, device="meta")
@@ -260,13 +260,13 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                                 "(a pipeline chunk would send it); each chunk that reads it must compute it from "
                                 "parameters it holds: a micscompile bug, please report it")
             with graph.inserting_after(iv.last):
-                rel = graph.call_function(C.release, (comm, iv.bucket, *iv.unpacked.values()))
+                rel = add_call(graph, C.release, (comm, iv.bucket, *iv.unpacked.values()))
             _tag(rel, iv.last, iv.bucket)
     for j in range(carried):  # the next micro-step's gather j, where gather n + j would be issued
         at = waits[len(intervals) - distance + j]
         bucket = intervals[j].bucket
         with graph.inserting_after(at):
-            _tag(graph.call_function(C.all_gather_next, (comm, bucket, shards[bucket]), hier(bucket)),
+            _tag(add_call(graph, C.all_gather_next, (comm, bucket, shards[bucket]), hier(bucket)),
                  intervals[j].first, bucket)
 
     # ---- consumers read parameter views re-derived inside their interval ---------------
@@ -282,7 +282,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 memo[key] = active[(consumer, bucket_of[param_nodes[node]])].unpacked[param_nodes[node]]
             else:
                 with graph.inserting_before(consumer):
-                    memo[key] = _tag(graph.node_copy(node, lambda a: rederive(a, consumer)), consumer)
+                    memo[key] = _tag(copy_node(graph, node, lambda a: rederive(a, consumer)), consumer)
         return memo[key]
 
     for c in consumers:
@@ -315,10 +315,10 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         with graph.inserting_after(result):
             last = result
             if result.target is not C.accumulate_local:
-                last = _tag(graph.call_function(C.accumulate, (comm, b, result)), result, b)
+                last = _tag(add_call(graph, C.accumulate, (comm, b, result)), result, b)
             if hop:
                 with graph.inserting_after(last):
-                    _tag(graph.call_function(C.second_hop, (comm, b, ctx.plan.plan.reduce_dtype)), result, b)
+                    _tag(add_call(graph, C.second_hop, (comm, b, ctx.plan.plan.reduce_dtype)), result, b)
 
     anchor, pending = None, None
     for _, b, at, gs in jobs:
@@ -326,7 +326,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             at = anchor
         with graph.inserting_after(at):
             kwargs = hier(b) if reduce_fn is C.reduce_scatter_issue else {}
-            issue = _tag(graph.call_function(reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
+            issue = _tag(add_call(graph, reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
         anchor = issue
         order[issue] = order[at]
         if reduce_fn is C.accumulate_local:
@@ -334,11 +334,11 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             continue
         if pending is not None:
             with graph.inserting_before(issue):
-                reduced(pending[0], _tag(graph.call_function(C.collective_wait, (comm, pending[1])), at, pending[0]))
+                reduced(pending[0], _tag(add_call(graph, C.collective_wait, (comm, pending[1])), at, pending[0]))
         pending = (b, issue)
     if pending is not None:
         with graph.inserting_before(output):
-            reduced(pending[0], _tag(graph.call_function(C.collective_wait, (comm, pending[1])), output, pending[0]))
+            reduced(pending[0], _tag(add_call(graph, C.collective_wait, (comm, pending[1])), output, pending[0]))
     output.args = ((loss, *extra),)
 
     # ---- drop the full-parameter placeholders and what only they fed -------------------

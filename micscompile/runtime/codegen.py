@@ -42,7 +42,7 @@ from micscompile.core.collectives import fmt_bytes
 from micscompile.core.program import Action, Kind
 from micscompile.cost_model.node_cost import _is_view, node_work
 from micscompile.cost_model.simulator import compute_time_s
-from micscompile.trace import META_BYTES, META_FQN, META_REGION
+from micscompile.trace import META_BYTES, META_FQN, META_REGION, copy_node
 
 
 class CodegenError(RuntimeError):
@@ -193,7 +193,7 @@ def _subgraph(run: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: li
         env[i] = g.placeholder(i.name)
         env[i].meta = dict(i.meta)
     for n in run:
-        env[n] = g.node_copy(n, env.__getitem__)
+        env[n] = copy_node(g, n, env.__getitem__)
     g.output(tuple(env[o] for o in outputs))
     return g
 

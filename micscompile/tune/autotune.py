@@ -42,7 +42,7 @@ from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.tensor_split import TensorSplitError
 from micscompile.runtime.compile import compile as compile_step
-from micscompile.trace import TrainGraph
+from micscompile.trace import TrainGraph, fewer_collections
 from micscompile.tune.repricing import OverMemory, Pricer
 from micscompile.tune.search_space import (
     MAX_MICRO_BATCH,
@@ -313,12 +313,13 @@ def autotune(
                leave=False)
     job = _Job(pricer, base, cluster, global_batch_size, flops_per_sample,
                sum(trace.param_shapes[name].numel() for name in trace.param_names), None if exhaustive else top)
-    if workers > 1 and len(groups) > 1:
-        job.beat = _ToBeat(job.top, multiprocessing.get_context("fork").Array("d", [math.inf] * (1 + len(FAMILIES))))
-        results = _in_processes(job, groups, counts, workers, bar)
-    else:
-        done = {i: job.price(groups[i], bar) for i in sorted(range(len(groups)), key=lambda i: -counts[i])}
-        results = [done[i] for i in range(len(groups))]  # (the largest first, as in processes; in their order)
+    with fewer_collections():
+        if workers > 1 and len(groups) > 1:
+            job.beat = _ToBeat(job.top, multiprocessing.get_context("fork").Array("d", [math.inf] * (1 + len(FAMILIES))))
+            results = _in_processes(job, groups, counts, workers, bar)
+        else:
+            done = {i: job.price(groups[i], bar) for i in sorted(range(len(groups)), key=lambda i: -counts[i])}
+            results = [done[i] for i in range(len(groups))]  # (the largest first, as in processes; in their order)
     bar.close()
     out = [c for group, _ in results for c in group]
     unsplit = sum(u for _, u in results)  # candidates whose tensor groups the model's shapes do not split
