@@ -364,3 +364,32 @@ def test_auto_codegen_is_the_cost_models_choice():
     bf16 = mc.Plan(partition_size=2, param_dtype=torch.bfloat16).resolve(4)
     assert choose_codegen(tg, bf16, slow).reason == "Inductor runs fp32 plans only"
     assert choose_codegen(tg, rp, None).codegen == "eager"
+
+
+def test_a_step_replayed_in_a_cuda_graph_is_priced_without_its_host_dispatch():
+    """Issue 57: where the step will be captured, each op costs the device's replayed kernel
+    (``GpuSpec.graph_op_overhead_s``, what calibrate measures on a GPU), not its dispatch: the fusing that paid
+    for itself against 1 ms dispatches does not against 5 us kernels, so "auto" keeps eager."""
+    from models import meta_lm_trace
+
+    from micscompile.cost_model.specs import Cluster
+    from micscompile.runtime import cuda_graph
+    from micscompile.runtime.codegen import choose_codegen
+
+    tg = meta_lm_trace(vocab=256, h=256, layers=4, batch=8, seq=64)
+    rp = mc.Plan(partition_size=2, micro_batches=3).resolve(4)
+    slow = dataclasses.replace(Cluster.preset("dgx-h100"), name="slow dispatch")
+    slow = dataclasses.replace(slow, gpu=dataclasses.replace(slow.gpu, op_overhead_s=1e-3, graph_op_overhead_s=5e-6))
+    dispatched, replayed = (choose_codegen(tg, rp, slow, captured=c) for c in (False, True))
+    assert (dispatched.codegen, dispatched.captured) == ("inductor", False)
+    assert (replayed.codegen, replayed.captured) == ("eager", True)
+    assert "each op replayed in a CUDA graph at 5.0 us" in replayed.reason
+    as_replayed = dataclasses.replace(slow, gpu=dataclasses.replace(slow.gpu, op_overhead_s=5e-6))
+    assert replayed.eager_s == choose_codegen(tg, rp, as_replayed).eager_s < dispatched.eager_s
+    assert slow.gpu.replayed().op_overhead_s == 5e-6 and Cluster.preset("dgx-h100").gpu.replayed().op_overhead_s == 5e-6
+    # what mc.compile passes: captured as far as the plan and the device tell before lowering
+    cuda, one = torch.device("cuda", 0), mc.Plan(partition_size=1).resolve(1)
+    assert cuda_graph.expected("auto", cuda, one) and not cuda_graph.expected(False, cuda, one)
+    assert not cuda_graph.expected("auto", torch.device("cpu"), one)
+    assert not cuda_graph.expected("auto", cuda, rp)  # several ranks: "auto" keeps them eager
+    assert not cuda_graph.expected(True, cuda, mc.Plan(partition_size=1, pipeline_stages=2).resolve(2))  # (raised later)

@@ -18,6 +18,9 @@ if [ "${1:-}" = issue57 ]; then
     step "capture and replay against eager (pytest -m gpu)"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_host_sync.py \
         2>&1 | tail -8
+    step "a kernel replayed in a CUDA graph against its dispatch (calibrate's graph_op_overhead_s, item 2)"
+    timeout 60 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_paths.py -k replayed_kernel \
+        2>&1 | grep -E "bare add|passed|failed"
     step "bench_gpu.py, the 303M GPT (TF32), s = 1 and 4, with the step uncaptured beside it"
     timeout 260 torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu.py --models gpt-350m --steps 8 \
         --warmup 2 --tf32 --no-graph 2>&1 | grep -v Warning | tail -16

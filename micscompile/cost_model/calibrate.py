@@ -132,6 +132,28 @@ def _timed_extra(fn: Callable[[], object], base: Callable[[], object], repeats: 
                                 for _ in range(repeats)])
 
 
+REPLAYED_OPS = 256
+"""Kernels in the chain ``_replayed_op_s`` captures."""
+
+
+def _replayed_op_s(tiny: torch.Tensor, repeats: int, device: torch.device) -> float:
+    """Seconds per kernel of a chain of ``REPLAYED_OPS`` bare adds captured in one CUDA graph and replayed: what an op
+    costs a captured step (``GpuSpec.graph_op_overhead_s``; the host queues one replay, the device launches each
+    kernel after the last). Captured as ``runtime.cuda_graph`` captures a step: warmed up on a side stream first."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            tiny.add(tiny)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tiny
+        for _ in range(REPLAYED_OPS):
+            out = out.add(tiny)
+    return _timed(graph.replay, repeats, device) / REPLAYED_OPS
+
+
 def matmul_shapes(device: torch.device) -> tuple[tuple[int, int, int], ...]:
     """The matmuls timed on ``device``: GPU_MATMUL_SHAPES on CUDA, else MATMUL_SHAPES."""
     return GPU_MATMUL_SHAPES if device.type == "cuda" else MATMUL_SHAPES
@@ -338,8 +360,10 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     bandwidth = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y, out=z), repeats, device)
     tiny = torch.ones(8, device=device)
     op_overhead = _timed(lambda: tiny.add(tiny), repeats, device)
+    graph_op = _replayed_op_s(tiny, repeats, device) if device.type == "cuda" else None
     say("matmul " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()) + " GFLOP/s, "
-        f"memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us (per rank)")
+        f"memory {bandwidth / 1e9:.2f} GB/s, op {op_overhead * 1e6:.1f} us"
+        + (f", replayed in a CUDA graph {graph_op * 1e6:.1f} us" if graph_op is not None else "") + " (per rank)")
 
     # optimizer step (AdamW), laid out and run as the training step runs it: 48 parameters and their gradients
     # as views of one flat shard each (~4x faster than separate tensors on this CPU), 4M elements, by
@@ -417,7 +441,8 @@ def calibrate(repeats: int = 7, log: Callable[[str], None] | None = None) -> Clu
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu rank (1/{per_node} of this machine)"
     gpu = GpuSpec(
         name=name, peak_flops=peaks, memory_bandwidth_bps=bandwidth, memory_bytes=_memory_bytes(device, per_node),
-        matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=op_overhead, optimizer_param_s=0.0,
+        matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=op_overhead, graph_op_overhead_s=graph_op,
+        optimizer_param_s=0.0,
         optimizer_element_s=per_element, device_type=device.type,
     )
     return Cluster(name="local", nodes=nodes, gpus_per_node=per_node, gpu=gpu, intra=intra, inter=inter,

@@ -43,6 +43,10 @@ class GpuSpec:
     """Achieved fraction of memory bandwidth for memory-bound ops."""
     op_overhead_s: float = 5e-6
     """Fixed cost per op (kernel launch / dispatch)."""
+    graph_op_overhead_s: float | None = None
+    """Fixed cost per kernel replayed in a CUDA graph (no host dispatch: the device's launch gap), as ``calibrate``
+    measures it on a GPU; None: ``op_overhead_s`` (the presets: their per-op price, fitted on device-bound rows,
+    stands for it; docs/gpu.md bounds a replayed kernel at 3.4-4.5 us on an H100)."""
     device_type: str = "cuda"
     """What runs the plan ("cuda", or "cpu" for a calibrated CPU machine): ``mc.trace(device=...)``
     records the attention kernel that device runs."""
@@ -53,6 +57,12 @@ class GpuSpec:
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
+
+    def replayed(self) -> GpuSpec:
+        """This GPU as a step replayed in a CUDA graph sees it: each op costs ``graph_op_overhead_s``."""
+        if self.graph_op_overhead_s is None:
+            return self
+        return dataclasses.replace(self, op_overhead_s=self.graph_op_overhead_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -316,6 +316,9 @@ class CodegenChoice:
     inductor_s: float | None = None
     """Predicted compute per micro-step with fused elementwise runs."""
     compile_s: float | None = None
+    captured: bool = False
+    """Priced as a step replayed in a CUDA graph (``Plan.cuda_graph`` as resolved before lowering): each op at the
+    device's cost per replayed kernel (``GpuSpec.graph_op_overhead_s``), not its dispatch from the host."""
 
     def __str__(self) -> str:
         return f"codegen: {self.codegen} (auto: {self.reason})"
@@ -363,22 +366,26 @@ def _fused_estimate(graph: torch.fx.Graph, gpu, dtype: str) -> tuple[float, floa
     return eager, fused, to_compile
 
 
-def choose_codegen(tg, rp, cluster) -> CodegenChoice:
+def choose_codegen(tg, rp, cluster, captured: bool = False) -> CodegenChoice:
     """``Plan.codegen="auto"``: Inductor when the cost model predicts its compute per step at least
     ``MIN_GAIN`` faster and the time saved over ``AMORTIZED_STEPS`` steps pays for its compile; else
-    eager. Inductor runs fp32 plans only; without a cluster there is nothing to price it on."""
+    eager. Inductor runs fp32 plans only; without a cluster there is nothing to price it on. ``captured``: the
+    step will replay as a CUDA graph, so both are priced at the device's cost per replayed kernel
+    (``GpuSpec.replayed``), where an op dispatched from the host costs ``op_overhead_s``."""
     plan = rp.plan
     if plan.param_dtype != torch.float32 or plan.reduce_dtype != torch.float32:
         return CodegenChoice("eager", "Inductor runs fp32 plans only")
     if cluster is None:
         return CodegenChoice("eager", "no cluster to price Inductor on")
     dtype = str(plan.param_dtype).removeprefix("torch.")
-    eager, fused, ops = _fused_estimate(tg.gm.graph, cluster.gpu, dtype)
+    gpu = cluster.gpu.replayed() if captured else cluster.gpu
+    eager, fused, ops = _fused_estimate(tg.gm.graph, gpu, dtype)
     compile_s = ops * COMPILE_S_PER_OP
     saved = (eager - fused) * plan.micro_batches
     gain = eager / fused if fused > 0 else 1.0
     chosen = "inductor" if gain >= 1 + MIN_GAIN and saved * AMORTIZED_STEPS >= compile_s else "eager"
+    how = "replayed in a CUDA graph" if captured else "dispatched"
     why = (f"predicted {eager * 1e3:.3f} ms of compute per micro-step op by op, {fused * 1e3:.3f} ms fused "
-           f"({gain:.2f}x) on {cluster.name}; {saved * AMORTIZED_STEPS:.0f} s saved over {AMORTIZED_STEPS} steps "
-           f"against ~{compile_s:.0f} s of compiling")
-    return CodegenChoice(chosen, why, eager, fused, compile_s)
+           f"({gain:.2f}x) on {cluster.name}, each op {how} at {gpu.op_overhead_s * 1e6:.1f} us; "
+           f"{saved * AMORTIZED_STEPS:.0f} s saved over {AMORTIZED_STEPS} steps against ~{compile_s:.0f} s of compiling")
+    return CodegenChoice(chosen, why, eager, fused, compile_s, captured)

@@ -148,6 +148,16 @@ def resolve(setting, blockers: list[str], world_size: int = 1) -> GraphChoice:
     return GraphChoice(True, "auto: nothing rules capture out" if setting == "auto" else "Plan.cuda_graph=True")
 
 
+def expected(setting, device: torch.device, plan, blocking_wait: bool = False) -> bool:
+    """Whether a step of ``plan`` (resolved, not yet lowered) will be captured as far as ``static_blockers`` and
+    ``resolve`` tell before lowering: what ``Plan.codegen="auto"`` prices (an error ``resolve`` would raise is
+    raised where the lowered plan is checked)."""
+    try:
+        return resolve(setting, static_blockers(device, plan, blocking_wait), plan.world_size).captured
+    except PlanError:
+        return False
+
+
 def host_state(optimizer: torch.optim.Optimizer, device: torch.device) -> str | None:
     """What of ``optimizer``'s state lives on the host after a step (a Python number, a CPU tensor: a step
     count a replay would not advance), or None."""
