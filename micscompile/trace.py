@@ -264,15 +264,18 @@ to 12.4 s."""
 @contextlib.contextmanager
 def fewer_collections():
     """``GC_THRESHOLDS`` inside, and what exists on entry (a search's trace) frozen out of every collection (forked
-    workers then leave its pages shared: a collection writes to each object it visits); both undone on exit."""
-    old = gc.get_threshold()
-    gc.freeze()
+    workers then leave its pages shared: a collection writes to each object it visits); both undone on exit. Where
+    something is frozen already (a caller's ``gc.freeze()``, an outer use), that is left as it is."""
+    old, freeze = gc.get_threshold(), gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         yield
     finally:
         gc.set_threshold(*old)
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 def add_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None,

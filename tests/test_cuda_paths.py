@@ -303,8 +303,8 @@ def test_gpu_init_distributed_serves_host_and_device_tensors(one_rank):
 @needs_gpu
 def test_gpu_a_replayed_kernel_is_timed_apart_from_its_dispatch(one_rank):
     """Issue 57, item 2: calibrate times a chain of bare adds captured in one CUDA graph (``graph_op_overhead_s``):
-    no host dispatch, so each costs the device less than the same add dispatched (docs/gpu.md: 3.4-4.5 us against
-    20-25 us per op on an H100's host-bound step)."""
+    no host dispatch, so each costs the device less than the same add dispatched (docs/gpu.md: a replayed kernel
+    3.4-4.5 us on an H200, a dispatched op 20-25 us of an H100 host's time)."""
     device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
     tiny = torch.ones(8, device=device)
     replayed = calibrate._replayed_op_s(tiny, 3, device)

@@ -210,6 +210,9 @@ def test_fewer_collections_sets_the_thresholds_inside_and_restores_them():
     try:
         with fewer_collections():
             assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > 0
+            with fewer_collections():  # (nested: the outer freeze is left to the outer exit)
+                pass
+            assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > 0
         assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
     finally:
         gc.set_threshold(*before)

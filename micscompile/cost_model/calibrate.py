@@ -137,9 +137,10 @@ REPLAYED_OPS = 256
 
 
 def _replayed_op_s(tiny: torch.Tensor, repeats: int, device: torch.device) -> float:
-    """Seconds per kernel of a chain of ``REPLAYED_OPS`` bare adds captured in one CUDA graph and replayed: what an op
-    costs a captured step (``GpuSpec.graph_op_overhead_s``; the host queues one replay, the device launches each
-    kernel after the last). Captured as ``runtime.cuda_graph`` captures a step: warmed up on a side stream first."""
+    """Seconds per kernel of a chain of ``REPLAYED_OPS`` bare adds (8 elements) captured in one CUDA graph and
+    replayed: what an op costs a captured step (``GpuSpec.graph_op_overhead_s``; the host queues one replay, the
+    device launches each kernel after the last and runs it). Captured as ``runtime.cuda_graph`` captures a step:
+    warmed up on a side stream first; replayed once before the timing (the first replay uploads the graph)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -151,6 +152,8 @@ def _replayed_op_s(tiny: torch.Tensor, repeats: int, device: torch.device) -> fl
         out = tiny
         for _ in range(REPLAYED_OPS):
             out = out.add(tiny)
+    graph.replay()
+    device_sync(device)
     return _timed(graph.replay, repeats, device) / REPLAYED_OPS
 
 

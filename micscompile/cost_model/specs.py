@@ -46,7 +46,7 @@ class GpuSpec:
     graph_op_overhead_s: float | None = None
     """Fixed cost per kernel replayed in a CUDA graph (no host dispatch: the device's launch gap), as ``calibrate``
     measures it on a GPU; None: ``op_overhead_s`` (the presets: their per-op price, fitted on device-bound rows,
-    stands for it; docs/gpu.md bounds a replayed kernel at 3.4-4.5 us on an H100)."""
+    stands for it; docs/gpu.md bounds a replayed kernel at 3.4-4.5 us on an H200)."""
     device_type: str = "cuda"
     """What runs the plan ("cuda", or "cpu" for a calibrated CPU machine): ``mc.trace(device=...)``
     records the attention kernel that device runs."""

@@ -374,9 +374,9 @@ def choose_codegen(tg, rp, cluster, captured: bool = False) -> CodegenChoice:
     (``GpuSpec.replayed``), where an op dispatched from the host costs ``op_overhead_s``."""
     plan = rp.plan
     if plan.param_dtype != torch.float32 or plan.reduce_dtype != torch.float32:
-        return CodegenChoice("eager", "Inductor runs fp32 plans only")
+        return CodegenChoice("eager", "Inductor runs fp32 plans only", captured=captured)
     if cluster is None:
-        return CodegenChoice("eager", "no cluster to price Inductor on")
+        return CodegenChoice("eager", "no cluster to price Inductor on", captured=captured)
     dtype = str(plan.param_dtype).removeprefix("torch.")
     gpu = cluster.gpu.replayed() if captured else cluster.gpu
     eager, fused, ops = _fused_estimate(tg.gm.graph, gpu, dtype)

@@ -230,8 +230,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             cluster = default_cluster(device.type, name, world, rp.gpus_per_node)
         codegen_choice = None
         if rp.plan.codegen == "auto":  # eager or Inductor, priced on the same cluster, replayed if it will be
-            codegen_choice = choose_codegen(tg, rp, cluster, captured=cuda_graph.expected(
-                plan.cuda_graph, device, rp, blocking_wait=C.nccl_blocking_wait()))
+            captured = cuda_graph.expected(plan.cuda_graph, device, rp, blocking_wait=C.nccl_blocking_wait()) and not \
+                cuda_graph.probe_optimizer_blockers(optimizer, device, clipped=max_grad_norm is not None)
+            codegen_choice = choose_codegen(tg, rp, cluster, captured=captured)
             rp = dataclasses.replace(rp, plan=rp.plan.replace(codegen=codegen_choice.codegen))
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)

@@ -150,8 +150,8 @@ def resolve(setting, blockers: list[str], world_size: int = 1) -> GraphChoice:
 
 def expected(setting, device: torch.device, plan, blocking_wait: bool = False) -> bool:
     """Whether a step of ``plan`` (resolved, not yet lowered) will be captured as far as ``static_blockers`` and
-    ``resolve`` tell before lowering: what ``Plan.codegen="auto"`` prices (an error ``resolve`` would raise is
-    raised where the lowered plan is checked)."""
+    ``resolve`` tell before lowering (``mc.compile`` also probes the optimizer): what ``Plan.codegen="auto"``
+    prices (an error ``resolve`` would raise is raised where the lowered plan is checked)."""
     try:
         return resolve(setting, static_blockers(device, plan, blocking_wait), plan.world_size).captured
     except PlanError:
