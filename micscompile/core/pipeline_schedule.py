@@ -240,17 +240,24 @@ class PipeSchedule:
             if a.op in _PEER and (peer := _peer(a)) not in seen:
                 raise ScheduleError(f"rank {r} step {i} ({a}): no matching {peer} on rank {self.rank_of(peer.chunk)}")
 
+    @functools.cached_property
+    def _homes(self) -> list[int]:
+        """Each chunk's rank (``rank_of``)."""
+        return [self.rank_of(c) for c in range(self.stages * self.chunks)]
+
+    def _sender(self, op: Op, chunk: int) -> int | None:
+        """The chunk whose send brings compute ``op`` of ``chunk`` its input from another rank (a forward's from the
+        chunk below, a backward's from the one above), or None: none (the first forward, the last backward, a W)
+        or one on its own rank (ZB-V's chunks S-1 and S hand over locally)."""
+        other = chunk - 1 if op is Op.FORWARD else chunk + 1 if op is Op.BACKWARD else -1
+        homes = self._homes
+        return other if 0 <= other < len(homes) and homes[other] != homes[chunk] else None
+
     def _input_recv(self, a: PipeAction) -> PipeAction | None:
-        """The receive that brings compute ``a``'s input from another rank, if any (none from its own rank:
-        ZB-V's chunks S-1 and S hand over locally)."""
-        if self.stages == 1:
+        """The receive that brings compute ``a``'s input from another rank, if any (``_sender``)."""
+        if a.op not in (Op.FORWARD, Op.BACKWARD) or self._sender(a.op, a.chunk) is None:
             return None
-        if a.op is Op.FORWARD and a.chunk > 0 and self.rank_of(a.chunk - 1) != self.rank_of(a.chunk):
-            return PipeAction(Op.RECV_ACT, a.mb, a.chunk)
-        if (a.op is Op.BACKWARD and a.chunk < self.stages * self.chunks - 1
-                and self.rank_of(a.chunk + 1) != self.rank_of(a.chunk)):
-            return PipeAction(Op.RECV_GRAD, a.mb, a.chunk)
-        return None
+        return _action(Op.RECV_ACT if a.op is Op.FORWARD else Op.RECV_GRAD, a.mb, a.chunk)
 
     def batched(self, rank: int) -> list[PipeAction | tuple[PipeAction, ...]]:
         """``rank``'s actions as the runtime runs them: each run of adjacent P2P actions one tuple
@@ -271,19 +278,15 @@ class PipeSchedule:
         take no time."""
         ids: dict[tuple, int] = {}  # (op, mb, chunk) of a send -> its index
         phase = {op: k for k, op in enumerate(COMPUTE)}
-        homes = [self.rank_of(c) for c in range(self.stages * self.chunks)]
-        last = len(homes) - 1
         out = []
         for actions in self.ranks:
             mine = []
             for i, a in enumerate(actions):
                 op, mb, c = a.op, a.mb, a.chunk
-                if op in phase:  # (the send _input_recv's receive pairs with, without making either)
-                    send = -1
-                    if op is Op.FORWARD and c > 0 and homes[c - 1] != homes[c]:
-                        send = ids.setdefault((Op.SEND_ACT, mb, c - 1), len(ids))
-                    elif op is Op.BACKWARD and c < last and homes[c + 1] != homes[c]:
-                        send = ids.setdefault((Op.SEND_GRAD, mb, c + 1), len(ids))
+                if op in phase:  # (the send its input comes by, keyed without making the actions)
+                    src = self._sender(op, c)
+                    kind = Op.SEND_ACT if op is Op.FORWARD else Op.SEND_GRAD
+                    send = -1 if src is None else ids.setdefault((kind, mb, src), len(ids))
                     mine.append((0, i, phase[op], c, send, a))
                 elif op in _SENDS:
                     mine.append((1, i, ids.setdefault((op, mb, c), len(ids))))
