@@ -388,8 +388,10 @@ def test_a_step_replayed_in_a_cuda_graph_is_priced_without_its_host_dispatch():
     assert replayed.eager_s == choose_codegen(tg, rp, as_replayed).eager_s < dispatched.eager_s
     assert slow.gpu.replayed().op_overhead_s == 5e-6 and Cluster.preset("dgx-h100").gpu.replayed().op_overhead_s == 5e-6
     # what mc.compile passes: captured as far as the plan and the device tell before lowering
-    cuda, one = torch.device("cuda", 0), mc.Plan(partition_size=1).resolve(1)
-    assert cuda_graph.expected("auto", cuda, one) and not cuda_graph.expected(False, cuda, one)
-    assert not cuda_graph.expected("auto", torch.device("cpu"), one)
-    assert not cuda_graph.expected("auto", cuda, rp)  # several ranks: "auto" keeps them eager
-    assert not cuda_graph.expected(True, cuda, mc.Plan(partition_size=1, pipeline_stages=2).resolve(2))  # (raised later)
+    cuda, one, fine = torch.device("cuda", 0), mc.Plan(partition_size=1).resolve(1), list
+    assert cuda_graph.expected("auto", cuda, one, fine) and not cuda_graph.expected(False, cuda, one, fine)
+    assert not cuda_graph.expected("auto", cuda, one, lambda: ["the optimizer keeps its step count on the host"])
+    assert not cuda_graph.expected("auto", torch.device("cpu"), one, fine)
+    assert not cuda_graph.expected("auto", cuda, rp, fine)  # several ranks: "auto" keeps them eager
+    pipeline = mc.Plan(partition_size=1, pipeline_stages=2).resolve(2)
+    assert not cuda_graph.expected(True, cuda, pipeline, fine)  # (raised where the lowered plan is checked)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -228,10 +229,13 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if cluster is None:  # price the schedule on this device's cluster (None: an unknown GPU)
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             cluster = default_cluster(device.type, name, world, rp.gpus_per_node)
+        # the optimizer's capture conditions, on a probe of the factory (no collective yet), probed once
+        probe = functools.cache(functools.partial(cuda_graph.probe_optimizer_blockers, optimizer, device,
+                                                  max_grad_norm is not None))
+        blocking_wait = C.nccl_blocking_wait()
         codegen_choice = None
         if rp.plan.codegen == "auto":  # eager or Inductor, priced on the same cluster, replayed if it will be
-            captured = cuda_graph.expected(plan.cuda_graph, device, rp, blocking_wait=C.nccl_blocking_wait()) and not \
-                cuda_graph.probe_optimizer_blockers(optimizer, device, clipped=max_grad_norm is not None)
+            captured = cuda_graph.expected(plan.cuda_graph, device, rp, probe, blocking_wait)
             codegen_choice = choose_codegen(tg, rp, cluster, captured=captured)
             rp = dataclasses.replace(rp, plan=rp.plan.replace(codegen=codegen_choice.codegen))
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
@@ -240,11 +244,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
             lowered = dataclasses.replace(lowered, program=lowered.program.with_step_reductions(
                 tg.counted_loss, max_grad_norm is not None or plan.loss_scaled))
         lowered_plan = lowered.program.plan if isinstance(lowered, LoweredFlat) else rp
-        graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.static_blockers(
-            device, lowered_plan, blocking_wait=C.nccl_blocking_wait()), rp.world_size)
-        if graph_choice.captured:  # the optimizer's conditions too, on a probe of the factory: no collective yet
-            graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.probe_optimizer_blockers(
-                optimizer, device, clipped=max_grad_norm is not None), rp.world_size)
+        graph_choice = cuda_graph.choose(plan.cuda_graph, device, lowered_plan, probe, blocking_wait)
         kind = STEP_OF[type(lowered)]
         buffers = lowered.rewrite_for_runtime(arena)
         offsets = arena_offsets(buffers) if arena else None

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,12 +149,21 @@ def resolve(setting, blockers: list[str], world_size: int = 1) -> GraphChoice:
     return GraphChoice(True, "auto: nothing rules capture out" if setting == "auto" else "Plan.cuda_graph=True")
 
 
-def expected(setting, device: torch.device, plan, blocking_wait: bool = False) -> bool:
-    """Whether a step of ``plan`` (resolved, not yet lowered) will be captured as far as ``static_blockers`` and
-    ``resolve`` tell before lowering (``mc.compile`` also probes the optimizer): what ``Plan.codegen="auto"``
-    prices (an error ``resolve`` would raise is raised where the lowered plan is checked)."""
+def choose(setting, device: torch.device, plan, probe: Callable[[], list[str]],
+           blocking_wait: bool = False) -> GraphChoice:
+    """``resolve`` of a step of ``plan`` on ``device``: its ``static_blockers``, then, where they leave capture on,
+    ``probe()``'s (``probe_optimizer_blockers`` of the step's optimizer factory). Before any collective."""
+    choice = resolve(setting, static_blockers(device, plan, blocking_wait), plan.world_size)
+    return resolve(setting, probe(), plan.world_size) if choice.captured else choice
+
+
+def expected(setting, device: torch.device, plan, probe: Callable[[], list[str]],
+             blocking_wait: bool = False) -> bool:
+    """Whether a step of ``plan`` (resolved, not yet lowered) will be captured, as far as ``choose`` tells before
+    lowering: what ``Plan.codegen="auto"`` prices (an error ``choose`` would raise is raised where the lowered
+    plan is checked)."""
     try:
-        return resolve(setting, static_blockers(device, plan, blocking_wait), plan.world_size).captured
+        return choose(setting, device, plan, probe, blocking_wait).captured
     except PlanError:
         return False
 
