@@ -24,7 +24,7 @@ import torch
 
 import micscompile as mc
 from micscompile.tune.search_space import tensor_choices
-from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import BERT_10B, GPTConfig, meta_gpt
 
 BERT_104B = GPTConfig(vocab_size=50000, seq_len=4096, layers=128, hidden=8192, heads=64, causal=False)
 CASES = {
@@ -45,10 +45,7 @@ def run(name: str, nic_efficiency: float = 1.0, tp: list[int] | None = None, wor
         exhaustive: bool = False) -> None:
     cfg, dtype, preset, nodes, batch, opts = CASES[name]
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(2, cfg.seq_len, dtype=torch.long)
-    trace = mc.trace(model, (x, x), lm_loss, param_dtype=dtype, symbolic_batch=True)
+    trace = mc.trace(*meta_gpt(cfg, 2), param_dtype=dtype, symbolic_batch=True)
     t1 = time.perf_counter()
     cluster = mc.Cluster.preset(preset, nodes=nodes)
     if nic_efficiency != 1.0:  # a what-if: the preset's NIC rate (its measured efficiency) times this

@@ -25,7 +25,7 @@ import time
 import torch
 
 import micscompile as mc
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 GIB = 1 << 30
 LAYERS, HIDDEN, HEADS, VOCAB, P = 64, 8192, 64, 50000, 64
@@ -43,17 +43,14 @@ def main() -> None:
     cluster = mc.Cluster.preset("p4d.24xlarge", nodes=16)
     n, cap = cluster.world_size, cluster.gpu.memory_bytes
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=args.seq, layers=LAYERS, hidden=HIDDEN, heads=HEADS, causal=False)
-    with torch.device("meta"):
-        model = GPT(cfg)
     print(f"BERT 52B, seq {args.seq}, G >= {args.global_batch}, MiCS p={P} on {n} x {cluster.gpu.name} "
           f"({cap / GIB:.0f} GiB), fp16")
     head = f"{'option':<22}{'b':>3}{'s':>4}{'G':>6}{'peak GiB':>10}{'fits':>6}{'step s':>9}{'TFLOP/s/GPU':>13}{'copy/bwd':>10}"
     print(head + "\n" + "-" * len(head))
     best: dict[str, tuple[int, float]] = {}
     for b in args.micro_batches:
-        x = torch.zeros(b, args.seq, dtype=torch.long)
         start = time.perf_counter()
-        tg = mc.trace(model, (x, x), lm_loss, param_dtype=torch.float16)
+        tg = mc.trace(*meta_gpt(cfg, b), param_dtype=torch.float16)
         traced = time.perf_counter() - start
         s = math.ceil(args.global_batch / (n * b))
         G = n * b * s

@@ -40,7 +40,7 @@ import micscompile as mc
 from micscompile.cost_model.caching_allocator import replay_buffers
 from micscompile.lowering.predict import step_buffers_of
 from micscompile.memory.lifetimes import arena_offsets, on_device
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 MIB = 1 << 20
 WORLD = 4
@@ -50,11 +50,7 @@ GPT_CFG = GPTConfig(vocab_size=8192, seq_len=512, layers=8, hidden=512, heads=8)
 
 
 def gpt_trace(causal: bool, batch: int = 8, param_dtype=None):
-    cfg = GPTConfig(**{**GPT_CFG.__dict__, "causal": causal})
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss, param_dtype=param_dtype)
+    return mc.trace(*meta_gpt(GPTConfig(**{**GPT_CFG.__dict__, "causal": causal}), batch), param_dtype=param_dtype)
 
 
 def checkpoint_report(batch: int = 8) -> bool:
@@ -141,7 +137,11 @@ def main() -> None:
     for name, make in models.items():
         trace = make()
         for plan_name in PLANS:
-            r = row(name, plan_name, trace)
+            try:
+                r = row(name, plan_name, trace)
+            except mc.PlanError as exc:  # the CNN has 3 blocks that read parameters: no 4 pipeline chunks
+                print(f"{name:<6}{plan_name:<25}  refused: {str(exc).split(':')[0]}", flush=True)
+                continue
             ratio, saving = r["arena"] / r["L"], r["reserved"] / r["arena"]
             worst_l, worst_pt = max(worst_l, ratio), min(worst_pt, saving)
             print(f"{name:<6}{plan_name:<25}{r['buffers']:>8}{r['L'] / MIB:>9.1f}{r['arena'] / MIB:>10.1f}"

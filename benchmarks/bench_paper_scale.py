@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 import micscompile as mc
-from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import BERT_10B, GPTConfig, meta_gpt
 
 
 def main() -> None:
@@ -26,10 +24,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = BERT_10B
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(args.micro_batch, cfg.seq_len, dtype=torch.long)
-    trace = mc.trace(model, (x, x), lm_loss)
+    trace = mc.trace(*meta_gpt(cfg, args.micro_batch))
     print(f"BERT 10B: {trace.summary()}; traced in {time.perf_counter() - t0:.1f} s")
     flops = mc.transformer_flops(args.micro_batch * args.micro_steps, cfg.seq_len, cfg.layers, cfg.hidden,
                                  cfg.vocab_size)
@@ -51,11 +46,9 @@ def main() -> None:
     # speed: GPT-3 175B (96 layers, h 12288, seq 2048) on 1024 A100-80GB, from a meta trace
     cfg = GPTConfig(vocab_size=51200, seq_len=2048, layers=96, hidden=12288, heads=96)
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    gpt = meta_gpt(cfg, 1)
     t1 = time.perf_counter()
-    trace = mc.trace(model, (x, x), lm_loss)
+    trace = mc.trace(*gpt)
     t2 = time.perf_counter()
     pred = mc.simulate(trace, mc.Plan(partition_size=64, micro_batches=8), mc.Cluster.preset("p4de.24xlarge", nodes=128),
                        compute_dtype="bfloat16")

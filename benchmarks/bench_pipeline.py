@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 import micscompile as mc
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 GIB = 1 << 30
 DTYPE = torch.bfloat16
@@ -97,12 +97,7 @@ def main() -> None:
             cfg = GPTConfig(vocab_size=VOCAB, seq_len=sc.seq, layers=md.layers, hidden=HIDDEN, heads=HEADS,
                             causal=False)
             t0 = time.perf_counter()
-            with torch.device("meta"):
-                model = GPT(cfg)
-            traces = {}
-            for b in dict.fromkeys((sc.mics_b, sc.pipe_b)):
-                x = torch.zeros(b, sc.seq, dtype=torch.long)
-                traces[b] = mc.trace(model, (x, x), lm_loss, param_dtype=DTYPE)
+            traces = {b: mc.trace(*meta_gpt(cfg, b), param_dtype=DTYPE) for b in dict.fromkeys((sc.mics_b, sc.pipe_b))}
             print(f"{md.name}: {traces[sc.mics_b].summary()}; traced {len(traces)} micro-batch size(s) in "
                   f"{time.perf_counter() - t0:.1f} s")
             print(head)

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 import micscompile as mc
 from micscompile.core.collectives import fmt_bytes
 from micscompile.lowering.lowered import lower
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 
 def main() -> None:
@@ -27,10 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = GPTConfig(vocab_size=50304, seq_len=2048, layers=args.layers, hidden=5120, heads=40)
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
-    trace = mc.trace(model, (x, x), lm_loss)
+    trace = mc.trace(*meta_gpt(cfg, 1))
     print(f"GPT {args.layers} x h5120: {trace.summary()}; traced in {time.perf_counter() - t0:.1f} s")
     cluster = mc.Cluster.preset("p4d.24xlarge", nodes=args.nodes)
     plan = mc.Plan(partition_size=8, micro_batches=4)

@@ -151,7 +151,7 @@ def measured(rounds: int) -> None:
 
 
 def simulated() -> None:
-    from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+    from micscompile.zoo.models import GPTConfig, meta_gpt
 
     dtype = torch.bfloat16
     cases = [
@@ -164,10 +164,7 @@ def simulated() -> None:
     ]
     for label, cluster, cfg, b, fields in cases:
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            model = GPT(cfg)
-        x = torch.zeros(b, cfg.seq_len, dtype=torch.long)
-        tg = mc.trace(model, (x, x), lm_loss, param_dtype=dtype)
+        tg = mc.trace(*meta_gpt(cfg, b), param_dtype=dtype)
         print(f"\n{label} (traced in {time.perf_counter() - t0:.0f} s)")
         print(f"{'schedule':<16}{'v':>2}{'bubble':>8}{'step s':>9}{'vs 1f1b':>9}{'peak GiB':>10}{'sim s':>7}")
         base = None

@@ -229,7 +229,6 @@ EXCLUDED = (
               "('pass init_fn=')"),
     Exclusion("model", ("convnet", "quirky", *HF), "loss", ("token",),
               "the fuzzer's (sum, count) loss is the LM's and RandomNet's"),
-    Exclusion("codegen", ("inductor",), "precision", ("bf16", "fp16"), "refused: Inductor runs fp32 plans only"),
     Exclusion("plan", ("every_step",), "optimizer_sharding", ("world",),
               "refused: every_step has no boundary all-reduce to turn into a reduce-scatter"),
     Exclusion("nodes", ("2x2 hierarchical",), "plan", ("flat p=1", "flat p=2", *PIPELINES),

@@ -41,7 +41,7 @@ import torch
 import micscompile as mc
 from micscompile.cost_model.collective_time import ALL_GATHER, ALL_REDUCE, collective_time_s, tree_latency_s
 from micscompile.cost_model.specs import A100_40GB_2023, GBPS_TO_BPS, Link
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 GIB = 2**30
 MIB = 2**20
@@ -249,10 +249,8 @@ def mpt_config(size: str, seq: int) -> GPTConfig:
 
 @functools.lru_cache(maxsize=None)
 def _trace(cfg: GPTConfig, micro_batch: int) -> tuple[mc.TrainGraph, int]:
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss, param_dtype=torch.bfloat16), sum(p.numel() for p in model.parameters())
+    model, inputs, loss = meta_gpt(cfg, micro_batch)
+    return mc.trace(model, inputs, loss, param_dtype=torch.bfloat16), sum(p.numel() for p in model.parameters())
 
 
 def simulated_mfu(row: MptRow, matmul_efficiency: float | None = None, preset: str | None = None) -> float:

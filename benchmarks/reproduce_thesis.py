@@ -57,7 +57,7 @@ from micscompile.cost_model.collective_time import (
     hierarchical_time_s,
 )
 from micscompile.cost_model.specs import GBPS_TO_BPS, Link
-from micscompile.zoo.models import GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import GPTConfig, meta_gpt
 
 MB = 2**20
 GIB = 2**30
@@ -104,10 +104,7 @@ def dtype_of(preset: str) -> torch.dtype:
 
 @functools.lru_cache(maxsize=None)
 def _trace(cfg: GPTConfig, micro_batch: int, dtype: torch.dtype) -> mc.TrainGraph:
-    with torch.device("meta"):
-        model = GPT(cfg)
-    x = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
-    return mc.trace(model, (x, x), lm_loss, param_dtype=dtype)
+    return mc.trace(*meta_gpt(cfg, micro_batch), param_dtype=dtype)
 
 
 @functools.lru_cache(maxsize=None)

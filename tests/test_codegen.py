@@ -21,7 +21,7 @@ from harness import assert_parity, launch, run_cases
 from models import MODELS, Branchy, ConvNet, TiedLM, lm_loss
 
 import micscompile as mc
-from micscompile.cli.parity import TOLERANCE
+from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE
 from micscompile.runtime.codegen import compile_regions, find_regions
 
 WORLD = 4
@@ -114,11 +114,36 @@ def test_backend_refuses_pipelines_and_takes_only_plans():
         mc.backend({"partition_size": 2}, optimizer=torch.optim.SGD)
 
 
-def test_plan_refuses_an_unknown_codegen_and_inductor_in_low_precision():
+def test_plan_refuses_an_unknown_codegen():
     with pytest.raises(mc.PlanError, match="codegen must be 'auto', 'eager' or 'inductor'"):
         mc.Plan(codegen="triton")
-    with pytest.raises(mc.PlanError, match="runs fp32 plans only"):
-        mc.Plan(codegen="inductor", param_dtype=torch.bfloat16)
+    mc.Plan(codegen="inductor", param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)  # mixed precision compiles
+
+
+def test_a_region_given_an_input_of_another_dtype_than_traced_reads_it_as_traced():
+    """The meta kernels the trace runs give ``native_layer_norm``'s mean and rstd the accumulation dtype (float32
+    for a bf16 input, as CUDA does); the CPU's kernel keeps bf16. A region compiled for the trace's float32 read
+    the CPU's bf16 statistics as garbage (non-finite layer-norm gradients: why Inductor ran fp32 plans only)."""
+    g = torch.fx.Graph()
+    x, mean, rstd, w = (g.placeholder(n) for n in ("x", "mean", "rstd", "w"))
+    centred = g.call_function(torch.ops.aten.sub.Tensor, (x, mean))
+    g.output((g.call_function(torch.ops.aten.mul.Tensor, (g.call_function(torch.ops.aten.mul.Tensor, (centred, rstd)),
+                                                           w)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(*(mode.from_tensor(torch.empty(4, n, dtype=d))
+                                         for n, d in ((8, bf16), (1, f32), (1, f32), (8, bf16))))
+    torch.manual_seed(0)
+    args = [torch.randn(4, 8, dtype=bf16), torch.randn(4, 1, dtype=bf16), torch.rand(4, 1, dtype=bf16) + 0.5,
+            torch.randn(4, 8, dtype=bf16)]  # the statistics in bf16, as the CPU's layer norm leaves them
+    expected = gm(*(a.to(f32) if a.shape[1] == 1 else a for a in args))[0]
+    compile_regions(gm, torch.device("cpu"))
+    got = gm(*args)[0]
+    assert got.dtype == expected.dtype and torch.allclose(got.float(), expected.float(), atol=2e-2), (got, expected)
 
 
 # ---- 4 ranks ------------------------------------------------------------------------------------
@@ -133,6 +158,12 @@ CASES = [
     Case("convnet", 1, 3, "sgd", codegen="inductor"),
     Case("quirky", 2, 3, "adamw", codegen="inductor"),
     Case("tied_lm", 2, 3, "sgd", codegen="inductor", checkpoint=True, prefetch=ONE_AHEAD),
+    # mixed precision: the CPU's layer norm keeps bf16 statistics where the trace's meta kernel said float32.
+    # SGD: AdamW's first steps are lr * sign(g), so a near-zero gradient whose sign rounding flips moves its value
+    # 2 lr, which puts the tied LM's ln.bias 0.20 from the reference (the bf16 references' own floor, eager against
+    # float64, is 0.20 there too); the covering design's judge measures that floor (benchmarks/fuzz_plans.py)
+    Case("tied_lm", 2, 3, "sgd", codegen="inductor", prefetch=ONE_AHEAD, param_dtype=torch.bfloat16),
+    Case("convnet", 4, 1, "adamw", codegen="inductor", param_dtype=torch.float16, reduce_dtype=torch.float16),
     Case("tied_lm", 2, 3, "sgd", dynamo=True),
     Case("convnet", 4, 1, "adamw", dynamo=True),
     Case("quirky", 2, 3, "sgd", dynamo=True),
@@ -199,9 +230,13 @@ def results() -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity_with_single_process_eager(results, case: Case):
-    assert_parity(results, case, TOLERANCE)
+    """fp32 within TOLERANCE; mixed precision against the eager 16-bit reference (``train_reference_mixed``)
+    within LOW_PRECISION_TOLERANCE: Inductor's fused kernels keep their intermediates in float32 where eager
+    rounds each op's output to 16 bits."""
+    tolerance = LOW_PRECISION_TOLERANCE if case.mixed else TOLERANCE
+    assert_parity(results, case, tolerance)
     for rank, res in enumerate(results):
-        assert res[case]["own_shard_err"] <= TOLERANCE, (rank, res[case]["own_shard_err"])
+        assert res[case]["own_shard_err"] <= tolerance, (rank, res[case]["own_shard_err"])
 
 
 @pytest.mark.multiproc
@@ -345,7 +380,7 @@ def test_a_lifted_module_attribute_that_changes_is_refused():
 
 def test_auto_codegen_is_the_cost_models_choice():
     """Plan.codegen="auto" (the default): Inductor only where fusing the elementwise runs is predicted
-    >= 5% faster and the time saved over 10,000 steps pays for compiling; fp32 plans only."""
+    >= 5% faster and the time saved over 10,000 steps pays for compiling."""
     from models import meta_lm_trace
 
     from micscompile.cost_model.specs import Cluster, default_cluster
@@ -361,8 +396,9 @@ def test_auto_codegen_is_the_cost_models_choice():
     dispatch_bound = choose_codegen(tg, rp, slow)
     assert dispatch_bound.codegen == "inductor" and dispatch_bound.eager_s > 1.05 * dispatch_bound.inductor_s
     assert str(dispatch_bound).startswith("codegen: inductor (auto: predicted ") and "slow dispatch" in str(dispatch_bound)
-    bf16 = mc.Plan(partition_size=2, param_dtype=torch.bfloat16).resolve(4)
-    assert choose_codegen(tg, bf16, slow).reason == "Inductor runs fp32 plans only"
+    # mixed precision priced in its own dtype: bf16's peak, half the bytes
+    bf16 = choose_codegen(tg, mc.Plan(partition_size=2, micro_batches=3, param_dtype=torch.bfloat16).resolve(4), slow)
+    assert bf16.codegen == "inductor" and bf16.eager_s < dispatch_bound.eager_s
     assert choose_codegen(tg, rp, None).codegen == "eager"
 
 

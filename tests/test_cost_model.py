@@ -407,6 +407,10 @@ def test_default_cluster_is_the_devices(monkeypatch, tmp_path):
     assert h100.gpu.name == "H100-80GB" and (h100.nodes, h100.gpus_per_node) == (2, 8)
     assert specs.default_cluster("cuda", "NVIDIA A100-SXM4-80GB", 8, 8).name == "p4de.24xlarge@2024"
     assert specs.default_cluster("cuda", "NVIDIA A100-SXM4-40GB", 8, 8).name == "p4d.24xlarge@2024"
+    h200 = specs.default_cluster("cuda", "NVIDIA H200", 1, 1)  # (what torch names the device docs/gpu.md ran on)
+    assert h200.name == "p5en.48xlarge@2025" and h200.gpu.memory_bytes == 143771 << 20
+    assert h200.gpu.flops("bfloat16") == h100.gpu.flops("bfloat16") and h200.node_bandwidth_bps == \
+        h100.node_bandwidth_bps  # H100's compute, more memory bandwidth; 16 NICs of p5's 32 at twice the rate
     assert h100.era == specs.ERA_2023  # today's software runs on a device today
     assert specs.default_cluster("cuda", "NVIDIA GeForce RTX 4090", 2, 2) is None  # unknown: unpriced
     estimate = specs.default_cluster("cpu", "cpu", 4, 2)

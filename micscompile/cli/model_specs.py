@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from micscompile.zoo.models import BERT_10B, GPT, GPTConfig, lm_loss
+from micscompile.zoo.models import BERT_10B, GPTConfig, meta_gpt
 
 GPT_PRESETS = {
     "tiny": GPTConfig(vocab_size=512, seq_len=64, layers=4, hidden=256, heads=4),
@@ -65,11 +65,8 @@ def load(spec: str, *, micro_batch: int = 1, seq_len: int | None = None) -> tupl
         table = GPT_PRESETS if family == "gpt" else BERT_PRESETS
         if name not in table:
             raise SpecError(f"unknown {family} preset {name!r}; known: {', '.join(f'{family}:{s}' for s in table)}")
-        cfg = table[name] if seq_len is None else dataclasses.replace(table[name], seq_len=seq_len)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        x = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
-        return model, (x, x), lm_loss
+        return meta_gpt(table[name] if seq_len is None else dataclasses.replace(table[name], seq_len=seq_len),
+                        micro_batch)
     if family == "hf":
         from micscompile.zoo import hf_models
 

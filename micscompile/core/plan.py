@@ -183,10 +183,6 @@ class Plan:
                             "reduce-scatter; grad_sync='every_step' has no boundary all-reduce: use grad_sync='2hop'")
         if self.codegen not in ("auto", "eager", "inductor"):
             raise PlanError(f"Plan.codegen must be 'auto', 'eager' or 'inductor', got {self.codegen!r}")
-        if self.codegen == "inductor" and (self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32):
-            raise PlanError("Plan.codegen='inductor' runs fp32 plans only: with bfloat16 parameters the regions "
-                            "Inductor compiled on CPU returned non-finite layer-norm gradients for the tied LM (not "
-                            "understood yet); use codegen='eager' for mixed precision")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in PRECISIONS:
                 raise PlanError(f"Plan.{name} must be one of {', '.join(map(str, PRECISIONS))}, "

@@ -271,6 +271,10 @@ on one 8-GPU node (seq 2048, micro-batch 6, FSDP FULL_SHARD, bf16, no checkpoint
 A100_80GB_2023 = dataclasses.replace(A100_80GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
 A100_40GB_2023 = dataclasses.replace(A100_40GB, matmul_efficiency=A100_MATMUL_EFFICIENCY_2023)
 H100_2023 = dataclasses.replace(H100, matmul_efficiency=H100_MATMUL_EFFICIENCY_2023)
+H200_2023 = dataclasses.replace(H100_2023, name="H200-141GB", memory_bandwidth_bps=4.8e12, memory_bytes=143771 << 20)
+"""H200 SXM: H100's compute (989 TFLOP/s bf16 on the same die and clocks) with 4.8 TB/s of HBM3e, 141 GB on the
+sheet (143771 MiB as torch reports it on the H200 of docs/gpu.md). No end-to-end H200 row is public to fit on: it
+takes H100's compute fit, as today's presets of A100-40GB take A100-80GB's."""
 
 DGX_A100_NIC_EFFICIENCY_2023, DGX_A100_LL_STEP_S_2023 = 0.98, 38.0e-6
 """DGX A100's 8 x 200 Gb/s InfiniBand with today's NCCL: "192 GB/s AllReduce BusBW" (an NVIDIA maintainer,
@@ -290,6 +294,12 @@ P5_NIC_EFFICIENCY_2025, P5_LL_STEP_S_2025 = 0.78, 26.5e-6
 (crazyguitar/aws-gpu-communication-benchmark: 322, 289, 224, 262, 222 GB/s) sets the NICs' rate and the Simple
 step (no fall with the node count: the fit's exponent is 0), 2 x p5's 8-byte all-reduce (65-75 us, NCCL 2.20.3,
 awsome-distributed-training) the LL step; the fit leaves the Simple step at its floor, the LL step."""
+
+P5EN_NICS = 16
+"""p5en.48xlarge: 8 x H200 and 16 x 200 Gb/s of EFAv3, the 3200 Gb/s of p5's 32 x 100 Gb/s in half the NICs. No
+nccl-tests run on p5en is public to fit on: its links take p5's fit (the same software, the same line rate per
+node), so the preset judges nothing (``prediction_error`` 0); it is what ``mc.compile`` prices a schedule on
+when it runs on an H200 (``GPU_PRESETS``)."""
 
 PRESETS: dict[str, Cluster] = {
     # fitted on collective measurements only (thesis §3.3.2, Fig. 3-2, §3.5.2.2; nccl-tests on 2 nodes,
@@ -332,6 +342,9 @@ PRESETS: dict[str, Cluster] = {
                                          nic_ll_latency_s=P5_LL_STEP_S_2025, nvlink_efficiency=H100_NVLINK_EFFICIENCY,
                                          nic_efficiency=P5_NIC_EFFICIENCY_2025,
                                          prediction_error=CURRENT_HELD_OUT_ERROR, era=ERA_2023),
+    "p5en.48xlarge@2025": _eight_gpu_nodes("p5en.48xlarge@2025", H200_2023, 450e9, 200, P5EN_NICS, P5_LL_STEP_S_2025,
+                                           nic_ll_latency_s=P5_LL_STEP_S_2025, nvlink_efficiency=H100_NVLINK_EFFICIENCY,
+                                           nic_efficiency=P5_NIC_EFFICIENCY_2025, era=ERA_2023),
 }
 
 
@@ -358,7 +371,7 @@ def _cpu_estimate(world_size: int, gpus_per_node: int) -> Cluster:
                    gpu=CPU_ESTIMATE, intra=link, inter=link, overlap=0.0)
 
 
-GPU_PRESETS = (("H100", "p5.48xlarge@2025"), ("A100-SXM4-80GB", "p4de.24xlarge@2024"),
+GPU_PRESETS = (("H200", "p5en.48xlarge@2025"), ("H100", "p5.48xlarge@2025"), ("A100-SXM4-80GB", "p4de.24xlarge@2024"),
                ("A100 80GB", "p4de.24xlarge@2024"), ("A100", "p4d.24xlarge@2024"), ("V100", "p3dn.24xlarge"))
 """(a substring of ``torch.cuda.get_device_name()``, the preset of the machines that GPU comes in), first match: the
 current software's preset where there is one (what ``mc.compile`` runs is today's stack), the thesis's for V100."""

@@ -201,22 +201,26 @@ def _subgraph(run: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: li
 class CompiledRegion(nn.Module):
     """Calls one Inductor-compiled region function (shared by every region with its key).
 
-    The function was compiled for the strides the trace recorded, and its generated code asserts
-    them. An input that arrives laid out otherwise is copied into them first: a sliced batch (the
-    trace's inputs are contiguous), a receive buffer or a reloaded activation (contiguous where the
-    trace's value was not)."""
+    The function was compiled for the strides and dtypes the trace recorded, and its generated code
+    asserts the strides and reads the bytes as those dtypes. An input that arrives otherwise is copied
+    into them first: a sliced batch (the trace's inputs are contiguous), a receive buffer or a reloaded
+    activation (contiguous where the trace's value was not), or a value whose dtype the device's kernel
+    chose apart from the meta kernel the trace ran: the CPU's ``native_layer_norm`` keeps a bf16 input's
+    dtype for its mean and rstd, where the meta kernel (and CUDA's) gives float32, and a region compiled
+    for float32 statistics read bf16 ones as garbage (why Inductor once ran fp32 plans only)."""
 
-    def __init__(self, fn: Callable, key: str, source: torch.fx.GraphModule, strides: list[tuple[int, ...]]) -> None:
+    def __init__(self, fn: Callable, key: str, source: torch.fx.GraphModule, specs: list[tuple]) -> None:
         super().__init__()
         self.fn = fn
         self.key = key
-        self.strides = strides
+        self.specs = specs
         self.__dict__["source"] = source  # the region's ATen graph, as compiled (not a submodule)
 
     def forward(self, *args):
-        if any(a.stride() != s for a, s in zip(args, self.strides)):
-            args = [a if a.stride() == s else torch.empty_strided(a.shape, s, dtype=a.dtype, device=a.device).copy_(a)
-                    for a, s in zip(args, self.strides)]
+        if any(a.stride() != s or a.dtype != d for a, (_, s, d) in zip(args, self.specs)):
+            args = [a if a.stride() == s and a.dtype == d else
+                    torch.empty_strided(a.shape, s, dtype=d, device=a.device).copy_(a)
+                    for a, (_, s, d) in zip(args, self.specs)]
         return self.fn(*args)
 
 
@@ -276,7 +280,7 @@ def compile_regions(
                                    f"{run[-1].name}; ops {', '.join(ops)}): {type(exc).__name__}: {exc}") from exc
             region.compile_s = time.perf_counter() - start
             region.cache_hit = counters["inductor"]["fxgraph_cache_hit"] > hits
-            module = CompiledRegion(fn, key, sub, [stride for _, stride, _ in specs])
+            module = CompiledRegion(fn, key, sub, specs)
             cache[key] = (module, index)
         name = f"region_{index}"
         gm.add_submodule(name, module)
@@ -369,12 +373,10 @@ def _fused_estimate(graph: torch.fx.Graph, gpu, dtype: str) -> tuple[float, floa
 def choose_codegen(tg, rp, cluster, captured: bool = False) -> CodegenChoice:
     """``Plan.codegen="auto"``: Inductor when the cost model predicts its compute per step at least
     ``MIN_GAIN`` faster and the time saved over ``AMORTIZED_STEPS`` steps pays for its compile; else
-    eager. Inductor runs fp32 plans only; without a cluster there is nothing to price it on. ``captured``: the
+    eager. Without a cluster there is nothing to price it on. ``captured``: the
     step will replay as a CUDA graph, so both are priced at the device's cost per replayed kernel
     (``GpuSpec.replayed``), where an op dispatched from the host costs ``op_overhead_s``."""
     plan = rp.plan
-    if plan.param_dtype != torch.float32 or plan.reduce_dtype != torch.float32:
-        return CodegenChoice("eager", "Inductor runs fp32 plans only", captured=captured)
     if cluster is None:
         return CodegenChoice("eager", "no cluster to price Inductor on", captured=captured)
     dtype = str(plan.param_dtype).removeprefix("torch.")

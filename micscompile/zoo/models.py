@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -202,6 +203,15 @@ def lm_batch(cfg: GPTConfig, batch_size: int, generator: torch.Generator) -> tup
     """Random tokens and their shift-by-one targets."""
     tokens = torch.randint(cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def meta_gpt(cfg: GPTConfig, micro_batch: int) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor], Callable]:
+    """A GPT of ``cfg`` built on the meta device (shapes, no values), a micro-batch of ``micro_batch`` sequences
+    and the loss: ``mc.trace(*meta_gpt(cfg, b), ...)`` traces it for plans, pricing and search."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
+    return model, (x, x), lm_loss
 
 
 def gpt_params(cfg: GPTConfig) -> int:
