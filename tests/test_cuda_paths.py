@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.util
+import math
 import statistics
 import time
 import types
@@ -392,3 +393,35 @@ def test_gpu_a_captured_step_replays_what_the_eager_step_computes(one_rank, monk
         assert auto.codegen_choice.captured and graphed.codegen_choice.captured and not eager.codegen_choice.captured
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@needs_gpu
+def test_gpu_an_inductor_step_in_bf16_replays_what_it_computes_uncaptured(one_rank):
+    """What "auto" now runs for a bf16 model whose fusing pays (bench_gpu.py's Llama on an H200): Inductor's regions
+    over the arena in bf16, captured. Its losses and weights equal the same step uncaptured (the same kernels in the
+    same order), and the regions' statistics reach them in the dtype they were compiled for."""
+    import copy
+
+    import micscompile as mc
+    from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+
+    device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
+    cfg = GPTConfig(layers=2, hidden=128, heads=4, seq_len=64, vocab_size=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(t.to(device) for t in lm_batch(cfg, 8, gen)) for _ in range(5)]
+
+    def build(m, setting):
+        return mc.compile(m, mc.Plan(partition_size=1, param_dtype=torch.bfloat16, codegen="inductor",
+                                     cuda_graph=setting), loss_fn=lm_loss,
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_inputs=batches[0])
+
+    graphed, eager = build(model, True), build(twin, False)
+    assert graphed.cuda_graph_choice.captured and graphed.codegen.compiled  # (Inductor regions run)
+    losses = [(float(graphed(*b)), float(eager(*b))) for b in batches]
+    assert graphed._graphed.captures == 1 and all(math.isfinite(a) for a, _ in losses), losses
+    assert [a for a, _ in losses] == [b for _, b in losses], losses
+    for name, value in eager.full_state_dict().items():
+        torch.testing.assert_close(graphed.full_state_dict()[name], value, rtol=0, atol=0, msg=name)

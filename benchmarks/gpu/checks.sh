@@ -16,7 +16,7 @@ if [ "${1:-}" = issue57 ]; then
     # share, on the 303M GPT (TF32) and the 1.24B Llama-style model (bf16). A micscompile step captures at its third
     # call: bench_gpu's first (peak-memory) call and --warmup 2 leave every timed step a replay.
     step "capture and replay against eager (pytest -m gpu)"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_host_sync.py \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_paths.py tests/test_host_sync.py \
         2>&1 | tail -8
     step "a kernel replayed in a CUDA graph against its dispatch (calibrate's graph_op_overhead_s, item 2)"
     timeout 60 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_paths.py -k replayed_kernel \
