@@ -18,7 +18,7 @@ each system built, timed and freed in turn, no other system's memory or streams 
 five systems do not fit one GPU together), each
 step from an idle device to its end (synchronized). Per (model, s): the median step, its ratio to
 micscompile's, tokens/s, model FLOP utilization (MFU: 6 N + 12 l h s FLOPs per token, recomputation not counted,
-over the GPU's dense peak in the run's precision: ``PEAKS``), the system's GPU memory at the peak of its first
+over the GPU's dense peak in the run's precision: ``dense_peak``), the system's GPU memory at the peak of its first
 step, and, for micscompile, whether a step makes the host
 wait for the GPU (``torch.cuda.set_sync_debug_mode("error")`` around whole steps after warm-up).
 Per system also the host's side of a step (``host_side``): the median time until the step returns
@@ -47,6 +47,7 @@ from timing import interleaved_times_s
 import micscompile as mc
 from micscompile.core.launch import init_distributed
 from micscompile.core.optim import prefer_fused
+from micscompile.cost_model.specs import default_cluster
 from micscompile.tune.profile import OpCounter
 from micscompile.zoo.models import GPT, LLAMA_1B, GPTConfig, Llama, LlamaConfig, lm_batch, lm_loss
 
@@ -70,15 +71,16 @@ MODELS = {
     "gpt-350m": BenchModel(GPTConfig(seq_len=512, layers=24, hidden=1024), 16),  # (303M parameters)
     "llama-1b": BenchModel(LLAMA_1B, 4, torch.bfloat16),
 }
-PEAKS = {  # a substring of the device's name -> dense peak FLOP/s per precision (the vendors' sheets, no sparsity)
-    "H100": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "H200": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-}
-
-
 def precision(dtype: torch.dtype, tf32: bool) -> str:
     return "bf16" if dtype == torch.bfloat16 else "tf32" if tf32 else "fp32"
+
+
+def dense_peak(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    """The GPU's dense peak FLOP/s in the run's precision, from the preset ``mc.compile`` prices it on (the vendors'
+    sheets: ``specs.GpuSpec.peak_flops``); None for a GPU without one."""
+    cluster = default_cluster("cuda", device_name, 1, 1)
+    name = {"bf16": "bfloat16", "tf32": "tfloat32", "fp32": "float32"}[precision(dtype, tf32)]
+    return None if cluster is None else cluster.gpu.flops(name)
 
 
 def build(system: str, model: torch.nn.Module, s: int, example, device: torch.device, codegen: str,
@@ -182,7 +184,6 @@ def main() -> None:
     head = (f"{'model':<10}{'s':>3} {'system':<28}{'step ms':>9}{'/mc':>7}{'tok/s':>9}{'MFU':>6}{'peak GiB':>10}"
             f"{'host ms':>9}{'host':>6}{'aten ops':>9}{'kernels':>8}  host syncs")
     rows = []
-    peaks = next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), None)
     for name in args.models:
         bench = MODELS[name]
         cfg, batch = bench.cfg, bench.samples
@@ -191,7 +192,7 @@ def main() -> None:
         n = sum(t.numel() for t in model.parameters())
         tokens = batch * cfg.seq_len
         flops = mc.model_flops_per_token(n, cfg.layers, cfg.hidden, cfg.seq_len) * tokens
-        peak = peaks and peaks[precision(bench.dtype, args.tf32)]
+        peak = dense_peak(torch.cuda.get_device_name(), bench.dtype, args.tf32)
         gen = torch.Generator().manual_seed(0)
         batches = [tuple(t.to(device) for t in lm_batch(cfg, batch, gen)) for _ in range(args.warmup + args.steps)]
         for s in args.micro_batches:

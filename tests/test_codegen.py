@@ -397,8 +397,15 @@ def test_auto_codegen_is_the_cost_models_choice():
     assert dispatch_bound.codegen == "inductor" and dispatch_bound.eager_s > 1.05 * dispatch_bound.inductor_s
     assert str(dispatch_bound).startswith("codegen: inductor (auto: predicted ") and "slow dispatch" in str(dispatch_bound)
     # mixed precision priced in its own dtype: bf16's peak, half the bytes
-    bf16 = choose_codegen(tg, mc.Plan(partition_size=2, micro_batches=3, param_dtype=torch.bfloat16).resolve(4), slow)
+    bf16_plan = mc.Plan(partition_size=2, micro_batches=3, param_dtype=torch.bfloat16).resolve(4)
+    bf16 = choose_codegen(tg, bf16_plan, slow)
     assert bf16.codegen == "inductor" and bf16.eager_s < dispatch_bound.eager_s
+    # an fp32 plan's matmuls in TF32 (allow_tf32 on CUDA) at the tensor cores' TF32 peak; a GPU without one: fp32's
+    tf32 = choose_codegen(tg, rp, slow, tf32=True)
+    assert tf32.eager_s < dispatch_bound.eager_s and "TF32 matmuls" in tf32.reason
+    assert choose_codegen(tg, bf16_plan, slow, tf32=True).eager_s == bf16.eager_s  # (16-bit plans: no TF32)
+    v100 = Cluster.preset("p3dn.24xlarge").gpu
+    assert v100.flops("tfloat32") == v100.flops("float32") < slow.gpu.flops("tfloat32") < slow.gpu.flops("bfloat16")
     assert choose_codegen(tg, rp, None).codegen == "eager"
 
 

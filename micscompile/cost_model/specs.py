@@ -9,7 +9,7 @@ NVLink ~150 GB/s per GPU one way, 100 Gbps EFA per node. A100: 312 TFLOP/s bf16,
 1555 GB/s (40GB) / 2039 GB/s (80GB) HBM2e; p4d/p4de.24xlarge: 8 GPUs, NVSwitch
 600 GB/s per GPU (300 GB/s one way), 4x100 Gbps EFA per node. DGX A100: 8x200 Gbps
 InfiniBand. H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
-(450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. Latencies (alpha) are typical
+(450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. TF32 (dense): A100 156, H100 494 TFLOP/s. Latencies (alpha) are typical
 NCCL figures: ~5 us per intra-node hop, ~15-25 us per inter-node hop on EFA/IB.
 Achieved efficiencies default to docs/design.md's "40-55% of peak": calibrate for real.
 """
@@ -32,7 +32,8 @@ class GpuSpec:
 
     name: str
     peak_flops: dict[str, float]
-    """Peak FLOP/s per dtype name ("float32", "bfloat16", "float16")."""
+    """Peak FLOP/s per dtype name ("float32", "bfloat16", "float16"; "tfloat32": float32 matmuls on the tensor cores,
+    where ``torch.backends.cuda.matmul.allow_tf32`` lets them, dense; a GPU without it prices them at "float32")."""
     memory_bandwidth_bps: float
     """Device memory bandwidth."""
     memory_bytes: int
@@ -196,10 +197,12 @@ with the collective model's constants already fixed; every other row of the tabl
 without such a row keep ``GpuSpec``'s default 0.5."""
 V100_32GB = GpuSpec(name="V100-32GB", peak_flops={"float16": 125e12, "float32": 15.7e12},
                     memory_bandwidth_bps=900e9, memory_bytes=32 * GIB, matmul_efficiency=V100_MATMUL_EFFICIENCY)
-A100_40GB = GpuSpec(name="A100-40GB", peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+A100_40GB = GpuSpec(name="A100-40GB", peak_flops={"bfloat16": 312e12, "float16": 312e12, "tfloat32": 156e12,
+                                                   "float32": 19.5e12},
                     memory_bandwidth_bps=1555e9, memory_bytes=40 * GIB, matmul_efficiency=A100_MATMUL_EFFICIENCY)
 A100_80GB = dataclasses.replace(A100_40GB, name="A100-80GB", memory_bandwidth_bps=2039e9, memory_bytes=80 * GIB)
-H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+H100 = GpuSpec(name="H100-80GB", peak_flops={"bfloat16": 989e12, "float16": 989e12, "tfloat32": 494e12,
+                                             "float32": 67e12},
                memory_bandwidth_bps=3350e9, memory_bytes=80 * GIB)
 
 def _eight_gpu_nodes(name: str, gpu: GpuSpec, nvlink_bps: float, nic_gbps: float, nics: int, nic_latency_s: float,

@@ -236,7 +236,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         codegen_choice = None
         if rp.plan.codegen == "auto":  # eager or Inductor, priced on the same cluster, replayed if it will be
             captured = cuda_graph.expected(plan.cuda_graph, device, rp, probe, blocking_wait)
-            codegen_choice = choose_codegen(tg, rp, cluster, captured=captured)
+            codegen_choice = choose_codegen(tg, rp, cluster, captured=captured,
+                                            tf32=device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
             rp = dataclasses.replace(rp, plan=rp.plan.replace(codegen=codegen_choice.codegen))
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)
