@@ -120,6 +120,17 @@ def test_plan_refuses_an_unknown_codegen():
     mc.Plan(codegen="inductor", param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)  # mixed precision compiles
 
 
+def test_regions_never_record_inductors_own_cuda_graphs(monkeypatch):
+    """A region records no CUDA graph of its own (``TORCHINDUCTOR_CUDAGRAPHS=1`` would), which would be replayed
+    inside the step's capture (``Plan.cuda_graph``); one compile thread unless the environment sets them."""
+    from micscompile.runtime.codegen import inductor_options
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert inductor_options() == {"compile_threads": 1, "triton.cudagraphs": False}
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    assert inductor_options() == {"triton.cudagraphs": False}
+
+
 def test_a_region_given_an_input_of_another_dtype_than_traced_reads_it_as_traced():
     """The meta kernels the trace runs give ``native_layer_norm``'s mean and rstd the accumulation dtype (float32
     for a bf16 input, as CUDA does); the CPU's kernel keeps bf16. A region compiled for the trace's float32 read

@@ -222,3 +222,74 @@ def test_a_replay_adds_the_collectives_its_capture_counted(gloo_rank):
     stats.add(one)
     stats.add(one)
     assert stats.counts() == two_steps
+
+
+class _FakeStream:
+    def __init__(self, device=None) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_a_capture_that_fails_leaves_the_step_as_before_auto_runs_it_eagerly(gloo_rank, monkeypatch, setting):
+    """``GraphedStep``'s control flow on a CPU, torch.cuda's streams and graph faked: the third call's capture fails
+    (here after the boundary's collectives were counted, as an op CUDA refuses under capture would fail it). The
+    step's bookkeeping is as before the call and no graph is kept; "auto" warns and runs that step and every later one
+    eagerly (the losses, weights and counted collectives of an eager twin), True raises from the failure."""
+    import copy
+
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, seq_len=8, vocab_size=32)
+    gen = torch.Generator().manual_seed(0)
+    batches = [lm_batch(cfg, 4, gen) for _ in range(5)]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+
+    def build(m):
+        return mc.compile(m, mc.Plan(partition_size=1, micro_batches=2), loss_fn=lm_loss,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), example_inputs=batches[0])
+
+    eager, step = build(copy.deepcopy(model)), build(model)
+    capturing = []
+
+    @contextlib.contextmanager
+    def graph(g, stream=None, capture_error_mode="global"):
+        capturing.append(capture_error_mode)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    boundary = step._boundary
+
+    def failing_boundary(loss_sum):
+        out = boundary(loss_sum)
+        if capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return out
+
+    for name, value in {"Stream": _FakeStream, "current_stream": lambda device=None: _FakeStream(),
+                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": object, "graph": graph}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(step, "_boundary", failing_boundary)
+    step._graphed = cuda_graph.GraphedStep(step, forced=setting is True)
+    for b in batches[:2]:  # the warm-up steps, eager on the side stream
+        torch.testing.assert_close(step(*b), eager(*b), rtol=0, atol=0)
+    calls_before = step.comm_stats().counts()
+    if setting is True:
+        with pytest.raises(mc.PlanError, match=r"cuda_graph=True: the capture failed \(RuntimeError: operation not "
+                                               r"permitted") as info:
+            step(*batches[2])
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert step._graphed.graph is None and step.steps == 2 and step.comm_stats().counts() == calls_before
+        return
+    with pytest.warns(UserWarning, match=r"cuda_graph: the capture failed .*; the step runs eagerly from now on"):
+        torch.testing.assert_close(step(*batches[2]), eager(*batches[2]), rtol=0, atol=0)
+    assert step._graphed.graph is None and step._graphed.captures == 0
+    assert "auto, after 3 steps: the capture failed" in step.cuda_graph_choice.reason
+    for b in batches[3:]:
+        torch.testing.assert_close(step(*b), eager(*b), rtol=0, atol=0)
+    assert step.steps == eager.steps == 5 and step.comm_stats().counts() == eager.comm_stats().counts()
+    for name, value in eager.full_state_dict().items():
+        torch.testing.assert_close(step.full_state_dict()[name], value, rtol=0, atol=0, msg=name)

@@ -237,8 +237,11 @@ def _fake_inputs(specs: list[tuple], device: torch.device) -> list[torch.Tensor]
 def inductor_options() -> dict:
     """Inductor config for region compiles: one compile thread unless TORCHINDUCTOR_COMPILE_THREADS says
     otherwise (regions are small and every rank compiles its own: a worker pool per rank costs more
-    than it saves on a shared host)."""
-    return {} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else {"compile_threads": 1}
+    than it saves on a shared host); never Inductor's own CUDA graphs (``TORCHINDUCTOR_CUDAGRAPHS=1``,
+    "reduce-overhead"): a region would record and replay its graphs inside the step's capture
+    (``Plan.cuda_graph``), which nothing in Inductor checks for."""
+    threads = {} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else {"compile_threads": 1}
+    return {**threads, "triton.cudagraphs": False}
 
 
 def compile_regions(

@@ -30,6 +30,12 @@ What rules capture out is found before the step runs, every part of it checkable
 * "auto" keeps a step over several ranks eager: a replayed collective is outside NCCL's watchdog, so a dead rank
   would hang the others with no timeout (``SEVERAL_RANKS``); True captures it anyway, and
   ``TORCH_NCCL_BLOCKING_WAIT=1`` (a wait that polls from the host) rules it out.
+* what none of these foresaw: a capture that fails (CUDA refuses an op under capture) leaves the step's bookkeeping
+  as before the call (nothing ran) and keeps no graph; "auto" warns and runs the step eagerly from then on, True
+  raises from the failure.
+
+The capture runs on the warm-up's side stream (not the one stream torch gives every capture without one) in
+``capture_error_mode="thread_local"``: another thread's CUDA call, a DataLoader pinning memory, does not end it.
 """
 
 from __future__ import annotations
@@ -264,19 +270,24 @@ class GraphedStep:
             if self.graph is None and (why := host_state(step.optimizer, step.device)):
                 self._go_eager(why)
                 return step._step(batch)
-            self._capture(batch)  # (its collectives counted as the capture queued them)
+            try:
+                self._capture(batch)  # (its collectives counted as the capture queued them)
+            except Exception as exc:  # noqa: BLE001 - "auto" runs the step eagerly; True raises (in _go_eager)
+                self._go_eager(f"the capture failed ({type(exc).__name__}: {exc})", cause=exc)
+                return step._step(batch)
         else:
             step._stats.add(self._per_replay)  # (the host no longer calls the replay's collectives)
         for s, x in zip(self.static, batch):
             s.copy_(x, non_blocking=True)
         self.graph.replay()
         step.steps += 1
-        step.grad_norm = self._grad_norm  # (an eager step in between may have pointed it elsewhere)
-        return self.out.clone()  # (the graph's output is overwritten by the next replay)
+        # copies: the graph's own output and norm are overwritten by the next replay (an eager step's are new tensors)
+        step.grad_norm = None if self._grad_norm is None else self._grad_norm.clone()
+        return self.out.clone()
 
-    def _go_eager(self, why: str) -> None:
+    def _go_eager(self, why: str, cause: BaseException | None = None) -> None:
         if self.forced:
-            raise PlanError(f"Plan.cuda_graph=True: {why}")
+            raise PlanError(f"Plan.cuda_graph=True: {why}") from cause
         if self.eager_reason is None:
             warnings.warn(f"cuda_graph: {why}; the step runs eagerly from now on", stacklevel=4)
             self.eager_reason = why
@@ -297,11 +308,18 @@ class GraphedStep:
                           "float learning rate is baked into the graph): recapturing; lr=torch.tensor(..., "
                           "device='cuda') is read in place", stacklevel=4)
         self.static = [x.to(step.device).clone() for x in batch]
-        self.graph = torch.cuda.CUDAGraph()
-        before = step._stats.counts()
-        with torch.cuda.graph(self.graph):
-            self.out = step._step(self.static)
-        step.steps -= 1  # the capture queued the work, it did not run it
+        graph, before, steps = torch.cuda.CUDAGraph(), step._stats.counts(), step.steps
+        try:
+            # on the warm-up's stream (not torch's one stream for every capture); "thread_local": another thread's
+            # CUDA call (a DataLoader pinning memory) does not end this capture
+            with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
+                self.out = step._step(self.static)
+        except BaseException:  # nothing ran: the step's host bookkeeping as before the call, no graph
+            step._stats.add({k: {f: -v for f, v in row.items()} for k, row in step._stats.since(before).items()})
+            step.steps, self.graph = steps, None
+            raise
+        self.graph = graph
+        step.steps = steps  # the capture queued the work, it did not run it
         self._per_replay = step._stats.since(before)
         self._grad_norm = step.grad_norm
         self._baked = _baked_in(step)
