@@ -9,9 +9,10 @@ NVLink ~150 GB/s per GPU one way, 100 Gbps EFA per node. A100: 312 TFLOP/s bf16,
 1555 GB/s (40GB) / 2039 GB/s (80GB) HBM2e; p4d/p4de.24xlarge: 8 GPUs, NVSwitch
 600 GB/s per GPU (300 GB/s one way), 4x100 Gbps EFA per node. DGX A100: 8x200 Gbps
 InfiniBand. H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
-(450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. TF32 (dense): A100 156, H100 494 TFLOP/s. Latencies (alpha) are typical
-NCCL figures: ~5 us per intra-node hop, ~15-25 us per inter-node hop on EFA/IB.
-Achieved efficiencies default to docs/design.md's "40-55% of peak": calibrate for real.
+(450 GB/s one way), DGX H100 8x400 Gbps InfiniBand. TF32 (dense): A100 156, H100 494
+TFLOP/s. H200: H100's compute, 4.8 TB/s HBM3e; p5en.48xlarge 16x200 Gbps EFAv3.
+Latencies (alpha) are typical NCCL figures: ~5 us per intra-node hop, ~15-25 us per
+inter-node hop on EFA/IB. Achieved efficiencies default to docs/design.md's "40-55% of peak": calibrate for real.
 """
 
 from __future__ import annotations
