@@ -411,12 +411,14 @@ def test_auto_codegen_is_the_cost_models_choice():
     bf16_plan = mc.Plan(partition_size=2, micro_batches=3, param_dtype=torch.bfloat16).resolve(4)
     bf16 = choose_codegen(tg, bf16_plan, slow)
     assert bf16.codegen == "inductor" and bf16.eager_s < dispatch_bound.eager_s
-    # an fp32 plan's matmuls in TF32 (allow_tf32 on CUDA) at the tensor cores' TF32 peak; a GPU without one: fp32's
-    tf32 = choose_codegen(tg, rp, slow, tf32=True)
-    assert tf32.eager_s < dispatch_bound.eager_s and "TF32 matmuls" in tf32.reason
-    assert choose_codegen(tg, bf16_plan, slow, tf32=True).eager_s == bf16.eager_s  # (16-bit plans: no TF32)
-    v100 = Cluster.preset("p3dn.24xlarge").gpu
-    assert v100.flops("tfloat32") == v100.flops("float32") < slow.gpu.flops("tfloat32") < slow.gpu.flops("bfloat16")
+    # fp32 matmuls in TF32 (what mc.compile prices where allow_tf32 is on, on CUDA): at the tensor cores' TF32 peak,
+    # named in the reason; a 16-bit plan's price unchanged; a GPU without TF32 (V100, a calibrated one) as it was
+    tf32 = choose_codegen(tg, rp, slow.with_tf32())
+    assert tf32.eager_s < dispatch_bound.eager_s and "slow dispatch (TF32 matmuls)" in tf32.reason
+    assert choose_codegen(tg, bf16_plan, slow.with_tf32()).eager_s == bf16.eager_s
+    v100 = Cluster.preset("p3dn.24xlarge")
+    assert v100.with_tf32() is v100 and v100.gpu.flops("tfloat32") == v100.gpu.flops("float32")
+    assert slow.gpu.flops("float32") < slow.with_tf32().gpu.flops("float32") == slow.gpu.flops("tfloat32")
     assert choose_codegen(tg, rp, None).codegen == "eager"
 
 

@@ -60,6 +60,13 @@ class GpuSpec:
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
 
+    def with_tf32(self) -> GpuSpec:
+        """This GPU with float32 matmuls on its tensor cores in TF32 (``torch.backends.cuda.matmul.allow_tf32``):
+        "float32" priced at the "tfloat32" peak; itself where it has none (a calibrated GPU measured its matmuls as
+        they ran)."""
+        tf32 = self.peak_flops.get("tfloat32")
+        return self if tf32 is None else dataclasses.replace(self, peak_flops={**self.peak_flops, "float32": tf32})
+
     def replayed(self) -> GpuSpec:
         """This GPU as a step replayed in a CUDA graph sees it: each op costs ``graph_op_overhead_s``."""
         if self.graph_op_overhead_s is None:
@@ -150,6 +157,12 @@ class Cluster:
 
     def with_nodes(self, nodes: int) -> Cluster:
         return dataclasses.replace(self, nodes=nodes)
+
+    def with_tf32(self) -> Cluster:
+        """This cluster with its GPUs' float32 matmuls in TF32 (``GpuSpec.with_tf32``), named so; itself where the
+        GPU has no TF32 peak."""
+        gpu = self.gpu.with_tf32()
+        return self if gpu is self.gpu else dataclasses.replace(self, name=f"{self.name} (TF32 matmuls)", gpu=gpu)
 
     # ---- presets and files ---------------------------------------------------------
 

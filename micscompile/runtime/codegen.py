@@ -373,17 +373,16 @@ def _fused_estimate(graph: torch.fx.Graph, gpu, dtype: str) -> tuple[float, floa
     return eager, fused, to_compile
 
 
-def choose_codegen(tg, rp, cluster, captured: bool = False, tf32: bool = False) -> CodegenChoice:
+def choose_codegen(tg, rp, cluster, captured: bool = False) -> CodegenChoice:
     """``Plan.codegen="auto"``: Inductor when the cost model predicts its compute per step at least
     ``MIN_GAIN`` faster and the time saved over ``AMORTIZED_STEPS`` steps pays for its compile; else
     eager. Without a cluster there is nothing to price it on. ``captured``: the
     step will replay as a CUDA graph, so both are priced at the device's cost per replayed kernel
-    (``GpuSpec.replayed``), where an op dispatched from the host costs ``op_overhead_s``. ``tf32``: an fp32 plan's
-    matmuls run in TF32 (``torch.backends.cuda.matmul.allow_tf32`` on CUDA), priced at the GPU's "tfloat32" peak."""
+    (``GpuSpec.replayed``), where an op dispatched from the host costs ``op_overhead_s``."""
     plan = rp.plan
     if cluster is None:
         return CodegenChoice("eager", "no cluster to price Inductor on", captured=captured)
-    dtype = "tfloat32" if tf32 and plan.param_dtype == torch.float32 else str(plan.param_dtype).removeprefix("torch.")
+    dtype = str(plan.param_dtype).removeprefix("torch.")
     gpu = cluster.gpu.replayed() if captured else cluster.gpu
     eager, fused, ops = _fused_estimate(tg.gm.graph, gpu, dtype)
     compile_s = ops * COMPILE_S_PER_OP
@@ -392,7 +391,6 @@ def choose_codegen(tg, rp, cluster, captured: bool = False, tf32: bool = False) 
     chosen = "inductor" if gain >= 1 + MIN_GAIN and saved * AMORTIZED_STEPS >= compile_s else "eager"
     how = "replayed in a CUDA graph" if captured else "dispatched"
     why = (f"predicted {eager * 1e3:.3f} ms of compute per micro-step op by op, {fused * 1e3:.3f} ms fused "
-           f"({gain:.2f}x) on {cluster.name}{', TF32 matmuls' if dtype == 'tfloat32' else ''}, each op {how} at "
-           f"{gpu.op_overhead_s * 1e6:.1f} us; "
+           f"({gain:.2f}x) on {cluster.name}, each op {how} at {gpu.op_overhead_s * 1e6:.1f} us; "
            f"{saved * AMORTIZED_STEPS:.0f} s saved over {AMORTIZED_STEPS} steps against ~{compile_s:.0f} s of compiling")
     return CodegenChoice(chosen, why, eager, fused, compile_s, captured)

@@ -229,6 +229,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if cluster is None:  # price the schedule on this device's cluster (None: an unknown GPU)
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             cluster = default_cluster(device.type, name, world, rp.gpus_per_node)
+        if cluster is not None and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            cluster = cluster.with_tf32()  # this process's fp32 matmuls run in TF32: priced so, everywhere below
         # the optimizer's capture conditions, on a probe of the factory (no collective yet), probed once
         probe = functools.cache(functools.partial(cuda_graph.probe_optimizer_blockers, optimizer, device,
                                                   max_grad_norm is not None))
@@ -236,8 +238,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         codegen_choice = None
         if rp.plan.codegen == "auto":  # eager or Inductor, priced on the same cluster, replayed if it will be
             captured = cuda_graph.expected(plan.cuda_graph, device, rp, probe, blocking_wait)
-            codegen_choice = choose_codegen(tg, rp, cluster, captured=captured,
-                                            tf32=device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+            codegen_choice = choose_codegen(tg, rp, cluster, captured=captured)
             rp = dataclasses.replace(rp, plan=rp.plan.replace(codegen=codegen_choice.codegen))
         lowered = lower(tg, rp, cluster, planned_groups(rp, rank), rank, device=device, prefetch=prefetch,
                         disable=disable_passes, log=log)
