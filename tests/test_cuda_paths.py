@@ -344,6 +344,29 @@ def test_gpu_calibration_measures_the_gpus_matmul_peak_and_memory_bandwidth(one_
     assert gpu.memory_bandwidth_bps > 0.75 * preset.gpu.memory_bandwidth_bps
 
 
+def _small_gpt_on_this_gpu(steps: int, **plan):
+    """A 2-layer GPT, an untouched twin of it and ``steps`` batches on this rank's GPU, and ``build(model,
+    cuda_graph)``: ``mc.compile`` at p = 1 under AdamW with ``plan``'s other fields."""
+    import copy
+
+    import micscompile as mc
+    from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
+
+    device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
+    cfg = GPTConfig(layers=2, hidden=128, heads=4, seq_len=64, vocab_size=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(t.to(device) for t in lm_batch(cfg, 8, gen)) for _ in range(steps)]
+
+    def build(m, setting):
+        return mc.compile(m, mc.Plan(partition_size=1, cuda_graph=setting, **plan), loss_fn=lm_loss,
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_inputs=batches[0])
+
+    return build, model, twin, batches
+
+
 @needs_gpu
 def test_gpu_a_captured_step_replays_what_the_eager_step_computes(one_rank, monkeypatch):
     """Issue 57: ``Plan.cuda_graph=True`` captures the third call whole and replays it; with deterministic kernels
@@ -351,24 +374,10 @@ def test_gpu_a_captured_step_replays_what_the_eager_step_computes(one_rank, monk
     p = 1); a changed float learning rate recaptures, as does a loaded checkpoint (its tensors are new)."""
     import copy
 
-    import micscompile as mc
-    from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
-
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     try:
-        device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
-        cfg = GPTConfig(layers=2, hidden=128, heads=4, seq_len=64, vocab_size=256)
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        twin = copy.deepcopy(model)
-        gen = torch.Generator().manual_seed(0)
-        batches = [tuple(t.to(device) for t in lm_batch(cfg, 8, gen)) for _ in range(6)]
-
-        def build(m, setting):
-            return mc.compile(m, mc.Plan(partition_size=1, micro_batches=2, cuda_graph=setting), loss_fn=lm_loss,
-                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_inputs=batches[0])
-
+        build, model, twin, batches = _small_gpt_on_this_gpu(6, micro_batches=2)
         graphed, eager = build(model, True), build(twin, False)
         assert graphed.cuda_graph_choice.captured and not eager.cuda_graph_choice.captured
         for i, b in enumerate(batches):
@@ -400,24 +409,7 @@ def test_gpu_an_inductor_step_in_bf16_replays_what_it_computes_uncaptured(one_ra
     """What "auto" now runs for a bf16 model whose fusing pays (bench_gpu.py's Llama on an H200): Inductor's regions
     over the arena in bf16, captured. Its losses and weights equal the same step uncaptured (the same kernels in the
     same order), and the regions' statistics reach them in the dtype they were compiled for."""
-    import copy
-
-    import micscompile as mc
-    from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
-
-    device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
-    cfg = GPTConfig(layers=2, hidden=128, heads=4, seq_len=64, vocab_size=256)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    twin = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(0)
-    batches = [tuple(t.to(device) for t in lm_batch(cfg, 8, gen)) for _ in range(5)]
-
-    def build(m, setting):
-        return mc.compile(m, mc.Plan(partition_size=1, param_dtype=torch.bfloat16, codegen="inductor",
-                                     cuda_graph=setting), loss_fn=lm_loss,
-                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_inputs=batches[0])
-
+    build, model, twin, batches = _small_gpt_on_this_gpu(5, param_dtype=torch.bfloat16, codegen="inductor")
     graphed, eager = build(model, True), build(twin, False)
     assert graphed.cuda_graph_choice.captured and graphed.codegen.compiled  # (Inductor regions run)
     losses = [(float(graphed(*b)), float(eager(*b))) for b in batches]
