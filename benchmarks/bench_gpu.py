@@ -79,8 +79,9 @@ def dense_peak(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None
     """The GPU's dense peak FLOP/s in the run's precision, from the preset ``mc.compile`` prices it on (the vendors'
     sheets: ``specs.GpuSpec.peak_flops``); None for a GPU without one."""
     cluster = default_cluster("cuda", device_name, 1, 1)
-    name = {"bf16": "bfloat16", "tf32": "tfloat32", "fp32": "float32"}[precision(dtype, tf32)]
-    return None if cluster is None else cluster.gpu.flops(name)
+    if cluster is None:
+        return None
+    return (cluster.gpu.with_tf32() if tf32 else cluster.gpu).flops(str(dtype).removeprefix("torch."))
 
 
 def build(system: str, model: torch.nn.Module, s: int, example, device: torch.device, codegen: str,

@@ -134,6 +134,11 @@ class CommStats:
         for a step replayed as a CUDA graph, whose collectives the host no longer calls)."""
         return {k: {f: v - counts.get(k, {}).get(f, 0) for f, v in vars(r).items()} for k, r in self.rows.items()}
 
+    def restore(self, counts: dict[tuple[str, str], dict[str, int]]) -> None:
+        """Every row back to ``counts`` (a row added since is dropped): undoes what was counted after it was taken."""
+        self.rows.clear()
+        self.rows.update((k, CommRow(**c)) for k, c in counts.items())
+
     def add(self, gained: dict[tuple[str, str], dict[str, int]]) -> None:
         for key, delta in gained.items():
             row = self.rows.setdefault(key, CommRow())

@@ -255,7 +255,7 @@ class PipeSchedule:
 
     def _input_recv(self, a: PipeAction) -> PipeAction | None:
         """The receive that brings compute ``a``'s input from another rank, if any (``_sender``)."""
-        if a.op not in (Op.FORWARD, Op.BACKWARD) or self._sender(a.op, a.chunk) is None:
+        if self._sender(a.op, a.chunk) is None:
             return None
         return _action(Op.RECV_ACT if a.op is Op.FORWARD else Op.RECV_GRAD, a.mb, a.chunk)
 

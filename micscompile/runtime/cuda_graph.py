@@ -315,7 +315,7 @@ class GraphedStep:
             with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
                 self.out = step._step(self.static)
         except BaseException:  # nothing ran: the step's host bookkeeping as before the call, no graph
-            step._stats.add({k: {f: -v for f, v in row.items()} for k, row in step._stats.since(before).items()})
+            step._stats.restore(before)
             step.steps, self.graph = steps, None
             raise
         self.graph = graph
