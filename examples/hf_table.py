@@ -1,7 +1,8 @@
-"""The README's Hugging Face table: each architecture of ``micscompile.zoo.hf_models.ARCHITECTURES``,
-tiny, built from its default config (``use_cache=True`` as it comes), trained 3 steps on 4 gloo ranks
-(p=2, s=2, SGD) next to single-process eager PyTorch on the same global batch; the parity error of
-the weights, or the refusal it gets.
+"""The Hugging Face tables (README, docs/tensor-parallel.md): each architecture of
+``micscompile.zoo.hf_models.ARCHITECTURES``, tiny, built from its default config (``use_cache=True`` and its
+default attention, sdpa, as it comes), trained 3 steps on 4 gloo ranks next to single-process eager PyTorch on
+the same global batch, under each plan of ``VARIANTS`` (p=2; tp=2 x p=2; tp=2 x p=2 with sequence parallelism):
+the parity error of the weights, or the refusal it gets.
 
     torchrun --standalone --nproc-per-node 4 examples/hf_table.py
 """
@@ -23,14 +24,17 @@ from micscompile.zoo import hf_models
 
 STEPS, LOCAL_BATCH, SEQ, S = 3, 4, 16, 2
 P = 2  # partition size (1 on a single rank)
+VARIANTS = {"p=2": (1, False), "tp=2 x p=2": (2, False), "tp=2 x p=2, sequence parallel": (2, True)}
+"""Column name: (tensor_parallel_size, sequence_parallel)."""
 
 
 def _opt(ps):
     return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 
 
-def row(name: str, rank: int, world: int) -> dict:
-    """One architecture: {"name", "class", "dtype", "error", "tolerance"} or {..., "refused": message}."""
+def row(name: str, rank: int, world: int, tp: int = 1, sp: bool = False) -> dict:
+    """One architecture under ``tp`` tensor ranks (``sp``: with sequence parallelism): {"name", "class",
+    "dtype", "error", "tolerance"} or {..., "refused": message}."""
     _, dtype = hf_models.ARCHITECTURES[name]
     torch.manual_seed(0)
     model = hf_models.build_architecture(name)
@@ -38,12 +42,16 @@ def row(name: str, rank: int, world: int) -> dict:
            "params": sum(p.numel() for p in model.parameters())}
     gen = torch.Generator().manual_seed(1)
     batches = [hf_models.lm_batch(model, LOCAL_BATCH * world, SEQ, gen) for _ in range(STEPS)]
-    local = [tuple(x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
+    chains = world // tp  # a tensor group's ranks read the same slice of the batch
+    batches = [tuple(x[:LOCAL_BATCH * chains] for x in b) for b in batches]
+    chain = rank // tp
+    local = [tuple(x[chain * LOCAL_BATCH:(chain + 1) * LOCAL_BATCH] for x in b) for b in batches]
     start = time.perf_counter()
     try:
-        step = mc.compile(model, mc.Plan(partition_size=min(P, world), micro_batches=S, param_dtype=dtype),
+        step = mc.compile(model, mc.Plan(partition_size=min(P, world // tp), micro_batches=S, param_dtype=dtype,
+                                                  tensor_parallel_size=tp, sequence_parallel=sp),
                           loss_fn=hf_models.lm_loss, optimizer=_opt, example_inputs=local[0])
-    except (mc.TraceError, mc.PlanError) as exc:
+    except (mc.TraceError, mc.PlanError) as exc:  # (before any collective: every rank alike)
         return {**out, "refused": f"{type(exc).__name__}: {exc}"}
     try:  # a failure here is every rank's (the same op on the same shapes): nobody is left waiting
         for b in local:
@@ -60,28 +68,40 @@ def row(name: str, rank: int, world: int) -> dict:
         _, ref = train_reference(copy.deepcopy(model), hf_models.lm_loss, _opt, batches)
         tolerance = TOLERANCE
     else:
-        _, ref = train_reference_mixed(copy.deepcopy(model), lambda m: hf_models.lm_loss, _opt, batches, world * S,
+        _, ref = train_reference_mixed(copy.deepcopy(model), lambda m: hf_models.lm_loss, _opt, batches, chains * S,
                                        dtype)
         tolerance = LOW_PRECISION_TOLERANCE
     err, worst = state_error(step.full_state_dict(), ref)
     return {**out, "error": err, "worst": worst, "tolerance": tolerance, "seconds": time.perf_counter() - start}
 
 
+def verdict(r: dict) -> str:
+    """A row's cell: its parity error against the tolerance, or the first line of its refusal."""
+    if "refused" not in r:
+        return f"{r['error']:.1e} ({'within' if r['error'] <= r['tolerance'] else 'ABOVE'} {r['tolerance']:.0e})"
+    said = r["refused"].split("\n")[0]
+    if " — " in said:  # a TraceError: where, and its hint
+        where, hint = said.split(" — ", 1)
+        return f"{where.split(' [')[0]}: {re.split(r': [A-Z][A-Za-z]*(?:Error|Exception): ', hint)[0]}"
+    return said if len(said) <= 220 else f"{said[:150]} ... {said[-60:]}"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| architecture | class | dtype | parity (max rel. error of the weights after 3 steps) |",
-             "|---|---|---|---|"]
-    for r in rows:
-        if "refused" in r:
-            said = r["refused"].split("\n")[0]
-            if " — " in said:  # a TraceError: where, and its hint
-                where, hint = said.split(" — ", 1)
-                verdict = f"{where.split(' [')[0]}: {re.split(r': [A-Z][A-Za-z]*(?:Error|Exception): ', hint)[0]}"
-            else:
-                verdict = said if len(said) <= 220 else f"{said[:150]} ... {said[-60:]}"
-        else:
-            verdict = f"{r['error']:.1e} ({'within' if r['error'] <= r['tolerance'] else 'ABOVE'} {r['tolerance']:.0e})"
-        lines.append(f"| {r['name']} | {r['class']} | {r['dtype']} | {verdict} |")
+    """Markdown, an architecture a line, a column per variant the rows hold (max rel. error of the weights)."""
+    columns = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    lines = ["| architecture | class | dtype | " + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = {r["variant"]: r for r in rows if r["name"] == name}
+        first = next(iter(mine.values()))
+        cells = [verdict(mine[v]) if v in mine else "-" for v in columns]
+        lines.append(f"| {name} | {first['class']} | {first['dtype']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def rows(rank: int, world: int, plan: dict[str, list[str]] | None = None) -> list[dict]:
+    """Each (architecture, variant) of ``plan`` (variant -> names; every one of each by default)."""
+    plan = plan or {v: list(hf_models.ARCHITECTURES) for v in VARIANTS}
+    return [{**row(name, rank, world, *VARIANTS[v]), "variant": v} for v, names in plan.items() for name in names]
 
 
 def main() -> None:
@@ -90,9 +110,9 @@ def main() -> None:
     if rank == 0:
         print(f"{world} ranks on {dist.get_backend()}, torch {torch.__version__}, transformers "
               f"{__import__('transformers').__version__}")
-    rows = [row(name, rank, world) for name in hf_models.ARCHITECTURES]
+    out = rows(rank, world)
     if rank == 0:
-        print(table(rows))
+        print(table(out))
     dist.destroy_process_group()
 
 

@@ -248,3 +248,72 @@ class RandomNet(nn.Module):
                 y = torch.where(torch.rand(batch, generator=g) < 0.25, -100, y)
             out.append((*xs, y))
         return out
+
+
+class OutsideRMSNorm(nn.Module):
+    """RMSNorm as many repositories write it: the weight multiplies first, the statistics after."""
+
+    def __init__(self, h: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.w, self.eps = nn.Parameter(torch.ones(h)), eps
+
+    def forward(self, x):
+        return self.w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class OutsideLlamaBlock(nn.Module):
+    """A Llama-style block written outside this project: separate q, k, v Linears, grouped K/V heads,
+    rotary positions by slice and cat, ``F.scaled_dot_product_attention``, SwiGLU."""
+
+    def __init__(self, h: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, h // heads
+        self.norm1, self.norm2 = OutsideRMSNorm(h), OutsideRMSNorm(h)
+        self.q = nn.Linear(h, h, bias=False)
+        self.k = nn.Linear(h, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(h, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+        self.gate, self.up = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+        self.down = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        y = self.norm1(x)
+        q = self.q(y).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k = self.k(y).view(b, s, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(y).view(b, s, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        y = self.norm2(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class OutsideLlama(nn.Module):
+    def __init__(self, vocab: int = 64, h: int = 32, heads: int = 4, kv_heads: int = 4, ffn: int = 64,
+                 layers: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(OutsideLlamaBlock(h, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = OutsideRMSNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        hd = h // heads
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32),
+                            1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        return self.head(self.norm(x))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from harness import launch
-from models import MODELS
+from models import MODELS, OutsideLlama
 from nccl_semantics import nccl_p2p
 
 import micscompile as mc
@@ -255,16 +255,14 @@ def test_each_value_a_split_matmul_reads_is_gathered_once_per_phase():
     assert gathers[("tensor_all_gather", "bwd")] == 4 * layers + 2
 
 
-def test_a_size_tp_does_not_divide_is_refused_naming_the_block():
+def test_a_size_tp_does_not_divide_is_refused_naming_the_block_and_the_valid_tp():
     cfg = GPTConfig(vocab_size=64, seq_len=8, layers=1, hidden=36, heads=3)  # 3 heads
-    with pytest.raises(TensorSplitError, match="block 'blocks.0.attn'") as refused:
+    with pytest.raises(TensorSplitError, match=r"block 'blocks.0.attn'.*tp must divide the 3 heads.*tp in \{1\}") \
+            as refused:
         tensor_split(_gpt_trace(cfg), 2)
     assert "zoo/models.py" not in str(refused.value)  # (traced without source lines)
     with pytest.raises(TensorSplitError, match=r"block 'blocks.0.attn'.* at \S+zoo/models.py:\d+: "):
         tensor_split(_gpt_trace(cfg, source_lines=True), 2)  # (as mc.compile traces with tp > 1)
-    odd_vocab = GPTConfig(vocab_size=63, seq_len=8, layers=1, hidden=32, heads=4)
-    with pytest.raises(TensorSplitError, match="vocabulary of 63, not divisible by tp=2"):
-        tensor_split(_gpt_trace(odd_vocab), 2)
     with pytest.raises(mc.PlanError, match="tensor_parallel_size=3 must divide the 4 ranks of a node"):
         mc.Plan(tensor_parallel_size=3).resolve(12, 4)
     with pytest.raises(mc.PlanError, match=r"syncs gradients in two hops \(grad_sync='2hop'\) for now"):
@@ -321,11 +319,23 @@ CASES = [
     TPCase("gpt", 2, 2, sp=True), TPCase("hf-llama", 2, 2, sp=True),
     TPCase("gpt", 2, 2, checkpoint=True, param_dtype=torch.bfloat16, sp=True),
     TPCase("tied_lm", 2, 1, s=2, stages=2, sp=True), TPCase("hf-gpt2", 2, 2, checkpoint="attention", sp=True),
+    # models as they come: a Llama-style block written elsewhere (its norm's weight multiplies first), GPT-2's
+    # real vocabulary of 50,257 rows (not divisible by tp: the table replicated), in its default sdpa attention
+    TPCase("outside_llama", 2, 2), TPCase("outside_llama", 4, 1), TPCase("outside_llama", 2, 2, sp=True),
+    TPCase("hf-gpt2-50257", 2, 2),
 ]
 
 
 def _setup(case: TPCase):
     torch.manual_seed(0)
+    if case.model == "hf-gpt2-50257":
+        import transformers
+
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        g = torch.Generator().manual_seed(1)
+        from micscompile.zoo import hf_models
+        return model, hf_models.lm_loss, [hf_models.lm_batch(model, 4, 8, g) for _ in range(STEPS)]
     if case.model.startswith("hf-"):
         from micscompile.zoo import hf_models
 
@@ -334,6 +344,11 @@ def _setup(case: TPCase):
         return model, hf_models.lm_loss, [hf_models.lm_batch(model, 4, 8, g) for _ in range(STEPS)]
     if case.model == "gpt":
         model = GPT(GPT_CFG)
+        g = torch.Generator().manual_seed(1)
+        return model, lm_loss, [(torch.randint(64, (8, 8), generator=g), torch.randint(64, (8, 8), generator=g))
+                                for _ in range(STEPS)]
+    if case.model == "outside_llama":
+        model = OutsideLlama(kv_heads=2 if case.tp == 2 else 4)  # (grouped K/V heads where tp divides them)
         g = torch.Generator().manual_seed(1)
         return model, lm_loss, [(torch.randint(64, (8, 8), generator=g), torch.randint(64, (8, 8), generator=g))
                                 for _ in range(STEPS)]
@@ -364,9 +379,12 @@ def run_case(case: TPCase, rank: int, world: int) -> dict:
     with nccl_p2p() if case.nccl else contextlib.nullcontext():
         step = mc.compile(model, plan, loss_fn=loss, optimizer=opt, example_inputs=local[0])
         losses = [float(step(*b)) for b in local]
+    full = step.full_state_dict()
+    plain = copy.deepcopy(model)  # (the full tensors load into the plain model, strictly: its true shapes)
+    plain.load_state_dict(full)
     return {
         "loss_err": max(rel_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)),
-        "state_err": state_error(step.full_state_dict(), ref_state)[0],
+        "state_err": state_error(full, ref_state)[0],
         "floor": floor,
         "measured": {k: r.bytes for k, r in step.comm_stats().rows.items()},
         "planned": {k: r.bytes * STEPS for k, r in step.program.comm_stats().rows.items()},
@@ -518,3 +536,58 @@ def test_the_checkpoint_holds_full_tensors_whatever_tp_wrote_it(results):
             assert same, (name, k)
     for k, v in r["at_save"].items():
         assert torch.equal(r["plain"][k], v), k
+
+
+# ---- models as they come ---------------------------------------------------------------------------------
+
+
+def _hf_trace(name: str, **config):
+    """A tiny Hugging Face decoder of ``hf_models.ARCHITECTURES`` (its default sdpa attention), traced."""
+    import transformers
+
+    from micscompile.zoo import hf_models
+
+    cfg = hf_models.ARCHITECTURES[name][0]()
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    x = torch.zeros(2, 8, dtype=torch.long)
+    return mc.trace(model, (x, x), hf_models.lm_loss)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_mask_broadcast_along_the_heads_is_read_whole_by_every_rank(sp):
+    """Hugging Face's SDPA mask is (batch, 1, q, k): split along the heads it would be sliced to nothing."""
+    split = tensor_split(_hf_trace("llama"), 2, sequence_parallel=sp)
+    masks = [n for n in split.gm.graph.nodes if n.target is C.tensor_slice and n.args[1].meta["val"].dim() == 4
+             and n.args[1].meta["val"].shape[1] == 1]
+    assert not masks
+
+
+def test_a_partial_sum_is_summed_before_a_constant_is_added():
+    """OLMo 2's QK-norm over every head's projection: each rank's mean is a partial sum, all-reduced before
+    ``+ eps`` (each rank adding eps to its summand would add it tp times)."""
+    tg = _hf_trace("olmo2")
+    a = analyse(tg, 2)
+    adds = [n for n in tg.gm.graph.nodes if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar)
+            and any(not isinstance(x, torch.fx.Node) for x in n.args[:2])]
+    assert adds and all(a.values[n].kind != "P" for n in adds)
+    assert any(n.target is torch.ops.aten.mean.dim for n in a.split_means)
+
+
+def test_a_fused_projection_of_unequal_parts_is_refused_naming_the_weight():
+    """Phi-3's qkv_proj under grouped-query attention (64 | 32 | 32): no equal segments keep each query head
+    with its K/V head; with as many K/V heads as heads (Phi-3-mini) the three equal parts split."""
+    with pytest.raises(TensorSplitError, match=r"qkv_proj.weight's output is cut by slices \(a fused projection whose "
+                                               r"parts differ in size"):
+        tensor_split(_hf_trace("phi3", num_key_value_heads=2), 2)
+    a = analyse(_hf_trace("phi3"), 2)
+    assert a.params["model.layers.0.self_attn.qkv_proj.weight"] == S(0, 3)
+
+
+def test_a_table_tp_does_not_divide_is_replicated():
+    """GPT-2's 50,257 rows at tp=2: the table (and the tied head) replicated, the rest split as before."""
+    odd = GPTConfig(vocab_size=63, seq_len=8, layers=1, hidden=32, heads=4)
+    a = analyse(_gpt_trace(odd), 2)
+    assert a.params["tok.weight"] == R and a.params["blocks.0.fc.weight"] == S(0)

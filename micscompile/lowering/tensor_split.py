@@ -155,6 +155,9 @@ class Analysis:
     needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]]
     """What each node needs of its inputs where it differs from what they have."""
     origin: dict[torch.fx.Node, str]
+    split_means: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+    """mean nodes over a split dim (a norm's statistics over a column-parallel output, OLMo 2's QK-norm): each
+    rank's mean of its piece over tp, a partial sum that an all-reduce completes where it is read."""
     row_addmm: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     """addmm nodes whose product is partial: the rewrite all-reduces it (reduce-scatters it along the
     sequence, with sequence parallelism), then adds the bias."""
@@ -174,19 +177,25 @@ class _Propagation:
         self.needs: dict[torch.fx.Node, dict[torch.fx.Node, Placement]] = {}
         self.origin: dict[torch.fx.Node, str] = {}
         self.row_addmm: set[torch.fx.Node] = set()
+        self.split_means: set[torch.fx.Node] = set()
         self.converted: set[tuple[torch.fx.Node, Placement]] = set()
         """(value, placement) conversions some op already needs: free for the next one."""
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         self.param_of = dict(zip(placeholders, tg.param_names))
 
     # ---- helpers ----
-    def fail(self, node: torch.fx.Node, why: str) -> TensorSplitError:
+    def fail(self, node: torch.fx.Node, why: str, fix: str = "") -> TensorSplitError:
+        """The refusal: the block, the op, its inputs' placements, the source line, and ``fix`` (the nearest
+        working choice; by default the split weight it came from)."""
         ins = ", ".join(f"{a.name}: {self.show(a)}" for a in node.all_input_nodes)
         where = source_line(node)
+        if not fix:
+            param = next((self.origin[a] for a in node.all_input_nodes if a in self.origin), None)
+            fix = (f"the split comes from {param} ({self.params.get(param)}); no rule carries it through this op: "
+                   f"train it with tp=1" if param else "no rule carries a split through this op: train it with tp=1")
         return TensorSplitError(
             f"tensor parallelism (tp={self.tp}) cannot split block '{node.meta.get(META_FQN) or '<root>'}': "
-            f"{node.target} ({node.name}) {why} (inputs {ins})" + (f" at {where}" if where else "")
-            + "; give it sizes divisible by tp or train it with tp=1")
+            f"{node.target} ({node.name}) {why} (inputs {ins})" + (f" at {where}" if where else "") + f"; {fix}")
 
     def show(self, n) -> str:
         v = self.values.get(n)
@@ -254,11 +263,11 @@ class _Propagation:
                 done.append(x)
         return done
 
-    def resegment_or_fail(self, node, inp, k: int, why: str):
+    def resegment_or_fail(self, node, inp, k: int, why: str, fix: str = ""):
         param = self.origin.get(inp)
         if param is not None and k > 1 and self.segments.get(param, 1) != k:
             raise _Resegment(param, k)
-        raise self.fail(node, why)
+        raise self.fail(node, why, fix)
 
     # ---- the walk ----
     def run(self) -> Analysis:
@@ -274,15 +283,16 @@ class _Propagation:
                 if first is not None and _has_split(self.values[node]):
                     self.origin.setdefault(node, self.origin[first])
                 if self.sequence is not None and _has_split(self.values[node]) and any(
-                        self.is_token(node, a) and _has_split(self.needs.get(node, {}).get(a, self.values[a]))
-                        for a in node.all_input_nodes):
+                        (node, a) in self.to_tokens or a in self.tokens and a not in self.needs.get(node, {})
+                        for a in node.all_input_nodes):  # (read split along the sequence)
                     self.tokens.add(node)
             elif node.op == "output":
                 self.output(node)
         for name in self.tg.param_names:
             self.params.setdefault(name, R)  # (read by no matmul, or by nothing)
         values = {n: (self.replay(v) if isinstance(v, _Undecided) else v) for n, v in self.values.items()}
-        return Analysis(self.tp, self.params, values, self.needs, self.origin, self.row_addmm, self.sequence)
+        return Analysis(self.tp, self.params, values, self.needs, self.origin, self.split_means, self.row_addmm,
+                        self.sequence)
 
     def output(self, node: torch.fx.Node) -> None:
         loss, *grads = node.args[0]
@@ -389,18 +399,19 @@ def _elementwise(g: _Propagation, node: torch.fx.Node):
         elif p.kind == "P" and (a, g.token_split(a)) in g.converted:  # (or reduce-scattered)
             pls[a] = g.to_sequence(node, a)
     partial = [a for a, p in pls.items() if p.kind == "P"]
-    if partial and g.sequence is not None and not _linear(node, tensors, partial):
+    weight_split = any(p.kind == "S" and not g.is_token(node, a) for a, p in pls.items())
+    if partial and g.sequence is not None and not weight_split and not _linear(node, tensors, partial):
         for a in partial:  # sequence parallelism: the partial value reduce-scattered along the sequence
             pls[a] = g.to_sequence(node, a) or P
     split = [(a, p) for a, p in pls.items() if p.kind == "S"]
     partial = [a for a, p in pls.items() if p.kind == "P"]
-    if split:
-        a0, p0 = split[0]
+    if split:  # the largest split input keeps its split; the others follow it
+        a0, p0 = max(split, key=lambda ap: math.prod(_shape(ap[0])))
         dim = p0.dim + out_nd - _ndim(a0)  # the output dim it is
         for a in tensors:
             ad = dim - (out_nd - _ndim(a))
             if ad < 0 or _shape(a)[ad] == 1:
-                if pls[a].kind == "P":
+                if pls[a] != R:
                     g.want(node, a, R)
                 continue  # broadcast along the split dim: every rank reads it whole
             target = S(ad, p0.segments)
@@ -420,7 +431,7 @@ def _linear(node: torch.fx.Node, tensors: list, partial: list) -> bool:
     return (node.target in _LINEAR and len(tensors) == 1
             or node.target is aten.mul.Tensor and len(partial) == 1  # P * R
             or node.target is aten.div.Tensor and partial == [node.args[0]]  # P / R
-            or node.target in _SUMS and len(partial) == len(tensors))  # P + P
+            or node.target in _SUMS and all(a in partial for a in node.args[:2]))  # P + P (not P + a constant)
 
 
 @rule(aten.t.default, aten.transpose.int, aten.permute.default)
@@ -449,10 +460,30 @@ def _view(g: _Propagation, node: torch.fx.Node):
     pl = g.get(x)
     if pl.kind != "S":
         return pl
-    out = view_placement(_shape(x), _shape(node), pl, g.tp)
+    src, dst = _shape(x), _shape(node)
+    out = view_placement(src, dst, pl, g.tp)
+    if isinstance(out, Placement) and len(dst) >= 4 and out.dim == len(dst) - 1 and dst[-2] > 1 and any(
+            len(dst) - 2 in gj and pl.dim in gi for gi, gj in view_groups(src, dst)):  # (…, heads, head_dim)
+        raise g.fail(node, f"would split within the last dim of a view to {dst} (a head's {dst[-1]} features), not "
+                     f"the {dst[-2]} before it", _divide(dst[-2], g.tp, f"{dst[-2]} heads (or K/V heads)"))
     if isinstance(out, int):
-        g.resegment_or_fail(node, x, out, f"cannot keep the split of dim {pl.dim} through a view to {_shape(node)}")
+        group = next(gj for gi, gj in view_groups(src, dst) if pl.dim in gi)
+        first = next((dst[d] for d in group if dst[d] > 1), 1)
+        g.resegment_or_fail(node, x, out, f"cannot keep the split of dim {pl.dim} through a view from {src} to {dst}",
+                            _divide(first, g.tp, f"{first} of dim {group[0]} of the view") if first % g.tp else "")
     return out
+
+
+def _local_bounds(start: int, end: int | None, n: int, tp: int) -> tuple[int, int]:
+    """A slice [start, end) of a dim of ``n`` that takes whole segments: the same segments of a rank's piece."""
+    end = n if end is None or end > n else end + n if end < 0 else end
+    return (0 if start is None else start + n if start < 0 else start) // tp, end // tp
+
+
+def _divide(n: int, tp: int, what: str) -> str:
+    """The fix for a dim of ``n`` that ``tp`` does not divide: the tensor sizes that do."""
+    valid = [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0 and t <= n]
+    return f"tp must divide the {what}: tp in {{{', '.join(map(str, valid))}}} splits it, or tp=1"
 
 
 @rule(aten.expand.default)
@@ -539,20 +570,55 @@ def _slice(g: _Propagation, node: torch.fx.Node):
     if pl.kind == "S":
         if pl.dim == d and g.gather_tokens(node, x):  # (sequence parallelism: a slice of the sequence)
             return R
+        segment = _one_segment(node, _shape(x)[d]) if node.target is aten.slice.Tensor and pl.dim == d else None
+        parts = {_one_segment(u, _shape(x)[d]) for u in x.users if u.target is aten.slice.Tensor
+                 and _dim(u.args[1] if len(u.args) > 1 else 0, _ndim(x)) == d}
+        if segment is not None and parts == {segment}:  # a fused projection's part (q|k|v of one size): a segment
+            if pl.segments == segment:
+                return S(d)
+            g.resegment_or_fail(node, x, segment, f"slices its split dim {d} in {segment}")
         if pl.dim == d:
-            raise g.fail(node, f"slices its split dim {d}")
+            param = g.origin.get(x)
+            raise g.fail(node, f"slices its split dim {d} (of {_shape(x)[d]})", (
+                f"{param}'s output is cut by slices (a fused projection whose parts differ in size, such as q|k|v "
+                "under grouped-query attention, or a slice of a split dim): not split; train it with tp=1"
+                if param else "the slice needs the whole dim: train it with tp=1"))
         return pl.moved(pl.dim - (node.target is aten.select.int and d < pl.dim))
     return pl
+
+
+def _one_segment(node: torch.fx.Node, n: int) -> int | None:
+    """k where ``node`` (a slice, or its backward, of a dim of ``n``) takes whole one of k equal segments."""
+    start, end, step = (list(node.args[2:]) + [0, None, 1][len(node.args) - 2:])[:3] if node.target is \
+        aten.slice.Tensor else node.args[3:6]
+    end = n if end is None or end > n else end + n if end < 0 else end
+    start = 0 if start is None else start + n if start < 0 else start
+    length = end - start
+    if step != 1 or length <= 0 or length == n or n % length or start % length:
+        return None
+    return n // length
 
 
 @rule(aten.slice_backward.default)
 def _slice_backward(g: _Propagation, node: torch.fx.Node):
     pl = g.get(node.args[0])
-    if pl.kind == "S" and pl.dim == _dim(node.args[2], len(node.args[1])):
+    d = _dim(node.args[2], len(node.args[1]))
+    if pl.kind == "S" and pl.dim == d:
         if g.gather_tokens(node, node.args[0]):
             return R
+        segment = _one_segment(node, node.args[1][d])
+        if segment is not None and pl.segments == 1:  # (one segment's gradient placed in the whole)
+            return S(d, segment)
         raise g.fail(node, "pads its split dim")
     return pl
+
+
+@rule(aten.select_backward.default)
+def _select_backward(g: _Propagation, node: torch.fx.Node):
+    """The gradient of a select: ``grad`` placed in zeros of the input's shape, a dim inserted at ``dim``."""
+    pl = g.get(node.args[0])
+    d = _dim(node.args[2], len(node.args[1]))
+    return pl.moved(pl.dim + (d <= pl.dim)) if pl.kind == "S" else pl
 
 
 @rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim)
@@ -564,9 +630,9 @@ def _reduce(g: _Propagation, node: torch.fx.Node):
         [_dim(d, ndim) for d in node.args[1]]
     keep = node.target is not aten.sum.default and len(node.args) > 2 and node.args[2]
     if pl.kind == "S":
-        if pl.dim in dims:
+        if pl.dim in dims:  # each rank's sum (a mean: over the whole count) of its piece, P
             if node.target is aten.mean.dim:
-                raise g.fail(node, "averages over its split dim")
+                g.split_means.add(node)
             return P
         return pl if keep else pl.moved(pl.dim - sum(d < pl.dim for d in dims))
     return pl
@@ -661,13 +727,21 @@ def _mm_placement(g: _Propagation, node, a, b, pa: Placement, pb: Placement) -> 
     if pa == R and pb.kind == "S" and pb.dim == 0:
         g.want(node, a, S(1, pb.segments))
         return P
+    if pa.kind == "P" or pb.kind == "P":  # a partial sum read by a matmul with a split operand: summed first
+        for x, p in ((a, pa), (b, pb)):  # (the forward's conversion where it made one: free)
+            if p.kind == "P":
+                g.want(node, x, R)
+        return _mm_placement(g, node, a, b, R if pa.kind == "P" else pa, R if pb.kind == "P" else pb)
     raise g.fail(node, f"multiplies {pa} by {pb}")
 
 
 @rule(aten.bmm.default)
 def _bmm(g: _Propagation, node: torch.fx.Node):
     """A batch of matmuls: split along the batch (heads) dim, or a matmul's rule over the other two."""
-    a, b = node.args
+    return _bmm_placement(g, node, *node.args)
+
+
+def _bmm_placement(g: _Propagation, node: torch.fx.Node, a, b) -> Placement:
     pa, pb = g.get(a), g.get(b)
     if pa.kind == "S" and pa.dim == 0 or pb.kind == "S" and pb.dim == 0:
         first = pa if pa.kind == "S" and pa.dim == 0 else pb
@@ -677,6 +751,25 @@ def _bmm(g: _Propagation, node: torch.fx.Node):
         return first
     out = _mm_placement(g, node, a, b, _drop_batch(pa), _drop_batch(pb))
     return out.moved(out.dim + 1) if out.kind == "S" else out
+
+
+@rule(aten.baddbmm.default)
+def _baddbmm(g: _Propagation, node: torch.fx.Node):
+    """beta * input + alpha * bmm(b1, b2) (Bloom's ALiBi scores): the bmm's rule; the input added to each
+    rank's piece as the product is placed."""
+    bias, a, b = node.args[:3]
+    out = _bmm_placement(g, node, a, b)
+    if out.kind == "P":
+        raise g.fail(node, "adds its input to a partial product (a contraction over a split dim)")
+    pbias = g.get(bias)
+    if out.kind == "S":
+        ad = out.dim - (_ndim(node) - _ndim(bias))
+        want = R if ad < 0 or _shape(bias)[ad] == 1 else S(ad, out.segments)
+        if pbias != want:
+            g.want(node, bias, want)
+    elif pbias != R:
+        g.want(node, bias, R)
+    return out
 
 
 def _drop_batch(pl: Placement) -> Placement:
@@ -723,12 +816,12 @@ def _layer_norm_backward(g: _Propagation, node: torch.fx.Node):
     return (px, wgrad, wgrad)
 
 
-@rule(aten._log_softmax.default, aten._softmax.default)
+@rule(aten._log_softmax.default, aten._softmax.default, aten._safe_softmax.default)
 def _softmax(g: _Propagation, node: torch.fx.Node):
     x = node.args[0]
     pl = g.get(x)
     along = pl.kind == "S" and pl.dim == _dim(node.args[1], _ndim(x))
-    if pl.kind == "P" or along and node.target is aten._softmax.default:  # (no rewrite sums a split softmax)
+    if pl.kind == "P" or along and node.target is not aten._log_softmax.default:  # (no rewrite sums a split softmax)
         g.want(node, x, R)
         return R
     return pl  # (log_softmax S along the reduced dim: the vocabulary-parallel rewrite)
@@ -768,11 +861,9 @@ def _embedding(g: _Propagation, node: torch.fx.Node):
     w, idx = node.args[0], node.args[1]
     v = g.values[w]
     if isinstance(v, _Undecided) and not v.chain:
-        vocab = _shape(w)[0]
-        g.decide(v.param, S(0) if vocab % g.tp == 0 else R)
+        vocab = _shape(w)[0]  # (a table tp does not divide, such as GPT-2's 50,257 rows or OPT's 2050 positions,
+        g.decide(v.param, S(0) if vocab % g.tp == 0 else R)  # is replicated: each rank looks up the whole)
         g.values[w] = g.params[v.param]
-        if g.params[v.param] == R:
-            raise g.fail(node, f"looks up a vocabulary of {vocab}, not divisible by tp={g.tp}")
     pw = g.get(w)
     if g.get(idx) != R:
         g.want(node, idx, R)
@@ -795,7 +886,8 @@ def _embedding_backward(g: _Propagation, node: torch.fx.Node):
 
 def _attention(g: _Propagation, node: torch.fx.Node):
     """Fused attention kernels: heads (dim 1 of q, k, v) are independent; every output of 2+ dims
-    follows them."""
+    follows them. A mask broadcast along the heads (``(batch, 1, q, k)``, as Hugging Face builds it
+    for SDPA) is read whole by every rank."""
     tensors = [a for a in node.all_input_nodes if _ndim(a) >= 3]
     pls = [g.get(a) for a in tensors]
     split = next((p for p in pls if p.kind == "S"), None)
@@ -807,10 +899,15 @@ def _attention(g: _Propagation, node: torch.fx.Node):
     if split.dim != 1:
         raise g.fail(node, f"splits attention along dim {split.dim}, not its heads")
     for a, p in zip(tensors, pls):
-        if p != split:
+        if _shape(a)[1] == 1:  # broadcast along the heads: never sliced
+            if p != R:
+                g.want(node, a, R)
+        elif p != split:
             g.want(node, a, split)
     val = node.meta["val"]
-    return tuple(split if isinstance(v, torch.Tensor) and v.dim() >= 2 else R for v in val)
+    # (the gradient of a mask broadcast along the heads, where a kernel returns one: summed over the heads, P)
+    return tuple(R if not isinstance(v, torch.Tensor) or v.dim() < 2 else P if v.dim() >= 3 and v.shape[1] == 1
+                 else split for v in val)
 
 
 for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -865,7 +962,8 @@ def _role(name: str) -> str:
 
 # ---- the rewrite -------------------------------------------------------------------------------
 
-_SIZED = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+_SIZED = {aten.select_backward.default: 1, aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
+          aten.expand.default: 1,
           aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
           aten.zeros.default: 0, aten.empty.memory_format: 0, aten.full.default: 0}
 """Ops whose argument at this index is their output's shape: divided where the output is split."""
@@ -912,6 +1010,9 @@ class _Rewrite:
                 out = self.op(C.tensor_slice, None, self.conv[(old, R)], want.dim, want.segments, self.tp, like=like)
             elif have.kind == "P" and want.kind == "S":
                 out = self.op(C.tensor_reduce_scatter, None, x, want.dim, want.segments, self.tp, like=old)
+            elif have.kind == "S" and want.kind == "S":  # split otherwise (the sequence's for a weight's): whole first
+                out = self.op(C.tensor_slice, None, self.convert(old, R, like), want.dim, want.segments, self.tp,
+                              like=like)
             else:
                 raise TensorSplitError(f"tensor parallelism: no conversion of {old.name} from {have} to {want}")
             self.conv[key] = out
@@ -959,6 +1060,13 @@ class _Rewrite:
                 sizes = args[1] // self.tp if isinstance(args[1], int) else [n // self.tp for n in args[1]]
                 return (args[0], sizes, *args[2:])
             return args
+        if node.target is aten.slice.Tensor and len(args) > 2 and _one_segment(
+                node, _shape(node.args[0])[_dim(args[1], _ndim(node))]):
+            pl = self.a.values[node.args[0]]
+            if pl.kind == "S" and pl.dim == _dim(args[1], _ndim(node)) and pl.segments > 1:  # one segment: local bounds
+                n = _shape(node.args[0])[pl.dim]
+                return (args[0], args[1], *_local_bounds(args[2], args[3] if len(args) > 3 else None, n, self.tp),
+                        *args[4:])
         i = _SIZED.get(node.target)
         pl = self.a.values.get(node)
         if i is None or not isinstance(pl, Placement) or pl.kind != "S":
@@ -976,6 +1084,9 @@ class _Rewrite:
             return args
         sizes = list(args[1])
         sizes[pl.dim] //= self.tp
+        if pl.segments > 1 and _dim(args[2], len(sizes)) == pl.dim:  # (one segment: its local bounds)
+            return (args[0], sizes, args[2], *_local_bounds(args[3], args[4], node.args[1][pl.dim], self.tp),
+                    *args[5:])
         return (args[0], sizes, *args[2:])
 
     def vocab(self, node: torch.fx.Node, table: torch.fx.Node, ids, full_vocab: int):
@@ -1006,6 +1117,15 @@ def _row_addmm(rw: _Rewrite, node: torch.fx.Node):
     summed = rw.op(C.tensor_all_reduce, None, product, like=node) if out == R else \
         rw.op(C.tensor_reduce_scatter, None, product, out.dim, out.segments, rw.tp, like=node)
     return rw.op(aten.add.Tensor, summed, bias, like=node)
+
+
+@_special(aten.mean.dim)
+def _split_mean(rw: _Rewrite, node: torch.fx.Node):
+    """A mean over a split dim: this rank's mean over tp, so that the all-reduce of the pieces is the mean."""
+    if node not in rw.a.split_means:
+        return None
+    args, kwargs = rw.args(node)
+    return rw.op(aten.div.Tensor, rw.op(aten.mean.dim, *args, like=node, **kwargs), rw.tp, like=node)
 
 
 @_special(aten.embedding.default)

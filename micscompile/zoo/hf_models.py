@@ -10,8 +10,8 @@ What micscompile supports in these models, and what anything else gets:
 * dropout: ``build`` sets it to 0 so that runs compare with single-process eager; with it on,
   each rank draws its own masks (as under DDP), and checkpointing refuses it (recomputing a
   random op would draw again);
-* the eager attention path (``attn_implementation="eager"``), which is plain tensor ops on
-  every device; "sdpa" traces too (a single fused op the cost model prices as attention);
+* the default attention (sdpa: the fused kernel the target device runs, which the cost model prices as
+  attention), and the eager path (``attn_implementation="eager"``, plain tensor ops);
 * tied input/output embeddings (GPT-2), grouped-query attention and rotary embeddings (Llama),
   learned positions and token types (BERT);
 * outputs: a ``ModelOutput`` whose ``logits`` the loss reads (``lm_loss``).
@@ -33,11 +33,14 @@ SIZES = {
     "1.5b": dict(hidden=1600, layers=48, heads=25, kv_heads=25, ffn=6400, vocab=50257),
     "7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "llama3-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256),
 }
 
 
 def config(family: str, size: str = "tiny", *, seq_len: int = 16):
-    """The ``transformers`` config of ``family`` at ``size`` (see ``SIZES``), dropout off, no cache."""
+    """The ``transformers`` config of ``family`` at ``size`` (see ``SIZES``), dropout off, no cache, the
+    default attention (sdpa)."""
     import transformers as hf
 
     if family not in FAMILIES:
@@ -48,16 +51,15 @@ def config(family: str, size: str = "tiny", *, seq_len: int = 16):
     if family == "gpt2":
         return hf.GPT2Config(vocab_size=s["vocab"], n_positions=seq_len, n_embd=s["hidden"], n_layer=s["layers"],
                              n_head=s["heads"], n_inner=s["ffn"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                             bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="eager")
+                             bos_token_id=0, eos_token_id=0, use_cache=False)
     if family == "llama":
         return hf.LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                               num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                               num_key_value_heads=s["kv_heads"], max_position_embeddings=seq_len,
-                              use_cache=False, attn_implementation="eager")
+                              use_cache=False)
     return hf.BertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                         max_position_embeddings=seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                         attn_implementation="eager")
+                         max_position_embeddings=seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def build(family: str, size: str = "tiny", *, seq_len: int = 16) -> nn.Module:
@@ -84,11 +86,21 @@ _DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidde
                 num_key_value_heads=2, max_position_embeddings=64)
 ARCHITECTURES = {
     # name: (tiny config, the param_dtype it trains in: the MoE experts' grouped_mm needs bf16)
+    "llama": (_tiny("LlamaConfig", **_DECODER), torch.float32),
     "mistral": (_tiny("MistralConfig", **_DECODER), torch.float32),
     "qwen2": (_tiny("Qwen2Config", **_DECODER), torch.float32),
     "qwen3": (_tiny("Qwen3Config", **_DECODER, head_dim=16), torch.float32),
     "gemma2": (_tiny("Gemma2Config", **_DECODER, head_dim=16), torch.float32),
-    "phi3": (_tiny("Phi3Config", **_DECODER, pad_token_id=0), torch.float32),
+    "gemma3": (_tiny("Gemma3TextConfig", **_DECODER, head_dim=16), torch.float32),
+    "phi3": (_tiny("Phi3Config", **{**_DECODER, "num_key_value_heads": 4}, pad_token_id=0, bos_token_id=0,
+                   eos_token_id=0), torch.float32),  # (Phi-3-mini's: as many K/V heads as heads)
+    "olmo2": (_tiny("Olmo2Config", **_DECODER, pad_token_id=0, bos_token_id=0, eos_token_id=0), torch.float32),
+    "granite": (_tiny("GraniteConfig", **_DECODER), torch.float32),
+    "stablelm": (_tiny("StableLmConfig", **_DECODER, bos_token_id=0, eos_token_id=0), torch.float32),
+    "starcoder2": (_tiny("Starcoder2Config", **_DECODER, bos_token_id=0, eos_token_id=0), torch.float32),
+    "gpt2": (_tiny("GPT2Config", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                   attn_pdrop=0.0, bos_token_id=0,
+                   eos_token_id=0), torch.float32),
     "opt": (_tiny("OPTConfig", vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0),
             torch.float32),
@@ -101,8 +113,11 @@ ARCHITECTURES = {
     "qwen3_moe": (_tiny("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=64), torch.bfloat16),
 }
-"""More architectures, tiny, built from their default configs (``build_architecture``): the README's
-Hugging Face table (``examples/hf_table.py``) trains each."""
+"""More architectures, tiny, built from their default configs (``build_architecture``) and default attention
+(sdpa): the Hugging Face tables (``examples/hf_table.py``) train each, with and without tensor parallelism."""
+DENSE_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "stablelm",
+                  "starcoder2", "gpt_neox", "gpt2", "opt", "bloom")
+"""The decoders tensor parallelism splits (docs/tensor-parallel.md's table)."""
 
 
 def build_architecture(name: str) -> nn.Module:
