@@ -113,6 +113,7 @@ def main() -> None:
     out = rows(rank, world)
     if rank == 0:
         print(table(out))
+    dist.barrier()  # (no rank tears the group down while another still prints)
     dist.destroy_process_group()
 
 

@@ -173,6 +173,9 @@ class TrainGraph:
     keeps its model's); None: it reads none."""
     tensor_placements: dict = dataclasses.field(default_factory=dict)
     """Parameter -> its split (``core.tensor_layout.Placement``) among the tensor ranks; absent: replicated."""
+    vocabulary_pads: dict = dataclasses.field(default_factory=dict)
+    """(parameter, dim) -> the zeros a vocabulary tp does not divide was padded with (``param_shapes`` holds
+    the padded sizes; ``lowering.tensor_split``)."""
 
     @property
     def batch_size(self) -> int:

@@ -28,10 +28,15 @@ class Placement:
     """S: the split dim (>= 0)."""
     segments: int = 1
     """S: the equal segments of ``dim``, each split across the tensor ranks."""
+    pad: int = 0
+    """S, a parameter's: zeros appended to ``dim`` so that tp divides it (a vocabulary tp does not divide, as
+    Megatron-LM pads it); the full value is the first ``size - pad`` of the padded one, the last rank's piece
+    ends in the zeros."""
 
     def __str__(self) -> str:
         if self.kind == "S":
-            return f"S({self.dim})" if self.segments == 1 else f"S({self.dim}, x{self.segments})"
+            pad = f"+{self.pad}" if self.pad else ""
+            return f"S({self.dim}{pad})" if self.segments == 1 else f"S({self.dim}{pad}, x{self.segments})"
         return self.kind
 
     def moved(self, dim: int) -> Placement:
@@ -42,29 +47,31 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, segments: int = 1) -> Placement:  # noqa: N802 - the placement's name
-    return Placement("S", dim, segments)
+def S(dim: int, segments: int = 1, pad: int = 0) -> Placement:  # noqa: N802 - the placement's name
+    return Placement("S", dim, segments, pad)
 
 
 def piece_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
     """The shape of a tensor rank's piece of a value of full ``shape``."""
     if placement.kind != "S":
         return tuple(shape)
-    return (*shape[:placement.dim], shape[placement.dim] // tp, *shape[placement.dim + 1:])
+    return (*shape[:placement.dim], (shape[placement.dim] + placement.pad) // tp, *shape[placement.dim + 1:])
 
 
 def full_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
     """``piece_shape``'s inverse: the full value's shape from a piece's."""
     if placement.kind != "S":
         return tuple(shape)
-    return (*shape[:placement.dim], shape[placement.dim] * tp, *shape[placement.dim + 1:])
+    return (*shape[:placement.dim], shape[placement.dim] * tp - placement.pad, *shape[placement.dim + 1:])
 
 
 def local_piece(full: torch.Tensor, placement: Placement, rank: int, tp: int) -> torch.Tensor:
-    """Tensor rank ``rank``'s piece of ``full`` (a view where the split allows it)."""
+    """Tensor rank ``rank``'s piece of ``full`` (a view where the split allows it; a copy where it is padded)."""
     if placement.kind != "S" or tp == 1:
         return full
     d, k = placement.dim, placement.segments
+    if placement.pad:
+        full = torch.cat([full, full.new_zeros(*full.shape[:d], placement.pad, *full.shape[d + 1:])], d)
     shape = full.shape
     split = full.reshape(*shape[:d], k, tp, shape[d] // (k * tp), *shape[d + 1:])
     return split.select(d + 1, rank).reshape(*shape[:d], shape[d] // tp, *shape[d + 1:])
@@ -77,7 +84,8 @@ def assemble(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
     d, k, tp = placement.dim, placement.segments, len(pieces)
     shape = pieces[0].shape
     split = [p.reshape(*shape[:d], k, shape[d] // k, *shape[d + 1:]) for p in pieces]
-    return torch.stack(split, d + 1).reshape(*shape[:d], shape[d] * tp, *shape[d + 1:])
+    full = torch.stack(split, d + 1).reshape(*shape[:d], shape[d] * tp, *shape[d + 1:])
+    return full.narrow(d, 0, shape[d] * tp - placement.pad) if placement.pad else full
 
 
 def global_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], placement: Placement, rank: int, tp: int,
@@ -85,16 +93,19 @@ def global_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], placement: Pl
     """A box (``offsets``, ``sizes``) of tensor rank ``rank``'s piece (of shape ``local_shape``) as boxes
     of the full value: ``(global offsets, sizes, where along the split dim each starts in the box)``. Along
     an S(d, k) dim the piece holds one run of each of the k segments, so a box crossing a run's end is cut
-    there; every other dim (and an R value) keeps its coordinates."""
+    there; every other dim (and an R value) keeps its coordinates. A padded value's zeros are in no box."""
     if placement.kind != "S" or tp == 1:
         return [(tuple(offsets), tuple(sizes), 0)]
     d = placement.dim
     run = local_shape[d] // placement.segments  # this rank's run of each segment
+    whole = local_shape[d] * tp - placement.pad  # (the full value's size along d)
     out = []
     i, end = offsets[d], offsets[d] + sizes[d]
     while i < end:
         segment, stop = i // run, min(end, (i // run + 1) * run)
         at = segment * run * tp + rank * run + i % run  # the segment's start, this rank's run, the offset in it
-        out.append(((*offsets[:d], at, *offsets[d + 1:]), (*sizes[:d], stop - i, *sizes[d + 1:]), i - offsets[d]))
+        n = min(stop - i, whole - at)
+        if n > 0:
+            out.append(((*offsets[:d], at, *offsets[d + 1:]), (*sizes[:d], n, *sizes[d + 1:]), i - offsets[d]))
         i = stop
     return out

@@ -303,6 +303,10 @@ class _Propagation:
                 self.want(node, g, self.params.get(name, R))
 
     def rule(self, node: torch.fx.Node):
+        if _draws(node):
+            raise self.fail(node, "draws random numbers (dropout)", "each tensor rank would draw its own, also where "
+                            "the value is replicated, and the replicas would part: set the model's dropout to 0, "
+                            "or train it with tp=1")
         fn = _RULES.get(node.target)
         if fn is None:
             if node.target is operator.getitem:
@@ -314,6 +318,18 @@ class _Propagation:
                 return _replicated(node)
             raise self.fail(node, "has no tensor-parallel rule")
         return fn(self, node)
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a seeded op, unless its dropout probability is 0 (attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+    return bool(p)
 
 
 def _has_split(v) -> bool:
@@ -469,8 +485,11 @@ def _view(g: _Propagation, node: torch.fx.Node):
     if isinstance(out, int):
         group = next(gj for gi, gj in view_groups(src, dst) if pl.dim in gi)
         first = next((dst[d] for d in group if dst[d] > 1), 1)
+        fix = _divide(src[pl.dim], g.tp, f"{src[pl.dim]} of its split dim (K/V heads, in attention: one is "
+                      "multi-query attention)") if src[pl.dim] % g.tp else \
+            _divide(first, g.tp, f"{first} of dim {group[0]} of the view") if first % g.tp else ""
         g.resegment_or_fail(node, x, out, f"cannot keep the split of dim {pl.dim} through a view from {src} to {dst}",
-                            _divide(first, g.tp, f"{first} of dim {group[0]} of the view") if first % g.tp else "")
+                            fix)
     return out
 
 
@@ -483,6 +502,8 @@ def _local_bounds(start: int, end: int | None, n: int, tp: int) -> tuple[int, in
 def _divide(n: int, tp: int, what: str) -> str:
     """The fix for a dim of ``n`` that ``tp`` does not divide: the tensor sizes that do."""
     valid = [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0 and t <= n]
+    if valid == [1]:
+        return f"tp must divide the {what}: only tp=1 does"
     return f"tp must divide the {what}: tp in {{{', '.join(map(str, valid))}}} splits it, or tp=1"
 
 
@@ -1170,11 +1191,26 @@ def _vocab_log_softmax(rw: _Rewrite, node: torch.fx.Node):
     if node.args[2]:
         raise TensorSplitError(f"tensor parallelism: {node.name} casts half to float in log_softmax; not split yet")
     (x, *_), _ = rw.args(node)
+    n = _shape(x_old)[_dim(dim, _ndim(x_old))]
+    true = padded_sizes(rw.tg).get(n, n)
+    if true < n:  # a padded vocabulary: its zero logits masked to -inf (no probability, no gradient)
+        x = _mask_padding(rw, node, x, _dim(dim, _ndim(x_old)), n // rw.tp, true)
     peak = rw.op(C.tensor_all_reduce, None, rw.op(aten.amax.default, x, [dim], True, like=node), "max", like=node)
     shifted = rw.op(aten.sub.Tensor, x, rw.op(aten.detach.default, peak, like=node), like=node)
     total = rw.op(aten.sum.dim_IntList, rw.op(aten.exp.default, shifted, like=node), [dim], True, like=node)
     total = rw.op(C.tensor_all_reduce, None, total, like=node)
     return rw.op(aten.sub.Tensor, shifted, rw.op(aten.log.default, total, like=node), like=node)
+
+
+def _mask_padding(rw: _Rewrite, node: torch.fx.Node, x, dim: int, local: int, true: int):
+    """``x`` (this rank's ``local`` columns of a vocabulary padded past ``true``) with the padding at -inf."""
+    iota = rw.op(aten.arange.default, local, dtype=torch.long, device=torch.device("meta"), like=node)  # (moved by
+    column = rw.op(aten.add.Tensor, iota, rw.op(C.tensor_shard_start, None, iota, local, like=node),  # retarget_device)
+                   like=node)
+    shape = [1] * _ndim(node)
+    shape[dim] = local
+    beyond = rw.op(aten.view.default, rw.op(aten.ge.Scalar, column, true, like=node), shape, like=node)
+    return rw.op(aten.masked_fill.Scalar, x, beyond, float("-inf"), like=node)
 
 
 @_special(aten._log_softmax_backward_data.default)
@@ -1262,7 +1298,20 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
     if tg.batch_symbols:
         raise TensorSplitError("tensor parallelism splits a concrete trace: a symbolic-batch one at a size first "
                                "(trace.at_batch(b))")
-    analysis = analyse(tg, tp, sequence_parallel)
+    analysis = None
+    pads = _vocabulary_pads(tg, tp)
+    if pads:  # Megatron's padded vocabulary, where every reader of the padded logits masks or ignores the zeros
+        padded = _padded(tg, pads)
+        try:
+            analysis = analyse(padded, tp, sequence_parallel)
+        except TensorSplitError:
+            analysis = None  # (the unpadded analysis says why, or replicates the table)
+        if analysis is not None and _reads_padding(padded, analysis, set(pads.values())):
+            analysis = None
+        if analysis is not None:
+            tg = padded
+    if analysis is None:  # (a vocabulary tp does not divide: its table replicated)
+        analysis = analyse(tg, tp, sequence_parallel)
     rw = _Rewrite(tg, analysis)
     graph = rw.run()
     gm = _LazyGraphModule(tg.gm, graph)  # (its Python code generated when first called: a priced split never is)
@@ -1274,8 +1323,76 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
     for key, new_node in rw.conv.items():  # ((value, placement[, region]): its conversion)
         new_node.meta[META_PLACEMENT] = key[1]
     shapes = {n: torch.Size(local_shape(s, analysis.params[n], tp)) for n, s in tg.param_shapes.items()}
+    placements = {n: S(p.dim, p.segments, tg.vocabulary_pads.get((n, p.dim), 0)) if p.kind == "S" else p  # (true shape)
+                  for n, p in analysis.params.items() if p != R}
     return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp, sequence_parallel=sequence_parallel,
-                               tensor_placements={n: p for n, p in analysis.params.items() if p != R})
+                               tensor_placements=placements)
+
+
+def _vocabulary_pads(tg: TrainGraph, tp: int) -> dict[int, int]:
+    """{V: V padded to a multiple of tp} for each vocabulary tp does not divide: the rows of an embedding
+    table that are also the classes a log-softmax normalises over."""
+    nodes = tg.gm.graph.nodes
+    tables = {_shape(n.args[0])[0] for n in nodes if n.target is aten.embedding.default}
+    classes = {_shape(n.args[0])[_dim(n.args[1], _ndim(n.args[0]))] for n in nodes
+               if n.target is aten._log_softmax.default}
+    pads = {v: -(-v // tp) * tp for v in tables & classes if v % tp}
+    sizes = {d for n in nodes for d in _shape(n)}
+    return {v: vp for v, vp in pads.items() if vp not in sizes}  # (a padded size must name the vocabulary alone)
+
+
+def _padded(tg: TrainGraph, pads: dict[int, int]) -> TrainGraph:
+    """``tg`` with every dim of a vocabulary's size padded (parameters, shape arguments, the embedding
+    backward's row count), its values propagated again; the parameters' pads in ``vocabulary_pads``."""
+    def grow(a):
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, int) for x in a):
+            return type(a)(pads.get(x, x) for x in a)
+        return a
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in tg.gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        new.args = tuple(grow(a) for a in new.args)
+        if node.target is aten.embedding_dense_backward.default:
+            new.args = (*new.args[:2], pads.get(new.args[2], new.args[2]), *new.args[3:])
+        env[node] = new
+    gm = torch.fx.GraphModule(tg.gm, graph)
+    shapes = {n: torch.Size(pads.get(d, d) for d in s) for n, s in tg.param_shapes.items()}
+    names = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), tg.param_names))
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta["val"]
+            shape = shapes[names[n]] if n in names else tuple(n.meta.get(META_SHAPE) or val.shape)
+            inputs.append(torch.empty(shape, dtype=val.dtype, device="meta"))
+    _MetaProp(gm).run(*inputs)
+    for n in gm.graph.nodes:
+        if META_SHAPE in n.meta and isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta[META_SHAPE] = tuple(n.meta["val"].shape)
+    vocabulary_pads = {(name, d): pads[n] - n for name, s in tg.param_shapes.items() for d, n in enumerate(s)
+                       if n in pads}
+    return dataclasses.replace(tg, gm=gm, param_shapes=shapes, vocabulary_pads=vocabulary_pads)
+
+
+def padded_sizes(tg: TrainGraph) -> dict[int, int]:
+    """{a padded vocabulary's size: its true size} of a graph ``_padded`` made."""
+    return {tg.param_shapes[name][d]: tg.param_shapes[name][d] - pad for (name, d), pad in tg.vocabulary_pads.items()}
+
+
+def _reads_padding(tg: TrainGraph, a: Analysis, padded: set[int]) -> bool:
+    """Whether any op would see a padded vocabulary's zeros as values: one that needs a value split along it
+    whole or split otherwise (a gather would show them), or sums over it outside the masked log-softmax (a
+    matmul's contraction over it reads the table's zero rows: safe)."""
+    def on_padding(n) -> bool:
+        pl = a.values.get(n)
+        return isinstance(pl, Placement) and pl.kind == "S" and _shape(n)[pl.dim] in padded
+    for node, needs in a.needs.items():
+        if any(on_padding(x) and want != a.values[x] for x, want in needs.items()):
+            return True
+    return any(node.target in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default,
+                               aten.logsumexp.default, aten._softmax.default)
+               and on_padding(node.args[0]) for node in tg.gm.graph.nodes)
 
 
 class _MetaProp(torch.fx.Interpreter):
