@@ -1387,7 +1387,7 @@ def _reads_padding(tg: TrainGraph, a: Analysis, padded: set[int]) -> bool:
     def on_padding(n) -> bool:
         pl = a.values.get(n)
         return isinstance(pl, Placement) and pl.kind == "S" and _shape(n)[pl.dim] in padded
-    for node, needs in a.needs.items():
+    for needs in a.needs.values():
         if any(on_padding(x) and want != a.values[x] for x, want in needs.items()):
             return True
     return any(node.target in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default,
