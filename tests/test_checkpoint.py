@@ -218,7 +218,7 @@ def test_attention_recomputation_drops_exactly_the_attention_probabilities(gpt):
     b, s = 2, 32
 
     def saved(layers: int, checkpoint) -> tuple[int, int]:
-        cfg = hf_models.config("gpt2", seq_len=s)
+        cfg = hf_models.config("gpt2", seq_len=s, attention="eager")
         cfg.n_layer = layers
         with torch.device("meta"):
             model = hf.GPT2LMHeadModel(cfg)

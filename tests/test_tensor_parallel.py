@@ -341,7 +341,8 @@ def _setup(case: TPCase):
     if case.model.startswith("hf-"):
         from micscompile.zoo import hf_models
 
-        model = hf_models.build(case.model[3:], seq_len=8)
+        # (selective recomputation has attention probabilities to recompute in eager attention alone)
+        model = hf_models.build(case.model[3:], seq_len=8, attention="eager" if case.checkpoint == "attention" else None)
         g = torch.Generator().manual_seed(1)
         return model, hf_models.lm_loss, [hf_models.lm_batch(model, 4, 8, g) for _ in range(STEPS)]
     if case.model == "gpt":

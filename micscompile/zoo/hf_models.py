@@ -38,9 +38,9 @@ SIZES = {
 }
 
 
-def config(family: str, size: str = "tiny", *, seq_len: int = 16):
-    """The ``transformers`` config of ``family`` at ``size`` (see ``SIZES``), dropout off, no cache, the
-    default attention (sdpa)."""
+def config(family: str, size: str = "tiny", *, seq_len: int = 16, attention: str | None = None):
+    """The ``transformers`` config of ``family`` at ``size`` (see ``SIZES``), dropout off, no cache;
+    ``attention``: the attention implementation ("eager", "sdpa"; None: the library's default, sdpa)."""
     import transformers as hf
 
     if family not in FAMILIES:
@@ -48,6 +48,13 @@ def config(family: str, size: str = "tiny", *, seq_len: int = 16):
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} for {family}; known: {', '.join(SIZES)}")
     s = SIZES[size]
+    cfg = _config(hf, family, s, seq_len)
+    if attention is not None:
+        cfg._attn_implementation = attention
+    return cfg
+
+
+def _config(hf, family: str, s: dict, seq_len: int):
     if family == "gpt2":
         return hf.GPT2Config(vocab_size=s["vocab"], n_positions=seq_len, n_embd=s["hidden"], n_layer=s["layers"],
                              n_head=s["heads"], n_inner=s["ffn"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -62,14 +69,13 @@ def config(family: str, size: str = "tiny", *, seq_len: int = 16):
                          max_position_embeddings=seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def build(family: str, size: str = "tiny", *, seq_len: int = 16) -> nn.Module:
+def build(family: str, size: str = "tiny", *, seq_len: int = 16, attention: str | None = None) -> nn.Module:
     """A language-model head model (GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM) with random
     weights from the current device and seed (build it under ``torch.device("meta")`` for plans)."""
     import transformers as hf
 
     cls = {"gpt2": hf.GPT2LMHeadModel, "llama": hf.LlamaForCausalLM, "bert": hf.BertForMaskedLM}
-    cfg = config(family, size, seq_len=seq_len)
-    return cls[family](cfg)
+    return cls[family](config(family, size, seq_len=seq_len, attention=attention))
 
 
 def _tiny(cls_name: str, **fields):
