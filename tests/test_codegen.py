@@ -78,6 +78,24 @@ def test_regions_stop_at_communication_points_and_keep_getitems_with_their_op():
     torch.testing.assert_close(gm(x, w)[0], gm2(x, w)[0])
 
 
+def test_an_op_whose_outputs_are_read_as_one_tuple_runs_eagerly_outside_every_region():
+    """A region's outputs are tensors: a multi-output op read whole (not through getitems; a pipeline's
+    zero-bubble cut did this to SDPA's (out, logsumexp)) stays out of the regions, and the graph computes as
+    before (Inductor refused it: "output spec mismatch")."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = g.call_function(torch.ops.aten.mm.default, (x, w))
+    parts = g.call_function(torch.ops.aten.split.Tensor, (h, 2, 1))
+    whole = g.call_function(torch.ops.aten.cat.default, (parts, 1))
+    g.output((g.call_function(torch.ops.aten.gelu.default, (whole,)),))
+    gm = _with_vals(torch.fx.GraphModule(torch.nn.Module(), g))
+    x_, w_ = torch.randn(4, 4), torch.randn(4, 4)
+    want = gm(x_, w_)[0]
+    assert all(parts not in run for run in find_regions(gm.graph))
+    compile_regions(gm, torch.device("cpu"))
+    torch.testing.assert_close(gm(x_, w_)[0], want)
+
+
 def test_identical_layers_compile_once():
     g = torch.fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")

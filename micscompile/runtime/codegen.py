@@ -122,7 +122,15 @@ def _is_compute(node: torch.fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         return _is_compute(node.args[0])
+    if _read_whole(node) or any(_read_whole(i) for i in node.all_input_nodes):
+        return False  # (an op whose outputs are read as one tuple, and its reader: a region's values are tensors)
     return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
+
+
+def _read_whole(node: torch.fx.Node) -> bool:
+    """Whether a multi-output op's tuple is read whole by some user (not through getitems)."""
+    return isinstance(node.meta.get("val"), (tuple, list)) and any(u.target is not operator.getitem
+                                                                     for u in node.users)
 
 
 def _gather_getitems(graph: torch.fx.Graph) -> None:
