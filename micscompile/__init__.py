@@ -7,6 +7,7 @@
 """
 
 from micscompile.core.collectives import CollectiveError, CommStats
+from micscompile.core.errors import Error
 from micscompile.core.plan import Plan, PlanError, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
 from micscompile.cost_model.simulator import Prediction
@@ -29,7 +30,7 @@ from micscompile.trace import TraceError, TrainGraph, trace
 from micscompile.tune.autotune import Candidate, autotune
 
 __all__ = [
-    "Action", "Buffer", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
+    "Action", "Buffer", "Error", "CaptureError", "Candidate", "CodegenError", "CodegenReport", "GraphBreakError",
     "MiCSBackend", "autotune", "backend", "Cluster", "ClusterError", "CollectiveError", "CommStats", "GpuSpec", "Kind",
     "Link", "MemoryPlan", "MemoryPlanError",
     "MemoryStats", "Plan", "PlanError", "Prediction", "Prefetch", "Program", "ResolvedPlan", "ShardParams", "TraceError",

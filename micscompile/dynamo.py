@@ -44,15 +44,16 @@ import torch
 import torch.fx
 from torch import nn
 
+from micscompile.core.errors import Error
 from micscompile.core.plan import Plan
 from micscompile.trace import MODULE_MARKS
 
 
-class GraphBreakError(RuntimeError):
+class GraphBreakError(Error, RuntimeError):
     """Dynamo split the compiled callable at a graph break; the message names the source line."""
 
 
-class CaptureError(RuntimeError):
+class CaptureError(Error, RuntimeError):
     """The graph Dynamo captured cannot be trained as one MiCS step; the message says why."""
 
 

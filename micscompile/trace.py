@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from tqdm import tqdm
 
+from micscompile.core.errors import Error
 from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.flops import node_flops
 from micscompile.cost_model.node_cost import META_BYTES, META_FLOPS, is_shape_arithmetic  # the keys, defined once
@@ -127,7 +128,7 @@ calling the modules (``micscompile.dynamo``) marks through them the module each 
 as the module hooks do for an ordinary forward."""
 
 
-class TraceError(RuntimeError):
+class TraceError(Error, RuntimeError):
     """The model + loss could not be traced; the message names the module and op."""
 
 

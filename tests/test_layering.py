@@ -104,3 +104,61 @@ def test_a_back_edge_is_caught(tmp_path, source):
         (fake / module).write_text(source if module == "core/bad.py" else "")
     edges = back_edges(fake)
     assert len(edges) == 1 and "micscompile.core.bad (core) imports" in edges[0], edges
+
+
+def import_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Every cycle of imports among the package's modules (lazy ones included), within a layer or across."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        graph.add_node(module)
+        for _, target in imports_of(path, root):
+            if target != module and target != "micscompile":  # (the package's __init__ is the API, not a layer)
+                graph.add_edge(module, target)
+    return [sorted(c) for c in nx.simple_cycles(graph)]
+
+
+def test_no_modules_import_each_other():
+    cycles = import_cycles()
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_an_import_cycle_inside_a_layer_is_caught(tmp_path):
+    fake = tmp_path / "micscompile"
+    (fake / "core").mkdir(parents=True)
+    (fake / "core/plan.py").write_text("def f():\n    from micscompile.core.pipeline_schedule import check\n")
+    (fake / "core/pipeline_schedule.py").write_text("from micscompile.core.plan import PlanError\n")
+    assert import_cycles(fake) == [["micscompile.core.pipeline_schedule", "micscompile.core.plan"]]
+
+
+def test_every_error_the_project_defines_is_a_micscompile_error():
+    """``except micscompile.Error`` catches every refusal and failure the project raises: each exception class
+    of every module (private control flow, named with an underscore, aside) derives from it, and raising one
+    is caught so."""
+    import importlib
+    import inspect
+
+    import micscompile as mc
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for cls_name, cls in vars(module).items():
+            if inspect.isclass(cls) and issubclass(cls, BaseException) and cls.__module__ == name \
+                    and not cls_name.startswith("_"):
+                found.append(cls)
+    assert len(found) >= 15
+    assert [c.__qualname__ for c in found if not issubclass(c, mc.Error)] == []
+    for cls in found:
+        with pytest.raises(mc.Error):
+            try:
+                exc = cls("a probe")
+            except TypeError:  # (a constructor that takes more: the instance without it)
+                exc = cls.__new__(cls)
+            raise exc
+    assert issubclass(mc.PlanError, ValueError) and issubclass(mc.TraceError, RuntimeError)

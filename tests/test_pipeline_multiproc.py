@@ -24,7 +24,7 @@ from micscompile.cli.parity import (
     train_reference_mixed,
 )
 from micscompile.core import collectives as C
-from micscompile.core.plan import ZERO_BUBBLE
+from micscompile.core.schedules import ZERO_BUBBLE
 from micscompile.runtime.materialize import initialize
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from micscompile.core.errors import Error
 from micscompile.zoo.models import BERT_10B, GPTConfig, meta_gpt
 
 GPT_PRESETS = {
@@ -43,7 +44,7 @@ BERT_PRESETS = {
 }
 
 
-class SpecError(ValueError):
+class SpecError(Error, ValueError):
     """A MODEL_SPEC that names nothing loadable; the message says what would work."""
 
 

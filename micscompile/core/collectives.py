@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from micscompile.core.errors import Error
 from micscompile.core.sharding import BucketLayout, flat_view, pack_grads, unpack_param
 
 ALL_GATHER = "all_gather"
@@ -218,7 +219,7 @@ class Comm:
         return self.arena.take(name, numel, dtype)
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(Error, RuntimeError):
     """A collective failed or timed out in the middle of a step: another rank died, hung or left
     the step. Raised instead of the backend's error, naming the collective and its group."""
 

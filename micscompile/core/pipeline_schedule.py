@@ -51,11 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, product
 
-from micscompile.core.plan import INTERLEAVED, SCHEDULES, ZERO_BUBBLE, PlanError
-
-
-class ScheduleError(PlanError):
-    """A schedule that is malformed, inconsistent, or would deadlock, or that a plan's (S, m, v) cannot have."""
+from micscompile.core.errors import ScheduleError
+from micscompile.core.schedules import ZERO_BUBBLE, check_schedule
 
 
 class Op(enum.Enum):
@@ -776,24 +773,6 @@ def zb_v(stages: int, micro_batches: int, nccl: bool = True) -> PipeSchedule:
                 run(w)
         return [(op, mb, c) for op, mb, c in seq if mb < m]
     return _build("zb-v", S, m, 2, order, nccl)
-
-def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) -> None:
-    """Raise ScheduleError unless the named schedule exists for (S, m, v), without building it
-    (``Plan.resolve`` asks before anything is traced; ``make_schedule`` before it builds)."""
-    if kind not in SCHEDULES:
-        raise ScheduleError(f"unknown pipeline schedule {kind!r}: valid kinds are {', '.join(SCHEDULES)}")
-    if kind not in INTERLEAVED and chunks != 1:
-        raise ScheduleError(f"{kind!r} runs one chunk per rank; chunks={chunks} needs kind "
-                            + " or ".join(repr(k) for k in INTERLEAVED))
-    if kind == "zb-v":
-        if chunks != 2:
-            raise ScheduleError(f"'zb-v' runs two chunks per rank in a V: chunks=2, got {chunks}")
-        return
-    if chunks > 1 and micro_batches % stages:
-        ok = [k * stages for k in range(max(1, micro_batches // stages), micro_batches // stages + 2)]
-        raise ScheduleError(f"{kind} with chunks={chunks} needs micro_batches to be a multiple of "
-                            f"stages={stages}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
-
 
 @functools.lru_cache(maxsize=256)
 def make_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1,

@@ -19,12 +19,11 @@ from typing import Literal
 
 import torch
 
+from micscompile.core.errors import PlanError
+from micscompile.core.schedules import INTERLEAVED, ZERO_BUBBLE, check_kind, check_schedule
+
 PRECISIONS = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes Plan.param_dtype and Plan.reduce_dtype accept."""
-
-
-class PlanError(ValueError):
-    """A Plan that cannot work on this world; the message says what would."""
 
 
 def divisors(n: int) -> list[int]:
@@ -33,12 +32,6 @@ def divisors(n: int) -> list[int]:
     return small + [n // q for q in reversed(small) if q * q != n]
 
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb", "zb-v")
-"""The pipeline schedules a Plan names (``Plan.pipeline_schedule``; ``core.pipeline_schedule`` builds them)."""
-INTERLEAVED = ("interleaved", "interleaved-zb", "zb-v")
-"""Those that run v > 1 chunks per rank (the others one)."""
-ZERO_BUBBLE = ("zb-h1", "interleaved-zb", "zb-v")
-"""Those that split each backward into B and W (``passes.weight_split``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,13 +131,10 @@ class Plan:
         positive("micro_batches", self.micro_batches)
         positive("pipeline_stages", self.pipeline_stages)
         positive("pipeline_chunks", self.pipeline_chunks)
-        if self.pipeline_schedule not in SCHEDULES:
-            raise PlanError(f"Plan.pipeline_schedule must be one of {', '.join(map(repr, SCHEDULES))}, "
-                            f"got {self.pipeline_schedule!r}")
-        if (self.pipeline_schedule in INTERLEAVED) != (self.pipeline_chunks > 1):
-            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} with pipeline_chunks="
-                            f"{self.pipeline_chunks}: {', '.join(map(repr, INTERLEAVED[:-1]))} and {INTERLEAVED[-1]!r} "
-                            "run v > 1 chunks per rank, the others one")
+        check_kind(self.pipeline_schedule, self.pipeline_chunks)  # (the schedules' one rule, core.schedules)
+        if self.pipeline_schedule in INTERLEAVED and self.pipeline_chunks == 1:
+            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} runs v > 1 chunks per rank: set "
+                            f"pipeline_chunks={2 if self.pipeline_schedule == 'zb-v' else 'v > 1'}")
         if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
             raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
                             "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")
@@ -244,8 +234,6 @@ class Plan:
             raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
                             f"(partition_size <= gpus_per_node={k}), got {p}")
         if S > 1:
-            from micscompile.core.pipeline_schedule import check_schedule  # (it imports PlanError from here)
-
             check_schedule(self.pipeline_schedule, S, self.micro_batches, self.pipeline_chunks)
         return ResolvedPlan(plan=self, world_size=n * tp, gpus_per_node=k * tp, partition_size=p,
                             replicas=n // (S * p), stages=S, tensor=tp)

@@ -30,6 +30,7 @@ import numpy as np
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import CommStats, GroupInfo, fmt_bytes
+from micscompile.core.errors import Error
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.sharding import BucketLayout
 
@@ -185,7 +186,7 @@ def backward_start(actions: list[Action]) -> int | None:
     return next((i for i, a in enumerate(actions) if a.region.startswith(REGION_BWD)), None)
 
 
-class ProgramError(RuntimeError):
+class ProgramError(Error, RuntimeError):
     """A Program the runtime could not execute (a bug in a pass, not bad user input)."""
 
 

@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from micscompile.core.errors import Error
+
 # Constants, names and values from c10/cuda/CUDACachingAllocator.cpp.
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
 kSmallSize = 1048576  # largest "small" allocation is 1 MiB
@@ -44,7 +46,7 @@ kMinLargeAlloc = 10485760  # allocations between 1 and 10 MiB may use kLargeBuff
 kRoundLarge = 2097152  # round up large allocations to 2 MiB
 
 
-class OutOfMemoryError(MemoryError):
+class OutOfMemoryError(Error, MemoryError):
     """A request did not fit ``capacity_bytes`` even after releasing cached segments."""
 
 

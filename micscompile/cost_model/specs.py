@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from micscompile.core.errors import Error
+
 GBPS_TO_BPS = 1e9 / 8
 """Gigabits per second -> bytes per second."""
 
@@ -86,7 +88,7 @@ class Link:
     presets); 0: NCCL's own relation to the Simple step (``collective_time.ll_network_step_s``)."""
 
 
-class ClusterError(ValueError):
+class ClusterError(Error, ValueError):
     """A cluster that cannot be: an unknown preset, an unreadable file, no nodes; the message says what would."""
 
 

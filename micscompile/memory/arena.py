@@ -21,10 +21,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from micscompile.core.errors import Error
 from micscompile.memory.planner import Buffer, MemoryPlan
 
 
-class ArenaError(RuntimeError):
+class ArenaError(Error, RuntimeError):
     """The runtime asked for a buffer the plan does not have next (a bug, not bad input)."""
 
 

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from micscompile.core.errors import Error
 from micscompile.memory.search import exact_search, local_search
 from micscompile.memory.skyline import skyline_search
 
@@ -60,7 +61,7 @@ class Buffer(NamedTuple):
     """e.g. "gathered", "activation" (informational)."""
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(Error, ValueError):
     """Invalid buffers or alignment, or a plan that breaks an invariant; the message names the buffer(s)."""
 
 

@@ -39,13 +39,14 @@ import torch.fx
 from torch import nn
 
 from micscompile.core.collectives import fmt_bytes
+from micscompile.core.errors import Error
 from micscompile.core.program import Action, Kind
 from micscompile.cost_model.node_cost import _is_view, node_work
 from micscompile.cost_model.simulator import compute_time_s
 from micscompile.trace import META_BYTES, META_FQN, META_REGION, copy_node
 
 
-class CodegenError(RuntimeError):
+class CodegenError(Error, RuntimeError):
     """Inductor could not compile a region; the message names the region and its ops."""
 
 

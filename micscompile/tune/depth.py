@@ -19,6 +19,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from micscompile.core.errors import Error
 from micscompile.cost_model.pipeline import ChunkPrice
 from micscompile.cost_model.simulator import Prediction
 
@@ -29,8 +30,9 @@ REL = 1e-9
 """How far (relative) the third point's times may sit off the line: summation order, nothing more."""
 
 
-class OffLine(ValueError):
-    """The third price is not on the line through the first two."""
+class OffLine(Error, ValueError):
+    """The third price is not on the line through the first two (caught in ``tune.repricing``, which then prices
+    the plan in full)."""
 
 
 def shortened(starts: Sequence[int], c: int, signatures: Sequence[int]) -> tuple[int, list[tuple[int, ...]]] | None:
