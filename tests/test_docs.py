@@ -36,3 +36,65 @@ def test_docs_pages_link_files_that_exist():
             if not link.startswith(("http://", "https://")) and not (page.parent / link).exists():
                 missing.append(f"{page.name}: {link}")
     assert missing == []
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces
+    as hyphens."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            slug = _slug(line.lstrip("#"))
+            n = 1
+            while slug in out:  # (a repeated heading gets -1, -2, ...)
+                slug = f"{_slug(line.lstrip('#'))}-{n}"
+                n += 1
+            out.add(slug)
+    return out
+
+
+def broken_anchors(pages: list[Path]) -> list[str]:
+    """Every relative link ``page.md#anchor`` (or ``#anchor``) of ``pages`` whose anchor no heading has."""
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = page if not target else page.parent / target
+            if path.suffix == ".md" and path.exists() and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    return broken
+
+
+def test_every_anchor_a_page_links_is_a_heading_of_its_target():
+    assert broken_anchors([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]) == []
+
+
+def test_a_broken_anchor_is_caught(tmp_path):
+    (tmp_path / "a.md").write_text("# Glossary and formulas (from the papers)\n\n```\n# not a heading\n```\n")
+    (tmp_path / "b.md").write_text("[x](a.md#glossary-and-formulas-from-the-papers) [y](a.md#glossary) "
+                                   "[z](a.md#not-a-heading)\n")
+    global ROOT
+    root, ROOT = ROOT, tmp_path
+    try:
+        assert broken_anchors([tmp_path / "b.md"]) == ["b.md: a.md#glossary", "b.md: a.md#not-a-heading"]
+    finally:
+        ROOT = root
+
+
+def test_the_design_lists_every_plan_field():
+    import dataclasses
+
+    import micscompile as mc
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    fields = design[design.index("Plan fields:"):].split("\n\n")[0]
+    assert [f.name for f in dataclasses.fields(mc.Plan) if f"`{f.name}`" not in fields] == []
