@@ -9,7 +9,7 @@ gathered parameters, gradient buckets and shards, hierarchical stages, pipeline
 receives, activations, temporaries). Columns:
 
 * L: most aligned bytes live at once (no offset plan can use less);
-* plan: ``mc.plan_memory``'s arena for all of them, and plan / L;
+* plan: ``mc.ir.plan_memory``'s arena for all of them, and plan / L;
 * PyTorch: peak reserved bytes of a simulation of the CUDA caching allocator
   (``cost_model.caching_allocator``: 512 B rounding, 2 MiB small-pool segments, 20 MiB
   segments below 10 MiB, best fit, split rule) replaying the same allocations in the same
@@ -66,8 +66,8 @@ def checkpoint_report(batch: int = 8) -> bool:
     L, saved = {}, {}
     for name, extra in options.items():
         buffers = on_device(step_buffers_of(trace, mc.Plan(partition_size=2, param_dtype=bf16, **extra), WORLD))
-        L[name] = mc.plan_memory(buffers).lower_bound_bytes
-        saved[name] = mc.plan_memory([b for b in buffers if b.kind == "activation"]).lower_bound_bytes
+        L[name] = mc.ir.plan_memory(buffers).lower_bound_bytes
+        saved[name] = mc.ir.plan_memory([b for b in buffers if b.kind == "activation"]).lower_bound_bytes
     print(f"\nGPT {c.layers} x h{c.hidden}, seq {c.seq_len}, batch {batch}, bf16, p=2 (4 ranks): per layer the formula "
           f"keeps {full / MIB:.1f} MiB without checkpointing, {kept / MIB:.1f} MiB with it")
     head = f"{'option':<22}{'device L MiB':>13}{'saved peak MiB':>16}"
@@ -112,7 +112,7 @@ def row(model: str, plan_name: str, trace) -> dict:
     plan, prefetch = PLANS[plan_name]
     buffers = step_buffers_of(trace, plan, WORLD, prefetch=prefetch)
     t0 = time.perf_counter()
-    mp = mc.plan_memory(buffers)
+    mp = mc.ir.plan_memory(buffers)
     solve_s = time.perf_counter() - t0
     mp.check(buffers)
     reserved = replay_buffers(buffers).peak_reserved_bytes

@@ -55,7 +55,7 @@ def measure(rank: int, world: int) -> dict:
             model = _model(layers)
             tg = mc.trace(model, batch, lm_loss, param_dtype=torch.bfloat16)
             planned = step_buffers_of(tg, _plan(tp, sp), world)
-            saved = mc.plan_memory([x for x in planned if x.kind == "activation"]).lower_bound_bytes
+            saved = mc.ir.plan_memory([x for x in planned if x.kind == "activation"]).lower_bound_bytes
             step = mc.compile(model, _plan(tp, sp), loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                               example_inputs=batch, arena=False)
             step.track_memory = True

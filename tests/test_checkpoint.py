@@ -51,14 +51,14 @@ def test_recomputation_sits_in_backward_before_its_block_and_reuses_the_backward
     assert set(blocks) == {str(i) for i in range(CFG.layers)}
     # no extra gather: the recomputation runs inside the block's backward use interval
     kinds = lambda s: Counter(a.kind for a in s.program.micro_step)  # noqa: E731
-    assert kinds(ckpt)[mc.Kind.ALL_GATHER] == kinds(base)[mc.Kind.ALL_GATHER]
+    assert kinds(ckpt)[mc.ir.Kind.ALL_GATHER] == kinds(base)[mc.ir.Kind.ALL_GATHER]
     # the extra work is forward work done again
     flops = lambda s: sum(a.flops for a in s.program.micro_step)  # noqa: E731
     assert flops(base) < flops(ckpt) < 1.4 * flops(base)
 
 
 def test_checkpointing_lowers_the_planned_peak_and_selective_sits_between(gpt):
-    L = {ck: mc.plan_memory(step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=ck), WORLD)).lower_bound_bytes
+    L = {ck: mc.ir.plan_memory(step_buffers_of(gpt, mc.Plan(partition_size=2, checkpoint=ck), WORLD)).lower_bound_bytes
          for ck in (False, "selective", True)}
     assert L[True] < L["selective"] < L[False], L
     # without checkpointing every block keeps its activations until its backward; with it only the
@@ -103,7 +103,7 @@ def _device_buffers(tg, **plan):
 
 
 def _peak(buffers) -> int:
-    return mc.plan_memory(buffers).lower_bound_bytes
+    return mc.ir.plan_memory(buffers).lower_bound_bytes
 
 
 def test_planned_peak_falls_by_the_activations_the_formula_says_checkpointing_drops(deep_bf16):
@@ -225,7 +225,7 @@ def test_attention_recomputation_drops_exactly_the_attention_probabilities(gpt):
         batch = hf_models.lm_batch(model, b, s, torch.Generator().manual_seed(1))
         tg = mc.trace(model, batch, hf_models.lm_loss, param_dtype=BF16)
         bufs = step_buffers_of(tg, mc.Plan(partition_size=1, param_dtype=BF16, checkpoint=checkpoint), 1)
-        return mc.plan_memory([x for x in bufs if x.kind == "activation"]).lower_bound_bytes, cfg.n_head
+        return mc.ir.plan_memory([x for x in bufs if x.kind == "activation"]).lower_bound_bytes, cfg.n_head
 
     (full3, heads), (full2, _) = saved(3, False), saved(2, False)
     attn3, attn2 = saved(3, "attention")[0], saved(2, "attention")[0]

@@ -385,7 +385,7 @@ def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
 
     rp = mc.Plan(partition_size=2).resolve(4)
     program = lower(trace, rp, need_graph=False).program
-    compute = [a for a in program.micro_step if a.kind is mc.Kind.COMPUTE]
+    compute = [a for a in program.micro_step if a.kind is mc.ir.Kind.COMPUTE]
     assert all(a.measured_s is not None for a in compute)
     # every op's profiled time lands in exactly one compute action (clones re-derived by the pass excepted)
     total = sum(n.meta[META_TIME_S] for n in timed)

@@ -98,3 +98,15 @@ def test_the_design_lists_every_plan_field():
     design = (ROOT / "docs" / "design.md").read_text()
     fields = design[design.index("Plan fields:"):].split("\n\n")[0]
     assert [f.name for f in dataclasses.fields(mc.Plan) if f"`{f.name}`" not in fields] == []
+
+
+def test_the_public_names_are_the_ones_the_design_lists():
+    import micscompile as mc
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    listed = design[design.index("What `from micscompile import *` gives"):].split("\n\n")[0]
+    names = set(re.findall(r"`(\w+)`", listed.split("; and `ir`")[0])) | {"ir"}
+    assert set(mc.__all__) == names, set(mc.__all__) ^ names
+    namespace: dict = {}
+    exec("from micscompile import *", namespace)  # (the star import a user writes)
+    assert {k for k in namespace if not k.startswith("__")} == set(mc.__all__)

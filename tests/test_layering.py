@@ -20,7 +20,7 @@ LAYERS = (
     ("lowering", ("micscompile.lowering",)),
     ("runtime", ("micscompile.runtime",)),
     ("tune", ("micscompile.tune",)),
-    ("api", ("micscompile", "micscompile.__main__", "micscompile.dynamo", "micscompile.cli")),
+    ("api", ("micscompile", "micscompile.__main__", "micscompile.ir", "micscompile.dynamo", "micscompile.cli")),
 )
 """Lowest first. ``micscompile`` alone is the package's ``__init__`` (the public API)."""
 

@@ -65,7 +65,7 @@ def test_static_plan_is_within_1pct_of_L_and_below_the_caching_allocator(traces,
             step_buffers_of(traces[model], PLANS[plan], WORLD)
         return
     buffers = step_buffers_of(traces[model], PLANS[plan], WORLD, prefetch=PREFETCH.get(plan))
-    mp = mc.plan_memory(buffers)
+    mp = mc.ir.plan_memory(buffers)
     mp.check(buffers)
     assert mp.arena_bytes <= 1.01 * mp.lower_bound_bytes, mp
     reserved = replay_buffers(buffers).peak_reserved_bytes
@@ -83,14 +83,14 @@ def test_gathered_bytes_live_at_once_equal_the_programs_peak(traces, p, s, prefe
     rp = mc.Plan(partition_size=p, micro_batches=s).resolve(WORLD)
     sched = lower_flat(traces["gpt"], rp, None, planned_groups(rp), prefetch=(prefetch,))
     gathered = [b for b in step_buffers(sched.graph, sched.program) if b.kind == "gathered"]
-    assert mc.plan_memory(gathered, alignment=1).lower_bound_bytes == sched.program.peak_gathered_bytes
+    assert mc.ir.plan_memory(gathered, alignment=1).lower_bound_bytes == sched.program.peak_gathered_bytes
     issued = sum(1 for mb in range(s) for a in sched.program.issued_in(mb) if a.kind.name.startswith("ALL_GATHER"))
     assert len(gathered) == issued
 
 
 def test_identical_micro_steps_are_planned_once(traces):
     buffers = step_buffers_of(traces["gpt"], mc.Plan(partition_size=2, micro_batches=4), WORLD, prefetch=(1,))
-    mp = mc.plan_memory(buffers)
+    mp = mc.ir.plan_memory(buffers)
     assert (mp.components, mp.distinct_components) == (4, 1)
 
 
@@ -129,7 +129,7 @@ def test_pipeline_receives_live_until_the_backward_of_their_micro_batch(traces):
     per_mb = len(pp.split.stages[1].recv_act)
     assert len(recvs) == rp.micro_batches * per_mb
     # 1F1B on the last stage: F(mb) then B(mb) right after, so one micro-batch's receives at a time
-    assert mc.plan_memory(recvs, alignment=1).lower_bound_bytes == sum(b.size for b in recvs[:per_mb])
+    assert mc.ir.plan_memory(recvs, alignment=1).lower_bound_bytes == sum(b.size for b in recvs[:per_mb])
     assert all(b.kind in ARENA_KINDS or b.kind in ("activation", "temporary") for b in buffers)
     first = [b for b in buffers if b.kind != "recv"]
     assert first, "the chunks' own buffers are listed too"

@@ -80,4 +80,4 @@ def test_bf16_halves_gather_bytes_and_the_simulator_prices_it():
 def test_p1_mixed_precision_casts_without_a_collective(bf16):
     program = lower(bf16, mc.Plan(partition_size=1, param_dtype=BF16).resolve(4), need_graph=False).program
     assert program.wire_bytes().keys() == {("all_reduce", "replicate"), ("all_reduce", "world")}
-    assert any(a.kind is mc.Kind.ALL_GATHER for a in program.micro_step)  # the casts, priced as gathers of one rank
+    assert any(a.kind is mc.ir.Kind.ALL_GATHER for a in program.micro_step)  # the casts, priced as gathers of one rank

@@ -25,7 +25,7 @@ from micscompile.lowering.pipeline_split import forward_units, split
 from micscompile.lowering.stage_balance import balance
 
 
-def _resolved(chunks: int, stages: int | None = None) -> mc.ResolvedPlan:
+def _resolved(chunks: int, stages: int | None = None) -> mc.ir.ResolvedPlan:
     stages = stages or chunks
     v = chunks // stages
     plan = mc.Plan(partition_size=1, pipeline_stages=stages, pipeline_chunks=v,

@@ -201,7 +201,7 @@ def test_the_planned_activations_per_layer_are_korthikantis(tp, sp):
         x = torch.zeros(b, s, dtype=torch.long)
         tg = mc.trace(model, (x, x), lm_loss, param_dtype=torch.bfloat16)
         plan = mc.Plan(partition_size=1, tensor_parallel_size=tp, sequence_parallel=sp, param_dtype=torch.bfloat16)
-        return mc.plan_memory([x for x in step_buffers_of(tg, plan, tp) if x.kind == "activation"]).lower_bound_bytes
+        return mc.ir.plan_memory([x for x in step_buffers_of(tg, plan, tp) if x.kind == "activation"]).lower_bound_bytes
     assert saved(3) - saved(2) == mc.activation_bytes_per_layer(b, s, h, a, tensor_parallel=tp, sequence_parallel=sp)
 
 
