@@ -95,3 +95,27 @@ def test_divisors_are_every_divisor_in_order():
     for n in (1, 2, 12, 36, 97, 1024, 5040):
         assert divisors(n) == [q for q in range(1, n + 1) if n % q == 0]
     assert divisors(0) == [] and len(divisors(2**40)) == 41
+
+
+def _decisions(rank: int, world: int) -> tuple[list[str], str]:
+    from models import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS["tied_lm"][0]()
+    batch = MODELS["tied_lm"][2](1, 4)[0]
+    step = mc.compile(model, mc.Plan(), loss_fn=MODELS["tied_lm"][1](model),
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=batch)
+    return step.decisions, str(step)
+
+
+@pytest.mark.multiproc
+def test_every_choice_an_auto_field_made_is_on_the_step_and_printed():
+    """Plan() leaves the partition size, the codegen and the CUDA graph to mc.compile: each is one line of
+    ``step.decisions`` with its reason, and ``print(step)`` shows them under the resolved plan."""
+    from harness import launch
+
+    decisions, shown = launch(_decisions, 2, timeout_s=120)[0]
+    assert decisions[0].startswith("partition_size: 2 (the default")
+    assert any(d.startswith("codegen: eager (auto: ") for d in decisions), decisions
+    assert any(d.startswith("cuda_graph: off (") for d in decisions), decisions
+    assert shown.startswith("TrainStep (") and all(f"  {d}" in shown for d in decisions)

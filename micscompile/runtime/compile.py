@@ -209,6 +209,9 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     try:  # everything that can fail on bad input, rank-local: no collective yet
         _check_max_grad_norm(max_grad_norm)
         rp = plan.resolve(world, local_world_size())
+        plan_choices = [] if plan.partition_size is not None else [
+            f"partition_size: {rp.partition_size} (the default: one node's {rp.gpus_per_node // rp.tensor} "
+            f"{'tensor groups' if rp.tensor > 1 else 'ranks'}, at most a stage's)"]
         if plan.optimizer_sharding == "world" and rp.replicas == 1:
             warnings.warn(f"optimizer_sharding='world' changes nothing with d = 1 replica ({rp}): the partition "
                           "group already holds one copy of the optimizer state", stacklevel=2)
@@ -221,6 +224,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
                    device=device, loss_scale=plan.loss_scaled, source_lines=rp.tensor > 1)  # (a refusal's line)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
+            plan_choices.append("checkpoint: True (the model checkpoints itself: recomputed by the plan)")
         tg = tensor_split(tg, rp.tensor, rp.plan.sequence_parallel)  # what a tensor rank runs (tp = 1: the trace)
         check_kernels(tg, device)
         check_initializable(model, init_fn)
@@ -261,6 +265,7 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     step = kind.build(lowered, prepared, graph=tg, model=model, init_fn=init_fn, optimizer_factory=optimizer,
                       state_keys=state_keys, device=device, step_buffers=buffers, arena_offsets=offsets, timeout=timeout)
     step.codegen_choice = codegen_choice
+    step.plan_choices = plan_choices
     step.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
     if graph_choice.captured:  # the step's optimizer as its probe was (capturable turned on where the probe's was)
         graph_choice = cuda_graph.resolve(plan.cuda_graph, cuda_graph.optimizer_blockers(

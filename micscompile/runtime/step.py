@@ -125,9 +125,26 @@ def optimizer_layouts(comm: Comm) -> list:
 
 
 class Step(Checkpointable):
-    """One optimizer step of a compiled plan; call it with this rank's local batch."""
+    """One optimizer step of a compiled plan; call it with this rank's local batch. ``print(step)`` shows the
+    resolved plan and every decision made for it (``decisions``)."""
 
     _whose_batch = "this rank's"
+
+    @property
+    def decisions(self) -> list[str]:
+        """Every choice made for this step where the Plan left one open ("auto" fields, defaults), one line each
+        with its reason: the partition size, the schedule and the optimizer states' home as the cost model
+        priced them (``Program.choice``), the codegen, the CUDA graph."""
+        programs = self.program.programs() if hasattr(self.program, "programs") else {0: self.program}
+        first = next(iter(programs.values()), None)
+        priced = [line for line in (first.choice.splitlines() if first is not None else []) if line]
+        return [*self.plan_choices, *priced, *(str(c) for c in (self.codegen_choice, self.cuda_graph_choice)
+                                               if c is not None)]
+
+    def __str__(self) -> str:
+        plan = getattr(self.program, "plan", None)
+        return "\n".join([f"{type(self).__name__} ({plan})" if plan is not None else type(self).__name__,
+                          *(f"  {line}" for line in self.decisions)])
 
     def __init__(
         self, *, program, graph: TrainGraph, parts: list[Part], groups: dict[str, GroupInfo], stats: CommStats,
@@ -143,6 +160,9 @@ class Step(Checkpointable):
         """With ``Plan.codegen="auto"``: what the cost model chose and why (``runtime.codegen.CodegenChoice``)."""
         self.cuda_graph_choice = None
         """Whether the step replays as one CUDA graph and why (``runtime.cuda_graph.GraphChoice``)."""
+        self.plan_choices: list[str] = []
+        """What ``mc.compile`` resolved of the Plan before lowering (a default partition size, a model's own
+        checkpointing), one line each; ``decisions`` lists them with the rest."""
         self._graphed = None
         self.graph = graph
         self.device = device
