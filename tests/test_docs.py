@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("micscompile", "benchmarks", "examples", "tests")
@@ -110,3 +113,34 @@ def test_the_public_names_are_the_ones_the_design_lists():
     namespace: dict = {}
     exec("from micscompile import *", namespace)  # (the star import a user writes)
     assert {k for k in namespace if not k.startswith("__")} == set(mc.__all__)
+
+
+def _readme_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_the_readme_is_a_page_a_newcomer_reads_in_one_sitting():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert "../" not in text  # (every link inside the repository)
+    flat = " ".join(text.split())
+    for work in ("MiCS: Near-linear Scaling", "Using Megatron-LM.* SC'21", "Reducing Activation Recomputation", "ZeRO:"):
+        assert work in flat, work
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_the_readmes_python_runs_as_written(index, tmp_path):
+    """Each Python block of the README, alone in a fresh interpreter (the quickstart trains, the planning
+    block prices on meta)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _readme_blocks()[index]], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip(), "the block printed nothing"
