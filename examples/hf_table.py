@@ -40,10 +40,9 @@ def row(name: str, rank: int, world: int, tp: int = 1, sp: bool = False) -> dict
     model = hf_models.build_architecture(name)
     out = {"name": name, "class": type(model).__name__, "dtype": str(dtype)[6:],
            "params": sum(p.numel() for p in model.parameters())}
-    gen = torch.Generator().manual_seed(1)
-    batches = [hf_models.lm_batch(model, LOCAL_BATCH * world, SEQ, gen) for _ in range(STEPS)]
     chains = world // tp  # a tensor group's ranks read the same slice of the batch
-    batches = [tuple(x[:LOCAL_BATCH * chains] for x in b) for b in batches]
+    gen = torch.Generator().manual_seed(1)
+    batches = [hf_models.lm_batch(model, LOCAL_BATCH * chains, SEQ, gen) for _ in range(STEPS)]
     chain = rank // tp
     local = [tuple(x[chain * LOCAL_BATCH:(chain + 1) * LOCAL_BATCH] for x in b) for b in batches]
     start = time.perf_counter()

@@ -493,10 +493,16 @@ def _view(g: _Propagation, node: torch.fx.Node):
     return out
 
 
-def _local_bounds(start: int, end: int | None, n: int, tp: int) -> tuple[int, int]:
-    """A slice [start, end) of a dim of ``n`` that takes whole segments: the same segments of a rank's piece."""
+def _bounds(start: int | None, end: int | None, n: int) -> tuple[int, int]:
+    """A slice's [start, end) on a dim of ``n``, as Python reads its bounds (None, negative, past the end)."""
     end = n if end is None or end > n else end + n if end < 0 else end
-    return (0 if start is None else start + n if start < 0 else start) // tp, end // tp
+    return (0 if start is None else start + n if start < 0 else start), end
+
+
+def _local_bounds(start: int | None, end: int | None, n: int, tp: int) -> tuple[int, int]:
+    """A slice [start, end) of a dim of ``n`` that takes whole segments: the same segments of a rank's piece."""
+    start, end = _bounds(start, end, n)
+    return start // tp, end // tp
 
 
 def _divide(n: int, tp: int, what: str) -> str:
@@ -612,8 +618,7 @@ def _one_segment(node: torch.fx.Node, n: int) -> int | None:
     """k where ``node`` (a slice, or its backward, of a dim of ``n``) takes whole one of k equal segments."""
     start, end, step = (list(node.args[2:]) + [0, None, 1][len(node.args) - 2:])[:3] if node.target is \
         aten.slice.Tensor else node.args[3:6]
-    end = n if end is None or end > n else end + n if end < 0 else end
-    start = 0 if start is None else start + n if start < 0 else start
+    start, end = _bounds(start, end, n)
     length = end - start
     if step != 1 or length <= 0 or length == n or n % length or start % length:
         return None
@@ -882,8 +887,8 @@ def _embedding(g: _Propagation, node: torch.fx.Node):
     w, idx = node.args[0], node.args[1]
     v = g.values[w]
     if isinstance(v, _Undecided) and not v.chain:
-        vocab = _shape(w)[0]  # (a table tp does not divide, such as GPT-2's 50,257 rows or OPT's 2050 positions,
-        g.decide(v.param, S(0) if vocab % g.tp == 0 else R)  # is replicated: each rank looks up the whole)
+        vocab = _shape(w)[0]  # (a table tp does not divide is replicated, each rank looking up the whole: a
+        g.decide(v.param, S(0) if vocab % g.tp == 0 else R)  # vocabulary was padded before, where it could be)
         g.values[w] = g.params[v.param]
     pw = g.get(w)
     if g.get(idx) != R:
@@ -1192,7 +1197,7 @@ def _vocab_log_softmax(rw: _Rewrite, node: torch.fx.Node):
         raise TensorSplitError(f"tensor parallelism: {node.name} casts half to float in log_softmax; not split yet")
     (x, *_), _ = rw.args(node)
     n = _shape(x_old)[_dim(dim, _ndim(x_old))]
-    true = padded_sizes(rw.tg).get(n, n)
+    true = _padded_sizes(rw.tg).get(n, n)
     if true < n:  # a padded vocabulary: its zero logits masked to -inf (no probability, no gradient)
         x = _mask_padding(rw, node, x, _dim(dim, _ndim(x_old)), n // rw.tp, true)
     peak = rw.op(C.tensor_all_reduce, None, rw.op(aten.amax.default, x, [dim], True, like=node), "max", like=node)
@@ -1298,20 +1303,7 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
     if tg.batch_symbols:
         raise TensorSplitError("tensor parallelism splits a concrete trace: a symbolic-batch one at a size first "
                                "(trace.at_batch(b))")
-    analysis = None
-    pads = _vocabulary_pads(tg, tp)
-    if pads:  # Megatron's padded vocabulary, where every reader of the padded logits masks or ignores the zeros
-        padded = _padded(tg, pads)
-        try:
-            analysis = analyse(padded, tp, sequence_parallel)
-        except TensorSplitError:
-            analysis = None  # (the unpadded analysis says why, or replicates the table)
-        if analysis is not None and _reads_padding(padded, analysis, set(pads.values())):
-            analysis = None
-        if analysis is not None:
-            tg = padded
-    if analysis is None:  # (a vocabulary tp does not divide: its table replicated)
-        analysis = analyse(tg, tp, sequence_parallel)
+    tg, analysis = _padded_analysis(tg, tp, sequence_parallel) or (tg, analyse(tg, tp, sequence_parallel))
     rw = _Rewrite(tg, analysis)
     graph = rw.run()
     gm = _LazyGraphModule(tg.gm, graph)  # (its Python code generated when first called: a priced split never is)
@@ -1327,6 +1319,21 @@ def tensor_split(tg: TrainGraph, tp: int, sequence_parallel: bool = False) -> Tr
                   for n, p in analysis.params.items() if p != R}
     return dataclasses.replace(tg, gm=gm, param_shapes=shapes, tensor_parallel=tp, sequence_parallel=sequence_parallel,
                                tensor_placements=placements)
+
+
+def _padded_analysis(tg: TrainGraph, tp: int, sequence_parallel: bool) -> tuple[TrainGraph, Analysis] | None:
+    """Megatron's padded vocabulary: ``tg`` with each vocabulary tp does not divide padded, and its analysis;
+    None where there is none, or where the split fails or something but the masked log-softmax would read the
+    padding (the unpadded analysis then replicates the table, or says why it cannot split)."""
+    pads = _vocabulary_pads(tg, tp)
+    if not pads:
+        return None
+    padded = _padded(tg, pads)
+    try:
+        analysis = analyse(padded, tp, sequence_parallel)
+    except TensorSplitError:
+        return None
+    return None if _reads_padding(padded, analysis, set(pads.values())) else (padded, analysis)
 
 
 def _vocabulary_pads(tg: TrainGraph, tp: int) -> dict[int, int]:
@@ -1359,14 +1366,7 @@ def _padded(tg: TrainGraph, pads: dict[int, int]) -> TrainGraph:
         env[node] = new
     gm = torch.fx.GraphModule(tg.gm, graph)
     shapes = {n: torch.Size(pads.get(d, d) for d in s) for n, s in tg.param_shapes.items()}
-    names = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), tg.param_names))
-    inputs = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            val = n.meta["val"]
-            shape = shapes[names[n]] if n in names else tuple(n.meta.get(META_SHAPE) or val.shape)
-            inputs.append(torch.empty(shape, dtype=val.dtype, device="meta"))
-    _MetaProp(gm).run(*inputs)
+    _MetaProp(gm).run(*_placeholder_values(tg, lambda name, shape: shapes[name] if name else shape))
     for n in gm.graph.nodes:
         if META_SHAPE in n.meta and isinstance(n.meta.get("val"), torch.Tensor):
             n.meta[META_SHAPE] = tuple(n.meta["val"].shape)
@@ -1375,7 +1375,7 @@ def _padded(tg: TrainGraph, pads: dict[int, int]) -> TrainGraph:
     return dataclasses.replace(tg, gm=gm, param_shapes=shapes, vocabulary_pads=vocabulary_pads)
 
 
-def padded_sizes(tg: TrainGraph) -> dict[int, int]:
+def _padded_sizes(tg: TrainGraph) -> dict[int, int]:
     """{a padded vocabulary's size: its true size} of a graph ``_padded`` made."""
     return {tg.param_shapes[name][d]: tg.param_shapes[name][d] - pad for (name, d), pad in tg.vocabulary_pads.items()}
 
@@ -1469,20 +1469,23 @@ def _from_template(template):
     return kind(_from_template(p) for p in parts)
 
 
+def _placeholder_values(tg: TrainGraph, shape_of: Callable[[str | None, tuple], tuple]) -> list[torch.Tensor]:
+    """A meta tensor per placeholder of ``tg`` in its dtype, shaped ``shape_of(its parameter's name, or None for a
+    batch input or buffer; its recorded shape)`` (a symbolic-batch trace's at the size at_batch evaluated it at)."""
+    nodes = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(nodes, tg.param_names))
+    return [torch.empty(shape_of(names.get(n), tuple(n.meta.get(META_SHAPE) or n.meta["val"].shape)),
+                        dtype=n.meta["val"].dtype, device="meta") for n in nodes]
+
+
 def _propagate_meta(gm: torch.fx.GraphModule, tg: TrainGraph, analysis: Analysis, source: dict) -> None:
     """Every node's value (on meta, local shapes) and the trace's metadata of it (shape, bytes, FLOPs, block,
     phase), as ``mc.trace`` records them."""
     from micscompile.trace import tensor_meta
 
     old = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
-    names = dict(zip(old, tg.param_names))
-    inputs = []
-    for n in old:  # (the recorded shape: a symbolic-batch trace's at the size at_batch evaluated it at)
-        val = n.meta["val"]
-        pl = analysis.params.get(names[n], R) if n in names else R
-        shape = tuple(n.meta.get(META_SHAPE) or val.shape)
-        inputs.append(torch.empty(local_shape(shape, pl, analysis.tp), dtype=val.dtype, device="meta"))
-    _MetaProp(gm).run(*inputs)
+    _MetaProp(gm).run(*_placeholder_values(tg, lambda name, shape: local_shape(
+        shape, analysis.params.get(name, R) if name else R, analysis.tp)))
     for new_node, old_node in zip((n for n in gm.graph.nodes if n.op == "placeholder"), old):
         source[new_node] = old_node
     for n in gm.graph.nodes:
