@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/bench_autotune.py --case gpt3 --workers 2   # the (t, SP) groups in two processes
 
 One symbolic-batch meta trace per model, priced with the cost model only (no GPU needed).
-gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (issue 55's speed acceptance: >= 2000
+gpt3: GPT-3 175B on 1024 A100-80GB, global batch 1536 (the search's speed target: >= 2000
 candidates, the whole 3D space, in < 60 s including the trace: 48-49 s for 25,100 on two
 processes, docs/autotune.md).
 bert10b: thesis Table 3-I on 64 V100s, micro-batch 8

@@ -1,4 +1,4 @@
-"""Simulated: what checkpointing and offload buy at long sequences (thesis 4.3.4, issue 8).
+"""Simulated: what checkpointing and offload buy at long sequences (thesis 4.3.4).
 
     .venv/bin/python benchmarks/bench_long_seq.py            # BERT 52B, seq 2048, 128 A100-40GB
     .venv/bin/python benchmarks/bench_long_seq.py --seq 4096

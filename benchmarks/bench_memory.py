@@ -98,7 +98,7 @@ PLANS = {
     "p=2 s=1": (mc.Plan(partition_size=2), None),
     "p=4 s=2": (mc.Plan(partition_size=4, micro_batches=2), None),
     "p=4 s=2 keep+across": (mc.Plan(partition_size=4, micro_batches=2), (mc.Prefetch(2, 1, True),)),
-    "p=4 k=2 hierarchical": (mc.Plan(partition_size=4, micro_batches=2, gpus_per_node=2, hierarchical=True), None),
+    "p=4 k=2 hierarchical": (mc.Plan(partition_size=4, micro_batches=2, hierarchical=True), None),
     "p=2 s=1 checkpoint": (mc.Plan(partition_size=2, checkpoint=True), None),
     "p=2 s=1 selective": (mc.Plan(partition_size=2, checkpoint="selective"), None),
     "S=2 t=2 1F1B m=4": (mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=4), None),
@@ -110,7 +110,7 @@ PLANS = {
 
 def row(model: str, plan_name: str, trace) -> dict:
     plan, prefetch = PLANS[plan_name]
-    buffers = step_buffers_of(trace, plan, WORLD, prefetch=prefetch)
+    buffers = step_buffers_of(trace, plan, WORLD, prefetch=prefetch, gpus_per_node=2 if "k=2" in plan_name else None)
     t0 = time.perf_counter()
     mp = mc.ir.plan_memory(buffers)
     solve_s = time.perf_counter() - t0

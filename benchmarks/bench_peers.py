@@ -8,7 +8,7 @@ taken as 2 nodes of 2 (``--gpus-per-node``) for the inter-node bytes and for
 micscompile's hierarchical gathers. Systems are grouped by partition size p (how many
 ranks shard one replica): p=1 DDP, p=2 FSDP2 HSDP (2 replicas x 2 shards, the shard
 group inside a node), p=4 FSDP2 full shard and DeepSpeed ZeRO-3; micscompile runs each p
-with its default schedule (``mc.compile`` without ``cluster=``: priced on this machine's
+with its default schedule (``mc.compile`` given this machine's own cluster in nodes of ``--gpus-per-node``: its
 calibration or the built-in CPU estimate), and p=4, which spans both nodes, also with
 hierarchical gathers forced. For every micro-batch count s:
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime
 import os
 import statistics
@@ -61,6 +62,7 @@ from micscompile.core.collectives import fmt_bytes
 from micscompile.core.launch import step_device
 from micscompile.core.optim import prefer_fused
 from micscompile.cost_model.calibrate import calibrate
+from micscompile.cost_model.specs import default_cluster
 from micscompile.tune.profile import profile_trace
 from micscompile.zoo.models import GPT, GPTConfig, lm_batch, lm_loss
 
@@ -76,11 +78,11 @@ PEER_MODELS = {  # row -> (mc.simulate's system, peer_config): the rows a model 
     "DeepSpeed ZeRO-3": ("deepspeed-zero3", {"stage3_param_persistence_threshold": 0}),
 }
 PEER_TOLERANCE = 0.15
-"""Issue 26: the peer models predict the measured step times within 15% on this machine."""
+"""The peer models predict the measured step times within 15% on this machine."""
 HIERARCHICAL = "hierarchical"
 """The row that forces hierarchical gathers (the default, "auto", prices them per bucket)."""
 HSDP_GOAL = 0.7
-"""Issue 28: micscompile p=2 at s=4 at most 0.7x FSDP2 HSDP's step."""
+"""micscompile p=2 at s=4 at most 0.7x FSDP2 HSDP's step."""
 
 
 def adamw(params):
@@ -151,10 +153,15 @@ def deepspeed_step(model, s: int, batch_per_rank: int, alone=None):
     return step
 
 
-def _plan(system: str, p: int, s: int, k: int) -> mc.Plan:
+def _nodes(cluster: mc.Cluster, k: int) -> mc.Cluster:
+    """``cluster`` as the emulated nodes of ``k`` ranks each (what the Plan's groups cross)."""
+    return dataclasses.replace(cluster, nodes=cluster.world_size // k, gpus_per_node=k)
+
+
+def _plan(system: str, p: int, s: int) -> mc.Plan:
     """micscompile's Plan for a row: the default schedule, hierarchical gathers forced, or the optimizer
-    states over all ranks (issue 30)."""
-    return mc.Plan(partition_size=p, micro_batches=s, gpus_per_node=k, hierarchical=True if HIERARCHICAL in system
+    states over all ranks."""
+    return mc.Plan(partition_size=p, micro_batches=s, hierarchical=True if HIERARCHICAL in system
                    else "auto", optimizer_sharding="world" if "optim. world" in system else "partition")
 
 
@@ -178,7 +185,11 @@ def build(system: str, model: GPT, p: int, s: int, k: int, example, batch_per_ra
     ``MixedPrecisionPolicy`` with fp32 reductions) below fp32: mixed precision."""
     world = dist.get_world_size()
     if system.startswith("micscompile"):
-        step = mc.compile(model, _plan(system, p, s, k), loss_fn=lm_loss, optimizer=adamw, example_inputs=example)
+        device = step_device()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        cluster = default_cluster(device.type, name, world, k)  # (mc.compile's own, in nodes of k)
+        step = mc.compile(model, _plan(system, p, s), loss_fn=lm_loss, optimizer=adamw, example_inputs=example,
+                          cluster=cluster)
         return lambda x, y: float(step(x, y))
     device = step_device()
     model = copy.deepcopy(model).to(device)
@@ -246,7 +257,7 @@ def host_overheads(model: GPT, args, batches) -> dict[str, tuple[float, float]]:
 def predict(system: str, p: int, s: int, args, trace, cluster, host: dict[str, tuple[float, float]]) -> float | None:
     """The predicted step of one row on the calibrated ``cluster`` (None: no model for it); ``host``:
     the peers' runtime time, ``host_overheads`` (it includes their copy-outs)."""
-    plan = _plan(system, p, s, args.gpus_per_node)
+    plan, cluster = _plan(system, p, s), _nodes(cluster, args.gpus_per_node)
     if system.startswith("micscompile"):
         return mc.simulate(trace, plan, cluster).step_time_s
     if system not in PEER_MODELS:

@@ -18,8 +18,8 @@ Scenario B (Fig. 4-15): seq 1024, micro-batch 8 (MiCS) / 2 (MiCS-Pipe), G in 102
 
 16-bit mixed precision as the thesis trains (``Plan.param_dtype = reduce_dtype = bfloat16``, as
 ``reproduce_thesis.py`` prices p4d): compute at the A100's tensor-core peak, gathers and
-reductions in 16 bits (until issue 26's last stop they moved fp32, which doubled every gather and
-made MiCS look gather-bound at seq 4096), and activation checkpointing only with
+reductions in 16 bits (fp32 would double every gather and make MiCS look gather-bound at seq
+4096), and activation checkpointing only with
 ``--checkpoint``: peak memory is printed against the 40 GiB device, not enforced. TFLOP/s per
 GPU by the thesis's formula (eq. 4.5, 96 B s l h^2 (1 + s/6h + V/16lh), which counts the recompute pass the simulation does not
 run) over all G samples, divided by 128 GPUs and the step time. Each (model, seq,
@@ -107,7 +107,7 @@ def main() -> None:
                 flops = mc.transformer_flops(G, sc.seq, md.layers, HIDDEN, VOCAB) / n
                 systems = [(f"MiCS p={md.mics_p}", sc.mics_b, None)]
                 systems.append((f"MiCS-Pipe S={md.stages} t={T} 1f1b", sc.pipe_b,
-                                dict(pipeline_schedule="1f1b", pipeline_chunks=1)))
+                                dict(pipeline_schedule="1f1b")))
                 if interleaved:
                     systems.append((f"MiCS-Pipe S={md.stages} t={T} intl v=2", sc.pipe_b,
                                     dict(pipeline_schedule="interleaved", pipeline_chunks=2)))
@@ -133,7 +133,7 @@ def main() -> None:
                         mics_tflops = tf
                     elif mics_tflops is not None:
                         ratio = f"{tf / mics_tflops:.3f}x"
-                        if pipe["pipeline_chunks"] == 1:
+                        if pipe["pipeline_schedule"] == "1f1b":
                             verdicts.setdefault(sc.name, []).append((md.name, G, tf / mics_tflops))
                     bubble = "-" if pred.bubble_fraction is None else f"{pred.bubble_fraction:.1%}"
                     peak = pred.peak_memory_bytes

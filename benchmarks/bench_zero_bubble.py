@@ -1,4 +1,4 @@
-"""Zero-bubble pipelines (issue 56): micscompile's schedules against torch.distributed.pipelining's, and at scale.
+"""Zero-bubble pipelines: micscompile's schedules against torch.distributed.pipelining's, and at scale.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_zero_bubble.py   # measured, 4 gloo ranks
     .venv/bin/python benchmarks/bench_zero_bubble.py --simulate                                   # BERT 104B, GPT-3 175B

@@ -1,9 +1,9 @@
-"""The plan fuzzer (issue 29): random models under random Plans, each trained on 4 real gloo ranks in
+"""The plan fuzzer: random models under random Plans, each trained on 4 real gloo ranks in
 its own launch and classed as trained with parity, refused, or failed.
 
     OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --n 200 --seed 0
     OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --replay 17        # one case again
-    OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --cover            # every pair of features (issue 52)
+    OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --cover            # every pair of features
     OMP_NUM_THREADS=1 python benchmarks/fuzz_plans.py --cover-row 5      # one row of it again
 
 Case ``seed`` draws, from its own ``random.Random(seed)``:
@@ -56,6 +56,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import micscompile as mc  # noqa: E402
 from micscompile.cli.parity import LOW_PRECISION_TOLERANCE, TOLERANCE, rel_error, train_reference_mixed  # noqa: E402
+from micscompile.cost_model.specs import default_cluster  # noqa: E402
 from micscompile.runtime.compile import AGREEMENT_HINTS  # noqa: E402
 from micscompile.runtime.loss_scale import LossScaler  # noqa: E402
 from micscompile.runtime.materialize import initialize  # noqa: E402
@@ -82,6 +83,8 @@ class FuzzCase:
     hf: str = "gpt2"
     plan: tuple = ()
     """The Plan's fields that differ from its defaults, as (name, value) pairs."""
+    gpus_per_node: int | None = None
+    """Ranks per simulated node (the cluster ``mc.compile`` plans for); None: the 4 ranks on one node."""
     prefetch: mc.Prefetch | None = None
     opt: str = "sgd"
     clip: float | None = None
@@ -107,7 +110,12 @@ class FuzzCase:
         if self.prefetch is not None:
             pf = self.prefetch
             extra.append(f"prefetch(d={pf.distance},keep={pf.keep_live}{',across' if pf.across_micro_steps else ''})")
-        return f"{what} Plan({plan}) {' '.join(extra)}"
+        nodes = "" if self.gpus_per_node is None else f" k={self.gpus_per_node}"
+        return f"{what} Plan({plan}){nodes} {' '.join(extra)}"
+
+    def cluster(self, world: int) -> mc.Cluster | None:
+        """The cluster the case's step is planned for: this machine's, in nodes of ``gpus_per_node``."""
+        return None if self.gpus_per_node is None else default_cluster("cpu", "cpu", world, self.gpus_per_node)
 
 
 def draw(seed: int) -> FuzzCase:
@@ -123,7 +131,7 @@ def draw(seed: int) -> FuzzCase:
         schedule = rng.choice(["1f1b", "1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"])
         if schedule != "1f1b":
             plan["pipeline_schedule"] = schedule
-        if schedule in ("interleaved", "zb-v"):
+        if schedule == "interleaved":
             plan["pipeline_chunks"] = 2
     else:
         plan["partition_size"] = rng.choice([1, 2, 4])
@@ -172,10 +180,10 @@ def draw(seed: int) -> FuzzCase:
     if not pipeline and plan.get("grad_sync") != "every_step" and rng.random() < 0.15:  # (after it, likewise)
         plan.update(tensor_parallel_size=2, partition_size=min(plan["partition_size"], 2))
         plan.pop("hierarchical", None)
-    return FuzzCase(plan=tuple(plan.items()), **case)
+    return FuzzCase(gpus_per_node=plan.pop("gpus_per_node", None), plan=tuple(plan.items()), **case)
 
 
-# ---- the covering design (issue 52) ------------------------------------------------------------------
+# ---- the covering design -----------------------------------------------------------------------------
 # Random seeds draw each feature by chance: a pair drawn once in 70 seeds (a meta model under an interleaved
 # pipeline) can stay untried for a whole 200-seed run. The covering design pairs every value of every axis with
 # every value of every other axis at least once, in few cases (covertable's greedy covering array); what the
@@ -234,8 +242,7 @@ EXCLUDED = (
     Exclusion("nodes", ("2x2 hierarchical",), "plan", ("flat p=1", "flat p=2", *PIPELINES),
               "hierarchical collectives need a partition group spanning nodes (p = 4 > k = 2)"),
     Exclusion("tensor", TENSOR, "plan", ("flat p=4", "every_step"),
-              "4 ranks in tensor groups of 2 leave p <= 2; tensor groups with grad_sync='every_step' are refused "
-              "(issue 54, not built yet)"),
+              "4 ranks in tensor groups of 2 leave p <= 2; tensor groups with grad_sync='every_step' are refused"),
     Exclusion("tensor", TENSOR, "nodes", ("2x2 hierarchical",),
               "the hierarchical rows hold p = 4, more than 2 tensor groups"),
     Exclusion("tensor", ("tp=2 sequence",), "model", NO_TOKENS,
@@ -306,7 +313,7 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
                     rng.choice([1, 2]))
         if kind != "1f1b":
             plan["pipeline_schedule"] = kind
-        if kind in TWO_CHUNKS:
+        if kind == "interleaved":
             plan["pipeline_chunks"] = 2
         ms = [m for m in (1, 2, 3, 4) if local % m == 0 and (kind != "interleaved" or m % stages == 0)]
     else:
@@ -361,7 +368,8 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         seed += 1000
     clip = {"none": None, "finite": rng.choice([0.05, 1.0]), "inf": float("inf")}[row["clip"]]
     return FuzzCase(seed=seed, model=model.split("-")[0], layers=layers, hf=model[3:] if hf else "gpt2",
-                    plan=tuple(plan.items()), prefetch=prefetch, opt=row["optimizer"], clip=clip,
+                    gpus_per_node=plan.pop("gpus_per_node", None), plan=tuple(plan.items()), prefetch=prefetch,
+                    opt=row["optimizer"], clip=clip,
                     counted=row["loss"] == "token", meta=row["meta"] == "meta", arena=row["arena"] == "arena",
                     row=tuple(row.items()))
 
@@ -466,7 +474,7 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
     stage = "plan"
     try:
         plan = mc.Plan(**case.kwargs)
-        rp = plan.resolve(world, world)
+        rp = plan.resolve(world, case.gpus_per_node or world)
         stage = "reference"  # (an error here, even from micscompile.cli.parity, is the fuzzer's own: failed)
         chains = rp.data_parallel_size  # ranks (tensor groups) that each take their own slice of the global batch
         local_batch = HF_BATCH if case.model == "hf" else LOCAL_BATCH
@@ -504,7 +512,7 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
         stage = "compile"
         step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0],
                           num_model_inputs=n_in, prefetch=None if case.prefetch is None else (case.prefetch,),
-                          arena=case.arena, max_grad_norm=case.clip, init_fn=init_fn)
+                          arena=case.arena, max_grad_norm=case.clip, init_fn=init_fn, cluster=case.cluster(world))
         stage = "steps"
         losses = [float(step(*b)) for b in local]
         state = step.full_state_dict()

@@ -1,5 +1,5 @@
-"""Where a step's time goes: micscompile p=1 against DDP, side by side under ``torch.profiler``
-(issue 28 item 1). Rank 0's profile of each system: the step phases micscompile labels
+"""Where a step's time goes: micscompile p=1 against DDP, side by side under ``torch.profiler``.
+Rank 0's profile of each system: the step phases micscompile labels
 (``mc.micro_steps``, ``mc.boundary``, ``mc.scale_grads``, ``mc.optimizer``) and the top ops by self
 CPU time.
 

@@ -5,11 +5,11 @@
 
 The presets named ``<machine>@<year>`` (micscompile/cost_model/specs.py, ``ERA_2023``) stand for 2023-25 software
 (NCCL 2.18-2.27, PyTorch 2.x with flash attention, FSDP), where the presets without a year stand for the MiCS
-thesis's 2021-22 stack. They are fitted by the thesis presets' protocol (``reproduce_thesis.py``, issue 26): the
+thesis's 2021-22 stack. They are fitted by the thesis presets' protocol (``reproduce_thesis.py``): the
 links on collective measurements only, each GPU's matmul efficiency on one end-to-end row with the links fixed,
 every other row held out and no constant moved to make one pass.
 
-Evidence (issue 55; docs/cost-model.md "Which software a preset stands for"):
+Evidence (docs/cost-model.md "Which software a preset stands for"):
 * links: nccl-tests on today's NCCL (the constants' docstrings in specs.py name each run);
 * compute: llm-foundry's MPT training benchmarks (mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``,
   2023): MPT-7B at seq 2048 on one 8-GPU node without checkpointing, one row per GPU type, is the fit; the table's

@@ -7,7 +7,7 @@
     .venv/bin/python benchmarks/reproduce_thesis.py --fit-compute  # fit each GPU's matmul efficiency
     .venv/bin/python benchmarks/reproduce_thesis.py --plot docs/collective-bandwidth.png
 
-Calibration protocol (issue 26): a *fit* row is one the cluster constants may be fitted on
+Calibration protocol: a *fit* row is one the cluster constants may be fitted on
 (collective-level measurements, and at most one end-to-end row per GPU type for compute
 efficiency); a *check* is a collective-level measurement left out of the fit; every other row is
 *held out*. No constant is moved to make a held-out row pass; a row the model cannot reproduce is

@@ -1,4 +1,4 @@
-"""A soak run (issue 29 item 2): the demo model trained for many steps, per step what could grow.
+"""A soak run: the demo model trained for many steps, per step what could grow.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/soak.py [--steps 2000] [--plot docs/soak.png]
 

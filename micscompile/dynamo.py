@@ -44,7 +44,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from micscompile.core.errors import Error
+from micscompile.core.errors import Error, InputTypeError
 from micscompile.core.plan import Plan
 from micscompile.trace import MODULE_MARKS
 
@@ -242,7 +242,7 @@ class MiCSBackend:
     def __init__(self, plan: Plan, optimizer: Callable, **compile_kwargs) -> None:
         _refuse_suppressed_errors()
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
+            raise InputTypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
         if plan.pipeline_stages > 1:
             raise CaptureError("mc.backend compiles pipeline_stages=1 plans for now: Dynamo's graph holds the loss, "
                                "which the pipeline split must pin to the last stage; use mc.compile for MiCS-Pipe")

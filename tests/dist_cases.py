@@ -23,6 +23,7 @@ import micscompile as mc
 from micscompile.cli.parity import rel_error, state_error, train_reference, train_reference_mixed
 from micscompile.core.sharding import shard_of
 from micscompile.cost_model.node_cost import _is_view
+from micscompile.cost_model.specs import default_cluster
 from micscompile.runtime.materialize import initialize
 
 STEPS = 5
@@ -108,22 +109,23 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             model = cls()
         torch.manual_seed(1)
     loss_fn = make_loss(model)
-    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync, gpus_per_node=case.k,
+    plan = mc.Plan(partition_size=case.p, micro_batches=case.s, grad_sync=case.grad_sync,
                    hierarchical=case.hierarchical, checkpoint=case.checkpoint, checkpoint_every=case.checkpoint_every,
                    offload_activations=case.offload, param_dtype=case.param_dtype, reduce_dtype=case.reduce_dtype,
                    codegen=case.codegen)
     local = [tuple(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for x in b) for b in batches]
+    cluster = None if case.k is None else default_cluster("cpu", "cpu", world, case.k)  # (simulated nodes of k)
     prefetch = None if case.prefetch is None else (case.prefetch,)
     if case.dynamo:  # the step is built at the first call of the compiled loss
         torch._dynamo.reset()  # this code object was compiled for other models and shapes before
-        backend = mc.backend(plan, optimizer=opt, prefetch=prefetch, arena=case.arena)
+        backend = mc.backend(plan, optimizer=opt, prefetch=prefetch, arena=case.arena, cluster=cluster)
         # dynamic=True: the step replays the graph per micro-batch (a static one is refused, test_codegen)
         run = torch.compile(lambda x, y: loss_fn(model(x), y), backend=backend, dynamic=case.s > 1)
         losses = [float(run(*local[0]))]
         step = backend.step
     else:
         run = step = mc.compile(model, plan, loss_fn=loss_fn, optimizer=opt, example_inputs=local[0],
-                                prefetch=prefetch, arena=case.arena)
+                                prefetch=prefetch, arena=case.arena, cluster=cluster)
         losses = []
     losses += [float(run(*b)) for b in local[len(losses):-1]]
     step.track_memory = True  # the last step counts what ops allocate outside the arena

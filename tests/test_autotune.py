@@ -146,7 +146,7 @@ def test_autotune_best_equals_brute_force(symbolic):
     brute = []
     split = functools.cache(lambda b, t, sp: tensor_split(symbolic.at_batch(b), t, sp))  # (mc.simulate's first step)
     for cfg in space:
-        plan = cfg.plan(mc.Plan(gpus_per_node=cl.gpus_per_node))
+        plan = cfg.plan(mc.Plan())
         for pf in prefetches(cfg):
             pred = mc.simulate(split(cfg.micro_batch, cfg.tensor, cfg.sequence), plan, cl, prefetch=[pf], scaling=False)
             brute.append((pred.step_time_s, pred.peak_memory_bytes, plan, cfg.micro_batch, pf))
@@ -519,7 +519,7 @@ def test_a_pricer_over_sizes_prices_sequence_parallel_plans_as_simulate_does_eve
     pricer = Pricer(symbolic, cl, [1, 2, 3])
     for stages, p in ((1, 2), (2, 1)):
         plan = mc.Plan(tensor_parallel_size=2, sequence_parallel=True, micro_batches=4, pipeline_stages=stages,
-                       partition_size=p, gpus_per_node=cl.gpus_per_node)
+                       partition_size=p)
         want = mc.simulate(tensor_split(symbolic.at_batch(3), 2, True), plan, cl, prefetch=[mc.Prefetch(1)],
                            scaling=False).step_time_s
         for _ in range(2):
@@ -566,7 +566,7 @@ def test_every_floor_is_below_its_step_and_near_it(symbolic):
     pricer = Pricer(tg, cl, [1, 4])
     near: dict[tuple, float] = {}
     for c in space:
-        plan = c.plan(mc.Plan(gpus_per_node=cl.gpus_per_node))
+        plan = c.plan(mc.Plan())
         for pf in prefetches(c):
             low, step = pricer.floor(plan, c.micro_batch, pf), pricer.predict(plan, c.micro_batch, pf).step_time_s
             program = pricer.predict(plan, c.micro_batch, pf, above=0.0)  # (a flat one's Program floor, all above 0)
@@ -577,18 +577,18 @@ def test_every_floor_is_below_its_step_and_near_it(symbolic):
     assert len(near) == 21 and min(near.values()) > 0.7, sorted(near.items(), key=lambda kv: kv[1])[:4]
     # a model so small its operations' overhead is most of its compute: counted (mutation caught: left out)
     tiny = Pricer(symbolic, cl, [2])
-    plan = mc.Plan(gpus_per_node=cl.gpus_per_node)
+    plan = mc.Plan()
     assert 0.2 < tiny.floor(plan, 2) / tiny.predict(plan, 2, mc.Prefetch(distance=0)).step_time_s <= 1
     # where the network is slow, a sharded flat plan's gathers set its floor
     slow = dataclasses.replace(cl, inter=dataclasses.replace(cl.inter, bandwidth_bps=cl.inter.bandwidth_bps / 100))
     pricer = Pricer(tg, slow, [1, 4])
-    plan = mc.Plan(gpus_per_node=cl.gpus_per_node, partition_size=16, micro_batches=2)
+    plan = mc.Plan(partition_size=16, micro_batches=2)
     for pf in (mc.Prefetch(distance=1), mc.Prefetch(distance=2, keep_live=3)):  # (kept: not gathered again)
         low, step = pricer.floor(plan, 1, pf), pricer.predict(plan, 1, pf).step_time_s
         assert 0.7 * step < low <= step, pf
     # there the replicas' links are slow too: a pipeline's second hops over its 8 replicas after its chunks' last
     # backwards set its floor, on the timeline of 1F1B and interleaved, after a rank's work on any schedule
-    piped = mc.Plan(gpus_per_node=cl.gpus_per_node, pipeline_stages=2, micro_batches=4, partition_size=1)
+    piped = mc.Plan(pipeline_stages=2, micro_batches=4, partition_size=1)
     for plan in (piped, piped.replace(pipeline_schedule="zb-h1"),
                  piped.replace(pipeline_chunks=2, pipeline_schedule="interleaved"),
                  piped.replace(pipeline_chunks=2, pipeline_schedule="interleaved-zb")):
@@ -617,7 +617,7 @@ def test_each_chunks_b_and_w_floors_are_below_what_its_lowering_puts_there(tenso
     from micscompile.tune.floor import backward_phase_floors
 
     cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
-    plan = mc.Plan(gpus_per_node=8, pipeline_stages=2, pipeline_chunks=2, micro_batches=4,
+    plan = mc.Plan(pipeline_stages=2, pipeline_chunks=2, micro_batches=4,
                    pipeline_schedule="interleaved-zb", tensor_parallel_size=tensor, sequence_parallel=tensor > 1)
     rp = plan.resolve(cl.world_size, cl.gpus_per_node)
     cfg = GPTConfig(vocab_size=8192, seq_len=1024, layers=4, hidden=1024, heads=16)  # (compute outweighs overheads)
@@ -649,7 +649,7 @@ def test_the_best_zero_bubble_pipelines_twin_is_simulated_where_its_floor_skippe
 
     cl = mc.Cluster.preset("p4d.24xlarge", nodes=2)
     pricer = Pricer(symbolic, cl, [2])
-    zb = mc.Plan(gpus_per_node=8, pipeline_stages=2, micro_batches=4, pipeline_schedule="zb-h1")
+    zb = mc.Plan(pipeline_stages=2, micro_batches=4, pipeline_schedule="zb-h1")
     twin = dataclasses.replace(zb, pipeline_schedule="1f1b")
     pf = mc.Prefetch(distance=1)
     job = _Job(pricer, mc.Plan(), cl, 64, None, 1, top=1)

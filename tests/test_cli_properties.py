@@ -1,4 +1,4 @@
-"""Issue 53: every command line ends in a plan or in one clear line.
+"""Every command line ends in a plan or in one clear line.
 
 Hypothesis draws whole command lines over ``plan``, ``simulate``, ``autotune`` (and the numeric options of
 ``demo`` and ``calibrate``, which must be refused before any rank starts): zero, negative, huge and
@@ -205,7 +205,7 @@ def test_every_command_line_ends_in_a_plan_or_one_clear_line(argv, workdir):
     (["autotune", "gpt:tiny"], "the following arguments are required: --global-batch-size"),
 ], ids=["nodes-0", "batch-7", "batch-1-tensor", "batch-0", "seq-0", "nodes-neg", "m-text", "bad-json", "missing"])
 def test_the_issues_commands_end_in_one_line_naming_what_is_valid(argv, says, workdir):
-    """The five commands of issue 53 (a traceback, ten impossible plans, a traceback, a plan of a sequence of
+    """Five commands that once failed badly (a traceback, ten impossible plans, a traceback, a plan of a sequence of
     length 0, an empty list of valid sizes), and four more: each exits 2 before tracing, with one line."""
     code, out, err = run_main(argv, workdir)
     lines = err.strip().splitlines()

@@ -441,7 +441,7 @@ def test_auto_codegen_is_the_cost_models_choice():
 
 
 def test_a_step_replayed_in_a_cuda_graph_is_priced_without_its_host_dispatch():
-    """Issue 57: where the step will be captured, each op costs the device's replayed kernel
+    """Where the step will be captured, each op costs the device's replayed kernel
     (``GpuSpec.graph_op_overhead_s``, what calibrate measures on a GPU), not its dispatch: the fusing that paid
     for itself against 1 ms dispatches does not against 5 us kernels, so "auto" keeps eager."""
     from models import meta_lm_trace

@@ -222,7 +222,7 @@ def test_each_gpu_preset_reproduces_its_one_compute_fit_row():
 
 
 def test_todays_presets_are_their_fits_on_todays_evidence():
-    """Issue 55: the current-software presets (``specs.ERA_2023``) are fitted by the thesis presets' protocol on
+    """The current-software presets (``specs.ERA_2023``) are fitted by the thesis presets' protocol on
     today's public evidence (``reproduce_current.py --fit``): refitted from the collective measurements, each
     preset's NIC rate, Simple and LL network steps are its constants (the LL step measured apart from the Simple
     one, ``Link.ll_latency_s``), and each GPU's one MPT-7B row comes out within 1% of its published MFU; a
@@ -396,7 +396,7 @@ def test_profile_mode_times_every_op_and_the_simulator_uses_it(lm_trace):
 
 
 def test_default_cluster_is_the_devices(monkeypatch, tmp_path):
-    """Issue 28: mc.compile without cluster= prices its schedule on this device's cluster: a known
+    """mc.compile without cluster= prices its schedule on this device's cluster: a known
     GPU's preset, this machine's calibration (env, ./local_cluster.json, the cache), else the estimate."""
     from micscompile.cost_model import specs
 

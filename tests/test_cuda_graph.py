@@ -1,4 +1,4 @@
-"""Issue 57: the whole step as one CUDA graph (``Plan.cuda_graph``, ``runtime.cuda_graph``). What capture needs,
+"""The whole step as one CUDA graph (``Plan.cuda_graph``, ``runtime.cuda_graph``). What capture needs,
 checked on a CPU: each condition that rules it out is named before any collective, and a step's host
 synchronizations (run under ``HostSyncProbe``) are exactly those a blocker names. Capture and replay themselves
 run on a GPU (tests/test_cuda_paths.py, ``pytest -m gpu``)."""
@@ -168,7 +168,7 @@ def test_true_on_a_cpu_is_refused_before_any_collective(gloo_rank):
 
 
 def test_the_llama_style_benchmark_model_trains_as_eager_pytorch(gloo_rank):
-    """Issue 57's benchmark model (``zoo.models.Llama``: RMSNorm, rotary positions, grouped-query attention, SwiGLU,
+    """The CUDA-graph benchmark's model (``zoo.models.Llama``: RMSNorm, rotary positions, grouped-query attention, SwiGLU,
     tied embeddings) at a tiny size: three micscompile steps at p = 1 over two micro-batches give eager PyTorch's
     losses and weights, with SGD and momentum. (Under AdamW they sit 2e-4 apart after three steps: AdamW amplifies
     the RMSNorm weights' gradients, which micscompile's step sums 1.1-2.5e-5 away from a float64 reference where

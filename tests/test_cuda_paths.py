@@ -1,4 +1,4 @@
-"""The CUDA/NCCL paths, checked on the CPU (issue 31): which device host-scalar collectives use,
+"""The CUDA/NCCL paths, checked on the CPU: which device host-scalar collectives use,
 device syncs at the ends of every timed window, what calibration records for a GPU, and how a
 rank picks its GPU and starts its process group. CUDA and c10d entry points are monkeypatched;
 docs/gpu.md lists the checks that need a GPU."""
@@ -303,7 +303,7 @@ def test_gpu_init_distributed_serves_host_and_device_tensors(one_rank):
 
 @needs_gpu
 def test_gpu_a_replayed_kernel_is_timed_apart_from_its_dispatch(one_rank):
-    """Issue 57, item 2: calibrate times a chain of bare adds captured in one CUDA graph (``graph_op_overhead_s``):
+    """calibrate times a chain of bare adds captured in one CUDA graph (``graph_op_overhead_s``):
     no host dispatch, so each costs the device less than the same add dispatched (docs/gpu.md: a replayed kernel
     3.4-4.5 us on an H200, a dispatched op 20-25 us of an H100 host's time)."""
     device = launch.init_distributed(timeout=datetime.timedelta(seconds=60))
@@ -369,7 +369,7 @@ def _small_gpt_on_this_gpu(steps: int, **plan):
 
 @needs_gpu
 def test_gpu_a_captured_step_replays_what_the_eager_step_computes(one_rank, monkeypatch):
-    """Issue 57: ``Plan.cuda_graph=True`` captures the third call whole and replays it; with deterministic kernels
+    """``Plan.cuda_graph=True`` captures the third call whole and replays it; with deterministic kernels
     its losses, weights and counted collectives equal an eager twin's step for step (docs/gpu.md's probe: bitwise at
     p = 1); a changed float learning rate recaptures, as does a loaded checkpoint (its tensors are new)."""
     import copy

@@ -144,3 +144,74 @@ def test_the_readmes_python_runs_as_written(index, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip(), "the block printed nothing"
+
+
+# What the product's pages, comments and test names never carry: the project's history (it lives in git log
+# and CHANGELOG.md). A tracker's issue number, a working session, a "stop" (a submission), the date of a run.
+HISTORY = re.compile("|".join([
+    r"\bissues?\s+#?\d+",
+    r"\bissue\s+\d+'s\b",
+    r"\bsessions?\b",
+    r"\bstops?\s+(?:of\b|\d)",
+    r"\b(?:this|that|the\s+previous|the\s+last|the\s+next|an\s+earlier|a\s+later|the\s+same|same|one|"
+    r"each|every|its|whose|\w+'s)\s+stops?\b(?!\s+(?:at|when|if|after|before|short|early|growing|"
+    r"shrinking|falling|rising|changing|here|there|gradients?))",
+    r"\b20\d\d-[01]\d-[0-3]\d\b",
+]), re.IGNORECASE)
+PRODUCT = ["README.md", "docs", "micscompile", "tests", "benchmarks", "examples"]
+
+
+def _product_files() -> list[Path]:
+    files = []
+    for name in PRODUCT:
+        path = ROOT / name
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*")
+                                                      if p.suffix in (".md", ".py", ".sh", ".txt"))
+    return files
+
+
+def history_mentions(files: list[Path], commits: set[str] = frozenset()) -> list[str]:
+    """Each line of `files` that speaks of the project's history: a HISTORY pattern, or a word that is the
+    abbreviation of one of `commits` (this repository's own commit hashes; upstream pins are citations)."""
+    found = []
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", line) if w in commits]
+            m = HISTORY.search(line)
+            if m or hashes:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                found.append(f"{where}:{n}: {m.group(0) if m else hashes[0]!r}")
+    return found
+
+
+def _own_commits() -> set[str]:
+    """Every abbreviation (7 to 40 hex digits) of this repository's commits; empty outside a git clone."""
+    import subprocess
+    try:
+        full = subprocess.run(["git", "-C", str(ROOT), "log", "--all", "--format=%H"], capture_output=True,
+                              text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return set()
+    return {h[:n] for h in full for n in range(7, 41)}
+
+
+def test_the_product_speaks_of_itself_not_of_its_history():
+    files = [p for p in _product_files() if p != Path(__file__).resolve()]
+    found = history_mentions(files, _own_commits())
+    assert found == [], "history belongs in git log and CHANGELOG.md:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ["Measured in issue 26 on two ranks.", "as issue 55's table shows",
+                                  "(the stop of 2026-11-27)", "since this stop the rate is 0.6",
+                                  "a third session with a GPU", "run on 2026-11-26"])
+def test_a_line_of_history_is_caught(line, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"# A page\n\nA fine line; the loop stops when the step stops shrinking.\n{line}\n")
+    assert [f.split(":")[1] for f in history_mentions([page])] == ["4"]
+
+
+def test_a_commit_of_this_repository_is_caught_and_an_upstream_pin_is_not(tmp_path):
+    ours = sorted(_own_commits(), key=len)[0] if _own_commits() else "f9c12d2"
+    page = tmp_path / "page.md"
+    page.write_text(f"DeepSpeed read at `edaa7221`.\nThe table before {ours} changed.\n")
+    assert [f.split(":")[1] for f in history_mentions([page], {ours})] == ["2"]

@@ -84,7 +84,7 @@ def test_the_others_exit_nonzero_within_the_timeout(tmp_path, how):
 
 
 def test_a_rank_killed_in_a_pipeline_exchange_the_others_exit_within_the_timeout(tmp_path):
-    """Issue 29: SIGKILL in the middle of a P2P exchange (S=2 1F1B): its stage neighbour raises from
+    """SIGKILL in the middle of a P2P exchange (S=2 1F1B): its stage neighbour raises from
     the exchange, the other pipe from the boundary all-reduce, each a CollectiveError in time."""
     _the_others_exit_nonzero_within_the_timeout(tmp_path, "killed", "gloo", WORLD, pipeline=True)
 

@@ -30,7 +30,7 @@ def integers(seed: int, n: int) -> torch.Tensor:
 def compare(rank: int, world: int) -> dict:
     out = {}
     for p, k in CONFIGS:
-        rp = mc.Plan(partition_size=p, gpus_per_node=k).resolve(world)
+        rp = mc.Plan(partition_size=p).resolve(world, k)
         groups = flat_groups(rp, rank, torch.device("cpu"))
         layout = build_layouts([("bucket", list(SHAPES))], SHAPES, p)[0]
         comm = C.Comm((layout,), groups["shard"], groups["replicate"], groups["world"], groups["inter"], groups["intra"])

@@ -1,4 +1,4 @@
-"""Issue 28 item 5: a training step never makes the host wait for the device. On CPU the test runs
+"""A training step never makes the host wait for the device. On CPU the test runs
 whole steps (flat p in {1, 2} with s = 3, a pipeline, fp16 loss scaling off) under ``HostSyncProbe``
 (``runtime.cuda_graph``), which records every scalar read (``.item()``, ``.tolist()``, ``bool(t)``,
 ``float(t)``), data-dependent shape and copy from a device to the host: none. Clipping needs one (the finite-norm check that skips

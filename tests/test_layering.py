@@ -3,6 +3,7 @@ modules of its own layer or of layers below it. Every import counts, a lazy one 
 function or under ``TYPE_CHECKING`` too: none may hide a back-edge."""
 
 import ast
+import builtins
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "micscompile"
 DESIGN = PACKAGE.parent / "docs/design.md#layering".partition("#")[0]
 
 LAYERS = (
+    ("errors", ("micscompile.core.errors",)),
     ("zoo", ("micscompile.zoo",)),
     ("core", ("micscompile.core",)),
     ("cost_model", ("micscompile.cost_model",)),
@@ -162,3 +164,39 @@ def test_every_error_the_project_defines_is_a_micscompile_error():
                 exc = cls.__new__(cls)
             raise exc
     assert issubclass(mc.PlanError, ValueError) and issubclass(mc.TraceError, RuntimeError)
+
+
+BUILTIN_ERRORS = frozenset(name for name, value in vars(builtins).items()
+                           if isinstance(value, type) and issubclass(value, Exception)) - {"NotImplementedError"}
+"""Raising one of these directly escapes ``except micscompile.Error`` (NotImplementedError marks an abstract
+method)."""
+
+
+def builtin_raises(paths: list[Path], root: Path) -> list[str]:
+    """Each ``raise`` of a builtin exception class in ``paths``, outside the protocol methods whose contract
+    names one (``__getitem__``, ``__getattr__``, ...)."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        protocol = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                    and f.name.startswith("__") and f.name.endswith("__") for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None or id(node) in protocol:
+                continue
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in BUILTIN_ERRORS:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: raise {exc.id}")
+    return found
+
+
+def test_every_error_the_project_raises_is_a_micscompile_error():
+    """No ``raise ValueError(...)`` or the like in the package: each raise names a class of ``core.errors`` (or
+    another ``Error`` subclass, the test above), so ``except micscompile.Error`` catches every one."""
+    assert builtin_raises(sorted(PACKAGE.rglob("*.py")), PACKAGE) == []
+
+
+def test_a_builtin_raise_is_caught(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("class M:\n    def __getitem__(self, k):\n        raise KeyError(k)\n\n\n"
+                   "def f(x):\n    if x:\n        raise ValueError('no')\n    raise mc.PlanError('fine')\n")
+    assert builtin_raises([bad], tmp_path) == ["bad.py:8: raise ValueError"]

@@ -4,7 +4,7 @@
 (``runtime.materialize``). A pipeline rank holds several chunks under an interleaved schedule,
 chunks that are not contiguous in the model: each module must still be initialised once, from
 the random stream it would have drawn from in the whole model. Checked here without ranks, for
-every rank of every schedule and chunk count, against slicing the real model (issue 52: an
+every rank of every schedule and chunk count, against slicing the real model (an
 interleaved meta model trained other weights than the same model built for real)."""
 
 from __future__ import annotations

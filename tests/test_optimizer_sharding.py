@@ -1,4 +1,4 @@
-"""Asymmetric partitioning (issue 30, the MiCS thesis's section 5.2.1) on 4 real gloo ranks, one launch:
+"""Asymmetric partitioning (the MiCS thesis's section 5.2.1) on 4 real gloo ranks, one launch:
 ``Plan(optimizer_sharding="world")`` keeps the parameters and gradients over the partition group and the
 optimizer states over all p * d ranks. Each case trains the tied LM (a weight shared by the embedding and
 the head) with AdamW in both modes: parity with single-process eager summed in the plan's micro-batch

@@ -25,6 +25,7 @@ from micscompile.cli.parity import (
 )
 from micscompile.core import collectives as C
 from micscompile.core.schedules import ZERO_BUBBLE
+from micscompile.cost_model.specs import default_cluster
 from micscompile.runtime.materialize import initialize
 
 WORLD, STEPS, LOCAL_BATCH = 4, 5, 12  # divisible by every m below
@@ -62,7 +63,7 @@ CASES = [
     PipeCase(2, 2, 4, "gpipe"),
     PipeCase(2, 2, 3, model="convnet", opt="adamw"),  # buffers; m not a multiple of S
     PipeCase(2, 2, 2, meta=True),
-    # a rank holds two chunks that are not contiguous in the model: each module still initialised once (issue 52)
+    # a rank holds two chunks that are not contiguous in the model: each module still initialised once
     PipeCase(2, 1, 4, "interleaved", 2, opt="adamw", meta=True),
     PipeCase(2, 2, 4, checkpoint=True), PipeCase(2, 1, 4, "interleaved", 2, checkpoint=True),
     PipeCase(2, 2, 2, param_dtype=torch.bfloat16), PipeCase(2, 1, 4, "interleaved", 2, param_dtype=torch.bfloat16),
@@ -208,7 +209,7 @@ def flat_plan_first(rank: int, world: int) -> dict[str, str]:
     _, make_loss, make_batches = MODELS["tied_lm"]
     torch.manual_seed(0)
     model = TiedLM(layers=1)
-    mc.compile(model, mc.Plan(partition_size=2, gpus_per_node=1), loss_fn=make_loss(model),
+    mc.compile(model, mc.Plan(partition_size=2), loss_fn=make_loss(model), cluster=default_cluster("cpu", "cpu", world, 1),
                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), example_inputs=make_batches(1, LOCAL_BATCH)[0])
     return out
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ def test_impossible_partition_size_lists_valid_ones(p):
         ({"grad_sync": "sometimes"}, "grad_sync must be"),
         ({"hierarchical": "yes"}, "hierarchical must be"),
         ({"pipeline_chunks": 2}, "'1f1b' runs one chunk per rank; chunks=2 needs kind 'interleaved'"),
-        ({"pipeline_stages": 2, "pipeline_schedule": "interleaved"}, "runs v > 1 chunks per rank: set pipeline_chunks"),
+        ({"pipeline_stages": 2, "pipeline_schedule": "interleaved", "pipeline_chunks": 1},
+         "runs v > 1 chunks per rank, got pipeline_chunks=1: use pipeline_schedule='1f1b'"),
+        ({"pipeline_stages": 2, "pipeline_schedule": "zb-v", "pipeline_chunks": 3}, "'zb-v' runs two chunks per rank"),
         ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "unknown pipeline schedule 'zigzag': valid kinds"),
         ({"pipeline_stages": 2, "grad_sync": "every_step"}, "syncs gradients in two hops"),
         ({"checkpoint": "yes"}, "Plan.checkpoint must be False, True, 'selective' or 'attention'"),
@@ -50,16 +54,36 @@ def test_plan_is_frozen_and_replaceable():
 
 def test_gpus_per_node_must_divide_world():
     with pytest.raises(mc.PlanError, match="gpus_per_node=3"):
-        mc.Plan(gpus_per_node=3).resolve(8)
+        mc.Plan().resolve(8, 3)
+    with pytest.raises(mc.PlanError, match="gpus_per_node must be a positive number of ranks, got 0"):
+        mc.Plan().resolve(8, 0)
+
+
+def test_the_node_size_is_the_clusters_not_the_plans():
+    """One place for k: a Plan has no gpus_per_node; mc.simulate plans for the cluster's nodes."""
+    assert "gpus_per_node" not in {f.name for f in dataclasses.fields(mc.Plan)}
+    with pytest.raises(TypeError):
+        mc.Plan(gpus_per_node=2)
+    assert mc.Plan(partition_size=4).resolve(8, 2).spans_nodes
+    assert not mc.Plan(partition_size=4).resolve(8, 4).spans_nodes
+
+
+def test_a_schedule_that_fixes_v_gives_it():
+    """ZB-V's two chunks and 1F1B's one come from the schedule; an interleaved schedule's v is given once (or 2)."""
+    assert [mc.Plan(pipeline_stages=2, micro_batches=4, pipeline_schedule=kind).chunks
+            for kind in ("1f1b", "gpipe", "zb-h1", "zb-v", "interleaved", "interleaved-zb")] == [1, 1, 1, 2, 2, 2]
+    plan = mc.Plan(pipeline_stages=2, micro_batches=4, pipeline_schedule="interleaved", pipeline_chunks=4)
+    assert plan.chunks == 4 and "v=4" in str(plan.resolve(4))
+    assert plan.replace(pipeline_schedule="zb-v", pipeline_chunks=None).chunks == 2
 
 
 def test_hierarchical_needs_a_group_spanning_whole_nodes():
-    rp = mc.Plan(partition_size=8, gpus_per_node=2, hierarchical=True).resolve(16)
+    rp = mc.Plan(partition_size=8, hierarchical=True).resolve(16, 2)
     assert rp.spans_nodes
     assert rp.inter_ranks(11) == (9, 11, 13, 15) and rp.intra_ranks(11) == (10, 11)
     with pytest.raises(mc.PlanError, match="valid: 4, 8, 16"):
-        mc.Plan(partition_size=2, gpus_per_node=2, hierarchical=True).resolve(16)
-    assert not mc.Plan(partition_size=2, gpus_per_node=2).resolve(16).spans_nodes
+        mc.Plan(partition_size=2, hierarchical=True).resolve(16, 2)
+    assert not mc.Plan(partition_size=2).resolve(16, 2).spans_nodes
 
 
 def test_pipeline_topology_follows_the_mesh_layout():
@@ -79,11 +103,11 @@ def test_pipeline_topology_follows_the_mesh_layout():
 
 
 def test_resolve_refuses_a_world_without_ranks():
-    """Issue 53: `micscompile plan --nodes 0` reached ``n % k`` and raised ZeroDivisionError."""
+    """`micscompile plan --nodes 0` is refused in one line, not by a ZeroDivisionError from ``n % k``."""
     for n in (0, -8):
         with pytest.raises(mc.PlanError, match="the world size must be a positive number of ranks"):
             mc.Plan().resolve(n)
-    with pytest.raises(mc.PlanError, match="interleaves the chunks of a pipeline: set pipeline_stages > 1"):
+    with pytest.raises(mc.PlanError, match="interleaves 2 chunks per rank of a pipeline: set pipeline_stages > 1"):
         mc.Plan(pipeline_chunks=2, pipeline_schedule="interleaved")
     with pytest.raises(mc.PlanError, match=r"multiple of stages=2, got 3: use micro_batches in \[2, 4\]"):
         mc.Plan(pipeline_stages=2, pipeline_chunks=2, pipeline_schedule="interleaved", micro_batches=3).resolve(4)

@@ -217,7 +217,7 @@ def test_validate_refuses_a_broken_program(lm_trace):
 
 
 def test_second_hop_runs_under_the_last_backward(tmp_path):
-    """Issue 28: the last micro-step starts each bucket's all-reduce over the replicas as soon as
+    """The last micro-step starts each bucket's all-reduce over the replicas as soon as
     its reduce-scatter is done, under the rest of the backward: the boundary waits for under a third
     of their time (all of it, were they issued there)."""
     import json

@@ -28,7 +28,7 @@ PLANS = {  # name: Plan; the first saves the checkpoint every other plan resumes
     "S2": mc.Plan(partition_size=2, pipeline_stages=2, micro_batches=2),
     "S2t1": mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=4, pipeline_schedule="interleaved",
                     pipeline_chunks=2),
-    # optimizer states over every rank (issue 30): p=2 d=2, p=1 d=4, a pipeline's stage over t*d = 2
+    # optimizer states over every rank: p=2 d=2, p=1 d=4, a pipeline's stage over t*d = 2
     "p2w": mc.Plan(partition_size=2, micro_batches=2, optimizer_sharding="world"),
     "p1w": mc.Plan(partition_size=1, optimizer_sharding="world"),
     "S2w": mc.Plan(partition_size=1, pipeline_stages=2, micro_batches=2, optimizer_sharding="world"),

@@ -1,4 +1,4 @@
-"""What the GPU path depends on, checked on the CPU (issue 31): attention traced as the target
+"""What the GPU path depends on, checked on the CPU: attention traced as the target
 device's fused kernel, meta models initialised on the CPU whatever the device, the optimizer
 probe run on the compile device."""
 

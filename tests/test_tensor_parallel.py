@@ -1,4 +1,4 @@
-"""Issue 54: tensor parallelism found from the trace (``lowering.tensor_split``).
+"""Tensor parallelism found from the trace (``lowering.tensor_split``).
 
 Rank-local: the view algebra, the placements the analysis finds (column / row / vocabulary-parallel, q|k|v in
 segments), the collectives the rewrite inserts against docs/design.md's counts, the refusals. On 4 gloo ranks

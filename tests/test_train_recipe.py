@@ -109,7 +109,7 @@ def resumed(rank: int, world: int, root: str) -> dict:
 
 
 def test_a_rank_killed_mid_checkpoint_resumes_from_the_last_whole_one():
-    """Issue 29: SIGKILL while the step-4 checkpoint is being written. The others fail within the
+    """SIGKILL while the step-4 checkpoint is being written. The others fail within the
     group's timeout; the half-written checkpoint is refused, naming what is missing; started again,
     the run resumes from step 2 and continues exactly the curve of a run that was never killed."""
     with tempfile.TemporaryDirectory() as root:

@@ -1,4 +1,4 @@
-"""What a real training run needs (issue 27), on 4 real gloo ranks in one launch: gradient clipping
+"""What a real training run needs, on 4 real gloo ranks in one launch: gradient clipping
 (``max_grad_norm``, ``step.grad_norm``, a non-finite norm skipped on every rank) and the token-weighted
 loss (``loss_fn`` returning ``(loss_sum, count)``), each against single-process eager PyTorch on the same
 global batch, for flat plans p in {1, 2, 4}, s in {1, 3} and pipeline plans; bad input refused first."""

@@ -1,5 +1,5 @@
-"""Does micscompile's step capture as one CUDA graph today, and what would replaying it buy? (Issue 57's first
-question, asked before building ``Plan.cuda_graph``.)
+"""Does micscompile's step capture as one CUDA graph, and what does replaying it buy? A probe outside
+``Plan.cuda_graph``: it captures the step by hand.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu/capture_probe.py [--models small gpt-350m]
 

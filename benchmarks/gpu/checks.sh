@@ -4,14 +4,14 @@
 # small GPT and the 303M one, the latter at s=4 once more with each system alone in the process.
 # Run from the repository root on a machine with one CUDA GPU:
 #     bash benchmarks/gpu/checks.sh 2>&1 | tee gpu_checks.log
-#     bash benchmarks/gpu/checks.sh issue57 2>&1 | tee issue57.log    # issue 57's checks alone (about 10 min)
+#     bash benchmarks/gpu/checks.sh cuda-graph 2>&1 | tee cuda-graph.log    # the CUDA-graph checks alone (about 10 min)
 # Each step has its own time limit, so one that hangs leaves the others their time.
 export PYTHONPATH="$PWD/benchmarks/gpu:$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 step() { echo "=== $(date +%T) $*"; }
 step machine
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-if [ "${1:-}" = issue57 ]; then
+if [ "${1:-}" = cuda-graph ]; then
     # the capture's replay parity, then bench_gpu's rows against torch.compile, DDP and FSDP2 with MFU and the host's
     # share, on the 303M GPT (TF32) and the 1.24B Llama-style model (bf16). A micscompile step captures at its third
     # call: bench_gpu's first (peak-memory) call and --warmup 2 leave every timed step a replay.

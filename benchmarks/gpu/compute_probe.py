@@ -1,4 +1,4 @@
-"""What today's software gets out of one GPU, per component the cost model prices (issue 55's current-software
+"""What today's software gets out of one GPU, per component the cost model prices (the current-software
 presets): bf16 matrix products at the shapes GPT-3 175B's layers run (t = 1 and t = 8 tensor groups, 2 x 2048
 tokens) and Llama-3-8B's (8 x 1024 tokens), fused attention (``scaled_dot_product_attention``'s flash kernel)
 forward and backward, device memory bandwidth and the host's time per dispatched op.

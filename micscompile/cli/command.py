@@ -156,7 +156,8 @@ def _plans(args: argparse.Namespace, cluster) -> list:
                     pipeline_stages=args.pipeline_stages,
                     micro_batches=args.micro_batches,
                     pipeline_schedule=_schedule(args.schedule, args.chunks),
-                    pipeline_chunks=args.chunks, checkpoint=args.checkpoint, offload_activations=args.offload,
+                    pipeline_chunks=args.chunks if args.chunks > 1 else None,  # (zb-v: its own two)
+                    checkpoint=args.checkpoint, offload_activations=args.offload,
                     hierarchical=False if args.flat else "auto", param_dtype=dtype, reduce_dtype=dtype,
                     optimizer_sharding=args.optimizer_sharding)
             for p in sizes]
@@ -312,7 +313,8 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
 def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("-p", "--partition-size", type=_count("-p", MAX_NODES * 64), nargs="+" if several else None,
                     default=None,
-                    help="ranks sharding one replica (t inside a stage); default: "
+                    help="p: ranks that shard one copy of the model states a rank holds (the model, or its stage when "
+                         "-S > 1); default: "
                          + ("one node; several: one row each" if several else
                             "priced: one node unless a power of two that fits is 5%% faster"))
     sp.add_argument("--tp", "--tensor-parallel-size", type=_count("--tp", 64), default=1, dest="tp",
@@ -323,12 +325,13 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
                          "(Megatron-LM's sequence parallelism)")
     sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
-                    help="gradient-accumulation steps (micro-batches per pipeline when S > 1)")
+                    help="s: micro-batches each rank runs per optimizer step (gradient accumulation; what flows "
+                         "through a pipeline when -S > 1)")
     sp.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "zb-v"), default="1f1b",
                     help="pipeline schedule (zb-h1 and zb-v: zero bubble, each backward split into input and weight "
                          "gradients; zb-h1 with --chunks > 1: interleaved zero bubble)")
     sp.add_argument("--chunks", type=_count("--chunks", 64), default=1,
-                    help="interleaved 1F1B (or zero bubble) with this many chunks per rank (v; zb-v: 2)")
+                    help="v: interleaved 1F1B (or zero bubble) with this many chunks per rank (zb-v has its own 2)")
     sp.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sp.add_argument("--offload", action="store_true", help="offload checkpointed activations to host memory")
     sp.add_argument("--flat", action="store_true", help="flat gathers across nodes (no hierarchical)")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from micscompile.core.errors import InputError
 from micscompile.runtime.loss_scale import LossScaler
 
 TOLERANCE = 1e-5
@@ -28,14 +29,14 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max(max|b|, 1e-2): the parity metric of one tensor (b is the reference)."""
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     if a.shape != b.shape:
-        raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+        raise InputError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-2)) if b.numel() else 0.0
 
 
 def state_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
     """Worst parity error over the tensors of two state dicts, and which tensor it is."""
     if state.keys() != ref.keys():
-        raise ValueError(f"state dict keys differ: {sorted(state.keys() ^ ref.keys())}")
+        raise InputError(f"state dict keys differ: {sorted(state.keys() ^ ref.keys())}")
     worst = max(((rel_error(state[k], ref[k]), k) for k in ref), default=(0.0, ""))
     return worst
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from micscompile.core.errors import InputError
 from micscompile.cost_model.caching_allocator import replay_buffers
 from micscompile.cost_model.simulator import Prediction
 from micscompile.memory.lifetimes import on_device
@@ -72,7 +73,7 @@ def save(fig, path: str | Path) -> Path:
 def timeline_figure(pred: Prediction, title: str = ""):
     """A matplotlib figure of ``pred``'s events (``mc.simulate``) as lanes over time."""
     if not pred.events:
-        raise ValueError("the prediction has no events: simulate with record=True")
+        raise InputError("the prediction has no events: simulate with record=True")
     plt = _pyplot()
     tracks = sorted(dict.fromkeys(e.track for e in pred.events), key=lambda t: t != "compute")  # compute on top
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(tracks)))
@@ -116,7 +117,7 @@ def memory_figure(buffers: list[Buffer], title: str = ""):
     planned arena, its lower bound L and PyTorch's caching allocator on the same allocations."""
     device = on_device(buffers)
     if not device:
-        raise ValueError("no device buffers to draw")
+        raise InputError("no device buffers to draw")
     plan = plan_memory(device)
     timeline: list[tuple[int, int, int]] = []
     cached = replay_buffers(device, timeline=timeline)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from micscompile.core.errors import Error
+from micscompile.core.errors import Error, InternalError
 from micscompile.core.sharding import BucketLayout, flat_view, pack_grads, unpack_param
 
 ALL_GATHER = "all_gather"
@@ -170,7 +170,7 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError
+    raise InternalError("unreachable: TiB returns")
 
 
 @dataclass
@@ -374,7 +374,7 @@ def all_gather_carried(comm: Comm, bucket: int, shard: torch.Tensor, hierarchica
         return all_gather_issue(comm, bucket, shard, hierarchical)
     carried_bucket, pending = comm.carried.popleft()
     if carried_bucket != bucket:
-        raise RuntimeError(f"the previous micro-step gathered bucket {carried_bucket} for this one, "
+        raise InternalError(f"the previous micro-step gathered bucket {carried_bucket} for this one, "
                            f"which needs bucket {bucket}: the graph's carried gathers are out of order")
     return pending
 

@@ -17,4 +17,31 @@ class ScheduleError(PlanError):
     """A schedule that is malformed, inconsistent, or would deadlock, or that a plan's (S, m, v) cannot have."""
 
 
-__all__ = ["Error", "PlanError", "ScheduleError"]
+class InputError(Error, ValueError):
+    """An argument micscompile cannot use: a batch of the wrong shape, an unknown name, a value out of range;
+    the message says what it takes."""
+
+
+class InputTypeError(Error, TypeError):
+    """An argument of the wrong type (a dict where a Plan goes); the message names the type it takes."""
+
+
+class MissingKeyError(Error, KeyError):
+    """A state dict without an entry the step needs; the message names it and the layout it expects."""
+
+
+class UsageError(Error, RuntimeError):
+    """A call this process cannot make as it is: no process group, no GPU for this rank, a launch whose nodes do
+    not divide the world, a checkpoint view used as a tensor; the message says what to do first."""
+
+
+class CompileError(Error, RuntimeError):
+    """``mc.compile`` failed on another rank, or the ranks built different steps (each rank raises, naming them)."""
+
+
+class InternalError(Error, RuntimeError):
+    """An invariant of micscompile's own broke: a bug, to report with the message."""
+
+
+__all__ = ["CompileError", "Error", "InputError", "InputTypeError", "InternalError", "MissingKeyError", "PlanError",
+           "ScheduleError", "UsageError"]

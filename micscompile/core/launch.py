@@ -14,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from micscompile.core.errors import UsageError
+
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 """CUDA tensors go over NCCL, host tensors (counts, timings) over gloo."""
 
@@ -35,14 +37,14 @@ def local_device() -> torch.device:
     if "LOCAL_RANK" in os.environ:
         index = int(os.environ["LOCAL_RANK"])
         if index >= count > 1:
-            raise RuntimeError(f"LOCAL_RANK={index}, but this machine shows {count} GPUs: start at most "
+            raise UsageError(f"LOCAL_RANK={index}, but this machine shows {count} GPUs: start at most "
                                f"{count} ranks per node (torchrun --nproc-per-node)")
         return torch.device("cuda", index if count > 1 else 0)
     if dist.is_initialized():
         return torch.device("cuda", dist.get_rank() % count)
     if "RANK" in os.environ:
         return torch.device("cuda", int(os.environ["RANK"]) % count)
-    raise RuntimeError("cannot tell which GPU this rank owns: set LOCAL_RANK (torchrun does), or RANK")
+    raise UsageError("cannot tell which GPU this rank owns: set LOCAL_RANK (torchrun does), or RANK")
 
 
 def step_device() -> torch.device:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, product
 
-from micscompile.core.errors import ScheduleError
+from micscompile.core.errors import InputError, InternalError, ScheduleError
 from micscompile.core.schedules import ZERO_BUBBLE, check_schedule
 
 
@@ -391,10 +391,10 @@ class PipeSchedule:
         schedule's ``backward_s`` are its B (input-gradient) times and ``weight_s`` its W times (required)."""
         n = self.stages * self.chunks
         if len(forward_s) != n or len(backward_s) != n:
-            raise ValueError(f"need {n} forward and backward times (one per chunk), "
+            raise InputError(f"need {n} forward and backward times (one per chunk), "
                              f"got {len(forward_s)} and {len(backward_s)}")
         if self.split_backward and (weight_s is None or len(weight_s) != n):
-            raise ValueError(f"a zero-bubble schedule needs {n} weight-gradient (W) times, one per chunk")
+            raise InputError(f"a zero-bubble schedule needs {n} weight-gradient (W) times, one per chunk")
         self._checked  # noqa: B018 (once per schedule: it is immutable)
         return self._execute(forward_s, backward_s, p2p_s, weight_s or ())
 
@@ -622,7 +622,7 @@ class _NcclModel:
             if it is item:
                 return i
             i += len(it) if isinstance(it, list) else 1
-        raise KeyError(item)
+        raise InternalError(item)
 
     def _batch(self, r: int, k: int) -> str:
         b = self.batches[r][k]

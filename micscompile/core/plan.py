@@ -3,9 +3,13 @@
 Terms (docs/design.md): n ranks, k ranks per node, p partition-group size (p | n),
 d = n / p replication-group size, s micro-batches per optimizer step.
 
+The node size k is not the Plan's: it is the cluster's (``Cluster.gpus_per_node``, what ``mc.simulate``,
+``mc.autotune`` and ``mc.compile(cluster=...)`` plan for), else the launch's (torchrun's ``LOCAL_WORLD_SIZE``),
+and ``resolve`` is given it.
+
 A Plan is checked twice: ``__post_init__`` checks what the Plan alone can know
 (and, if a process group is already initialized, the world size), and
-``Plan.resolve(world_size, local_world_size)`` turns it into concrete group sizes
+``Plan.resolve(world_size, gpus_per_node)`` turns it into concrete group sizes
 before any collective runs. Options that later passes will implement are refused
 with a clear message instead of being silently ignored.
 """
@@ -20,7 +24,7 @@ from typing import Literal
 import torch
 
 from micscompile.core.errors import PlanError
-from micscompile.core.schedules import INTERLEAVED, ZERO_BUBBLE, check_kind, check_schedule
+from micscompile.core.schedules import CHOSEN_CHUNKS, INTERLEAVED, ZERO_BUBBLE, check_kind, check_schedule
 
 PRECISIONS = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes Plan.param_dtype and Plan.reduce_dtype accept."""
@@ -39,9 +43,10 @@ class Plan:
     """A MiCS partitioning plan for one training step."""
 
     partition_size: int | None = None
-    """p: ranks that together hold one model replica (1 = data parallel, n = ZeRO-3); None = one node.
-    With ``tensor_parallel_size`` tp > 1, p counts tensor-parallel groups: each partition group shards
-    the pieces of one tensor rank (FSDP2 over TP, in 2D)."""
+    """p: the ranks that together hold one copy of the model states a rank trains, each a 1/p shard: the whole
+    model in a flat plan (1 = data parallel, n = ZeRO-3), its stage's share with ``pipeline_stages`` > 1 (the
+    MiCS-Pipe papers' t), the pieces of its tensor rank with ``tensor_parallel_size`` > 1 (p counts tensor
+    groups: FSDP2 over TP). None = one node's ranks, at most a stage's."""
     tensor_parallel_size: int = 1
     """tp: consecutive ranks inside one node that split each layer's compute (Megatron-LM's tensor
     parallelism, ``lowering.tensor_split``); the world is S * d * p * tp, tensor ranks innermost."""
@@ -50,7 +55,9 @@ class Plan:
     tensor-parallel matmuls (norms, residuals, pointwise ops) live split along the sequence on the tensor
     ranks, and the all-reduces become reduce-scatters and all-gathers along it."""
     micro_batches: int = 1
-    """s: micro-batches (gradient-accumulation steps) per optimizer step."""
+    """s: the micro-batches each rank runs per optimizer step, its global batch cut s ways per replica: the
+    gradient-accumulation steps of a flat plan, the micro-batches that flow through a pipeline (the Megatron-LM
+    paper's m). Global batch = d * s * micro-batch size either way."""
     pipeline_stages: int = 1
     """S: pipeline stages (MiCS-Pipe). With S > 1, ``partition_size`` is the intra-stage partition
     size t, every S*t consecutive ranks form one pipeline, and n = S * t * d."""
@@ -58,10 +65,10 @@ class Plan:
     """The pipeline schedule (S > 1): synchronous 1F1B, interleaved 1F1B, GPipe, or a zero-bubble one, each
     backward split into input and weight gradients (``passes.weight_split``): ZB-H1 (1F1B's order, 1F1B's
     peak activation memory), interleaved zero-bubble, or ZB-V (two chunks per rank in a V)."""
-    pipeline_chunks: int = 1
-    """v: model chunks per pipeline rank (the interleaved kinds need v > 1; the others v = 1)."""
-    gpus_per_node: int | None = None
-    """k: ranks per node, used for intra/inter-node accounting; None = LOCAL_WORLD_SIZE."""
+    pipeline_chunks: int | None = None
+    """v: model chunks per pipeline rank. The interleaved schedules take any v > 1 ("interleaved",
+    "interleaved-zb"; None = 2); the others fix it (1f1b, gpipe and zb-h1 one chunk, zb-v two) and None takes
+    theirs (another value is refused). ``Plan.chunks`` is v either way."""
     hierarchical: Literal["auto", True, False] = "auto"
     """Hierarchical (inter-node, then intra-node) all-gathers and reduce-scatters when a partition
     group spans whole nodes: True / False force it for every bucket; "auto" lets the cost model
@@ -130,14 +137,14 @@ class Plan:
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("micro_batches", self.micro_batches)
         positive("pipeline_stages", self.pipeline_stages)
-        positive("pipeline_chunks", self.pipeline_chunks)
-        check_kind(self.pipeline_schedule, self.pipeline_chunks)  # (the schedules' one rule, core.schedules)
-        if self.pipeline_schedule in INTERLEAVED and self.pipeline_chunks == 1:
-            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} runs v > 1 chunks per rank: set "
-                            f"pipeline_chunks={2 if self.pipeline_schedule == 'zb-v' else 'v > 1'}")
-        if self.pipeline_chunks > 1 and self.pipeline_stages == 1:
-            raise PlanError(f"pipeline_chunks={self.pipeline_chunks} interleaves the chunks of a pipeline: set "
-                            "pipeline_stages > 1 (or pipeline_chunks=1 for a flat plan)")
+        positive("pipeline_chunks", self.pipeline_chunks, optional=True)
+        check_kind(self.pipeline_schedule, self.chunks)  # (the schedules' one rule, core.schedules)
+        if self.pipeline_chunks == 1 and self.pipeline_schedule in CHOSEN_CHUNKS:
+            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} runs v > 1 chunks per rank, got "
+                            "pipeline_chunks=1: use pipeline_schedule='1f1b' for one")
+        if self.chunks > 1 and self.pipeline_stages == 1:
+            raise PlanError(f"pipeline_schedule={self.pipeline_schedule!r} interleaves {self.chunks} chunks per rank "
+                            "of a pipeline: set pipeline_stages > 1 (or keep the default '1f1b' for a flat plan)")
         if self.sequence_parallel not in (True, False):
             raise PlanError(f"Plan.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -145,11 +152,10 @@ class Plan:
                             "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.grad_sync != "2hop":
             raise PlanError("tensor_parallel_size > 1 syncs gradients in two hops (grad_sync='2hop') for now: "
-                            "every-step all-reduces with tensor groups are not built yet (issue 54)")
+                            "every-step all-reduces over the replicas of tensor groups are not built")
         if self.pipeline_stages > 1 and self.grad_sync != "2hop":
             raise PlanError("pipeline_stages > 1 syncs gradients in two hops (grad_sync='2hop'): "
                             "reduce-scatter inside the stage, all-reduce across replicas at the boundary")
-        positive("gpus_per_node", self.gpus_per_node, optional=True)
         positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         positive("bucket_bytes", self.bucket_bytes, optional=True)
         positive("max_gathers_in_flight", self.max_gathers_in_flight, optional=True)
@@ -178,10 +184,17 @@ class Plan:
                 raise PlanError(f"Plan.{name} must be one of {', '.join(map(str, PRECISIONS))}, "
                                 f"got {getattr(self, name)!r}")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            self.resolve(torch.distributed.get_world_size())
+            self.resolve(torch.distributed.get_world_size(), _nodes_known=False)  # (the world alone: no node size)
 
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def chunks(self) -> int:
+        """v: model chunks per pipeline rank, ``pipeline_chunks`` or the schedule's."""
+        if self.pipeline_chunks is not None:
+            return self.pipeline_chunks
+        return 2 if self.pipeline_schedule in INTERLEAVED else 1
 
     @property
     def weight_split(self) -> bool:
@@ -194,12 +207,15 @@ class Plan:
         """fp16 compute needs dynamic loss scaling (its gradients underflow); bf16 and fp32 do not."""
         return self.param_dtype == torch.float16
 
-    def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedPlan:
-        """Concrete group sizes for ``world_size`` ranks; raises PlanError if impossible."""
+    def resolve(self, world_size: int, gpus_per_node: int | None = None, *, _nodes_known: bool = True) -> ResolvedPlan:
+        """Concrete group sizes for ``world_size`` ranks in nodes of ``gpus_per_node`` (the cluster's or the
+        launch's; None = one node); raises PlanError if impossible."""
         n = world_size
         if not isinstance(n, int) or n < 1:
             raise PlanError(f"the world size must be a positive number of ranks, got {n!r}")
-        k = self.gpus_per_node or local_world_size or n
+        if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+            raise PlanError(f"gpus_per_node must be a positive number of ranks, got {gpus_per_node!r}")
+        k = gpus_per_node or n
         if k > n:
             k = n
         if n % k:
@@ -224,7 +240,7 @@ class Plan:
                 f"{what}: {p} does not divide {per_stage} (world size {n}); "
                 f"valid partition sizes: {', '.join(map(str, divisors(per_stage)))}"
             )
-        if self.hierarchical is True and not (p > k and p % k == 0):
+        if self.hierarchical is True and _nodes_known and not (p > k and p % k == 0):
             raise PlanError(
                 f"hierarchical=True needs a partition group spanning whole nodes (partition_size a multiple of "
                 f"gpus_per_node={k}, larger than it), got partition_size={p}; valid: "
@@ -234,7 +250,7 @@ class Plan:
             raise PlanError(f"with pipeline_stages > 1 each stage's partition group stays inside a node "
                             f"(partition_size <= gpus_per_node={k}), got {p}")
         if S > 1:
-            check_schedule(self.pipeline_schedule, S, self.micro_batches, self.pipeline_chunks)
+            check_schedule(self.pipeline_schedule, S, self.micro_batches, self.chunks)
         return ResolvedPlan(plan=self, world_size=n * tp, gpus_per_node=k * tp, partition_size=p,
                             replicas=n // (S * p), stages=S, tensor=tp)
 
@@ -288,7 +304,7 @@ class ResolvedPlan:
         return self.plan.bucket_bytes
 
     def __str__(self) -> str:
-        pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.pipeline_chunks}" if self.stages > 1 else ""
+        pipe = f" S={self.stages} {self.plan.pipeline_schedule} v={self.plan.chunks}" if self.stages > 1 else ""
         plan = self.plan
         mixed = "" if plan.param_dtype == plan.reduce_dtype == torch.float32 else \
             f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"

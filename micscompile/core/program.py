@@ -30,7 +30,7 @@ import numpy as np
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import CommStats, GroupInfo, fmt_bytes
-from micscompile.core.errors import Error
+from micscompile.core.errors import Error, InputError
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.sharding import BucketLayout
 
@@ -56,7 +56,7 @@ class Prefetch:
         for name in ("distance", "keep_live"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Prefetch.{name} must be an int >= 0, got {value!r}")
+                raise InputError(f"Prefetch.{name} must be an int >= 0, got {value!r}")
 
     def __str__(self) -> str:
         extra = f", {self.keep_live} kept live into backward" if self.keep_live else ""
@@ -364,9 +364,9 @@ class Program:
         """Simulate this Program on ``cluster`` (default: the one it was scheduled for)."""
         cluster = cluster or self.cluster
         if cluster is None:
-            raise ValueError("no cluster to price the Program on: pass one (e.g. Cluster.preset('local'))")
+            raise InputError("no cluster to price the Program on: pass one (e.g. Cluster.preset('local'))")
         if self.pricer is None:
-            raise ValueError("this Program was built without the cost model: price it with "
+            raise InputError("this Program was built without the cost model: price it with "
                              "micscompile.cost_model.simulator.simulate_program(program, cluster)")
         return self.pricer(self, cluster, **costs)
 

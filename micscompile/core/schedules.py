@@ -10,6 +10,8 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "interleaved-zb", "zb-v")
 """The pipeline schedules a Plan names (``Plan.pipeline_schedule``; ``core.pipeline_schedule`` builds them)."""
 INTERLEAVED = ("interleaved", "interleaved-zb", "zb-v")
 """Those that run v > 1 chunks per rank (the others one)."""
+CHOSEN_CHUNKS = ("interleaved", "interleaved-zb")
+"""Those whose v the Plan chooses (``Plan.pipeline_chunks``); ZB-V's is 2."""
 ZERO_BUBBLE = ("zb-h1", "interleaved-zb", "zb-v")
 """Those that split each backward into B and W (``passes.weight_split``)."""
 
@@ -35,4 +37,4 @@ def check_schedule(kind: str, stages: int, micro_batches: int, chunks: int = 1) 
                             f"stages={stages}, got {micro_batches}: use micro_batches in {ok}, or chunks=1")
 
 
-__all__ = ["INTERLEAVED", "SCHEDULES", "ZERO_BUBBLE", "check_kind", "check_schedule"]
+__all__ = ["CHOSEN_CHUNKS", "INTERLEAVED", "SCHEDULES", "ZERO_BUBBLE", "check_kind", "check_schedule"]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from micscompile.core.errors import InputError
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -99,7 +101,7 @@ class BucketLayout:
         if shards == 1:
             return self
         if self.row_numel % shards:
-            raise ValueError(f"bucket {self.name}: a shard of {self.row_numel} elements does not split into {shards}")
+            raise InputError(f"bucket {self.name}: a shard of {self.row_numel} elements does not split into {shards}")
         return dataclasses.replace(self, partition_size=self.partition_size * shards, row_numel=self.row_numel // shards)
 
     def shard_offset(self, slot: ParamSlot, shard_rank: int) -> int:

@@ -1,4 +1,4 @@
-"""Placements of a value on the tensor-parallel ranks, and the slicing they imply (issue 54).
+"""Placements of a value on the tensor-parallel ranks, and the slicing they imply.
 
 tp ranks (consecutive ranks inside one node: the "tensor" group) split each layer's compute. A
 value's placement on them is one of:

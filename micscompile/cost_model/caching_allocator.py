@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from micscompile.core.errors import Error
+from micscompile.core.errors import Error, InputError
 
 # Constants, names and values from c10/cuda/CUDACachingAllocator.cpp.
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
@@ -108,7 +108,7 @@ class CachingAllocator:
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+            raise InputError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         # BlockPool.blocks of small_blocks / large_blocks: sorted (stream, size, ptr) keys
         self._pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
@@ -122,7 +122,7 @@ class CachingAllocator:
 
     def malloc(self, size: int, stream: int = 0) -> int:
         if size < 0:
-            raise ValueError(f"negative allocation size {size}")
+            raise InputError(f"negative allocation size {size}")
         if size == 0:  # upstream allocate(): nullptr for size 0, pools untouched
             return 0
         rounded = round_size(size)
@@ -213,7 +213,7 @@ class CachingAllocator:
             return
         block = self._blocks.get(handle)
         if block is None or not block.allocated:
-            raise ValueError(f"free of unknown or already freed handle {handle:#x}")
+            raise InputError(f"free of unknown or already freed handle {handle:#x}")
         block.allocated = False
         self.allocated_bytes -= block.size
         self.requested_bytes -= block.requested
@@ -279,7 +279,7 @@ def replay_buffers(buffers: Iterable[Any], *, capacity_bytes: int | None = None,
     instant: dict[int, list[int]] = {}
     for i, (size, start, end) in enumerate(items):
         if size < 0 or (end is not None and end < start):
-            raise ValueError(f"buffer {i}: bad size/interval {(size, start, end)}")
+            raise InputError(f"buffer {i}: bad size/interval {(size, start, end)}")
         starts.setdefault(start, []).append(i)
         if end == start:
             instant.setdefault(start, []).append(i)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from micscompile.core.errors import UsageError
 from micscompile.core.launch import collective_device, local_world_size, step_device
 from micscompile.core.optim import prefer_fused
 from micscompile.cost_model.collective_time import fit_key
@@ -184,7 +185,7 @@ def _topology(world: int) -> tuple[int, int]:
     """(nodes, ranks per node): torchrun's LOCAL_WORLD_SIZE ranks per node (one node without it)."""
     per_node = local_world_size() or world
     if per_node < 1 or world % per_node:
-        raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the {world} ranks: "
+        raise UsageError(f"LOCAL_WORLD_SIZE={per_node} does not divide the {world} ranks: "
                            "every node must run as many ranks")
     return world // per_node, per_node
 

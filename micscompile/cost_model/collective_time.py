@@ -42,6 +42,7 @@ import functools
 import math
 from collections.abc import Sequence
 
+from micscompile.core.errors import InputError
 from micscompile.cost_model.specs import Cluster
 
 ALL_GATHER = "all_gather"
@@ -180,7 +181,7 @@ def collective_time_s(
         return ring_s(g, m, nbytes, bw, cluster)
     if kind == P2P:
         return alpha + nbytes / bw
-    raise ValueError(f"unknown collective kind {kind!r}")
+    raise InputError(f"unknown collective kind {kind!r}")
 
 
 def hierarchical_time_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
@@ -191,7 +192,7 @@ def hierarchical_time_s(kind: str, nbytes: float, ranks: Sequence[int], cluster:
 def hierarchical_stages_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: Cluster) -> tuple[float, float, float]:
     """(inter-node, reorder, intra-node) seconds of a hierarchical all-gather or reduce-scatter."""
     if kind not in (ALL_GATHER, REDUCE_SCATTER):
-        raise ValueError(f"no hierarchical variant of {kind!r}")
+        raise InputError(f"no hierarchical variant of {kind!r}")
     k = cluster.gpus_per_node
     m = nodes_spanned(ranks, k)
     g = len(ranks)

@@ -92,6 +92,10 @@ class ClusterError(Error, ValueError):
     """A cluster that cannot be: an unknown preset, an unreadable file, no nodes; the message says what would."""
 
 
+class ClusterFileError(Error, FileNotFoundError):
+    """A cluster file (``Cluster.load``, ``Cluster.preset("local")``) that is not there."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Nodes of identical devices; intra-node links per device, inter-node NICs per node."""
@@ -188,7 +192,7 @@ class Cluster:
     def load(path: str | Path) -> Cluster:
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: run `python -m micscompile calibrate` first")
+            raise ClusterFileError(f"{path} not found: run `python -m micscompile calibrate` first")
         try:
             raw = json.loads(path.read_text())
             gpu = raw["gpu"]  # calibrated before device_type was recorded: a CPU machine names itself "cpu rank ..."
@@ -245,15 +249,15 @@ nccl-tests' small all-reduces on 2 p3dn nodes (aws/aws-ofi-nccl#33). p4d's EFA i
 
 P3DN_HELD_OUT_ERROR = 0.12
 """Median |error| in throughput of reproduce_thesis.py's held-out p3dn rows (19, 9, 18, 19, 2, 12%: the
-ratios, and the gains as throughput ratios; since issue 55 the Megatron-LM-3D rows of §3.5.1.3 too, 2, 4,
-16%: nine rows; docs/cost-model.md's table; the script prints it). 15% on the six before."""
+ratios, and the gains as throughput ratios; and the Megatron-LM-3D rows of §3.5.1.3, 2, 4,
+16%: nine rows; docs/cost-model.md's table; the script prints it)."""
 P4D_HELD_OUT_ERROR = 0.08
 """The same of its held-out p4d rows (chapter 3: 12, 3, 39, 2, 3, 43%; chapter 4: 0, 28, 28, 3%; the rows
 of a discrete setting, a micro-batch or a global batch, left out): a median, so half of them are
 further off (docs/cost-model.md#uncertainty)."""
 
 DGX_A100_HELD_OUT_ERROR = 0.15
-"""The same of its held-out rows, the Megatron-LM paper's on Selene (issue 55: Table 2's PTD-P at 175B 10, 9, 6% and
+"""The same of its held-out rows, the Megatron-LM paper's on Selene (Table 2's PTD-P at 175B 10, 9, 6% and
 530B 16, 15, 12%; ZeRO-3 as DeepSpeed ran in 2021 at 175B 6, 15, 0% and 530B 18, 28, 39%; the 384 -> 1536 drop 5%,
 PTD-P / ZeRO-3 at 768 GPUs 21%, Fig. 12's interleaving 37%): the preset's constants are spec sheets and A100's
 compute fit, none fitted on a Selene row."""
@@ -264,8 +268,7 @@ nodes (``Cluster.nic_node_exponent``). Fitted on one software version's node swe
 all-reduce bus bandwidth at 1 GiB on 3 and 4 p4d nodes, 31.8 and 29.6 GB/s (NVIDIA/nccl#527, NCCL
 2.9.9; ``reproduce_thesis.py --fit-p4d``). Checked, not fitted: the 2-node all-reduces of 32-42 MiB
 with NCCL 2.7.8 (aws/aws-ofi-nccl#65) come within 18-20%, and the exponent is the one p3dn's 2019
-sweep shows (aws/aws-ofi-nccl#19: 70% of InfiniBand's rate on 8 nodes, 60% on 16, 0.22). Until issue
-26's stop of 2026-11-26 (session 5) the rate was 0.6 at every node count."""
+sweep shows (aws/aws-ofi-nccl#19: 70% of InfiniBand's rate on 8 nodes, 60% on 16, 0.22)."""
 
 ERA_2021 = ("2021-22 software: NCCL 2.7-2.9, PyTorch 1.x without fused attention kernels, DeepSpeed v0.5 (fitted on "
             "the MiCS thesis's collective and end-to-end rows)")
@@ -280,7 +283,7 @@ A100_NVLINK_EFFICIENCY, H100_NVLINK_EFFICIENCY = 0.77, 370 / 450
 NVIDIA/nccl#527, NCCL 2.9.9: the p4d and p4de presets; no later one-node A100 figure is public, so today's presets
 keep it), H100 about 370 of 450 GB/s (NVIDIA/nccl-tests#212)."""
 
-# ---- today's software (issue 55): the same machines, fitted by the same protocol on current public evidence ----
+# ---- today's software: the same machines, fitted by the same protocol on current public evidence ----
 
 A100_MATMUL_EFFICIENCY_2023, H100_MATMUL_EFFICIENCY_2023 = 0.696, 0.543
 """The fraction of 16-bit peak the matmuls (and fused attention) of today's stack reach, fitted on the one
@@ -331,9 +334,8 @@ PRESETS: dict[str, Cluster] = {
     # public measurements, none from the thesis: nccl-tests all-reduce bus bandwidth on one p4d node,
     # 230.8 GB/s of 300, and on 3 and 4 nodes, 31.8 and 29.6 GB/s of 50 (NVIDIA/nccl#527, NCCL 2.9.9:
     # P4D_NIC_EFFICIENCY and its fall with the node count), EC2 UltraClusters' non-blocking fabric,
-    # EFA's per-network-step latency as on p3dn. (Until issue 26's
-    # last change the NICs ran at 0.85, from "effective 340 Gbps for all_reduce tests" in
-    # stas00/ml-engineering, network/README.md, a figure without a log; Fig. 4-1 rules it out.)
+    # EFA's per-network-step latency as on p3dn. (Not 0.85, from "effective 340 Gbps for all_reduce tests" in
+    # stas00/ml-engineering, network/README.md: a figure without a log, and Fig. 4-1 rules it out.)
     "p4d.24xlarge": _eight_gpu_nodes("p4d.24xlarge", A100_40GB, 300e9, 100, 4, EFA_STEP_LATENCY_S,
                                      nvlink_efficiency=A100_NVLINK_EFFICIENCY, nic_efficiency=P4D_NIC_EFFICIENCY,
                                      nic_node_exponent=P4D_NIC_NODE_EXPONENT, prediction_error=P4D_HELD_OUT_ERROR,

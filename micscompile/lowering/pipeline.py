@@ -19,6 +19,7 @@ import torch
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import CommStats, fmt_bytes
+from micscompile.core.errors import InputError
 from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import PlanError, ResolvedPlan
 from micscompile.core.program import Prefetch, Program, digest
@@ -114,7 +115,7 @@ class LoweredPipeline:
         (``buffer_bytes``) and the scaling baseline (``scaling``)."""
         cluster = cluster or self.cluster
         if cluster is None:
-            raise ValueError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
+            raise InputError("no cluster to price the pipeline on: pass one (e.g. Cluster.preset('local'))")
         sent = [sum(tr.sent_nbytes for tr in st.send_act) for st in self.split.stages]
         gathered = [sum(tr.nbytes for tr in st.send_act if tr.pieces > 1) for st in self.split.stages]
         programs = [self.program(c) for c in range(len(self.chunks))]
@@ -166,7 +167,7 @@ def lower_pipeline(
         if isinstance(pf, Prefetch) and (pf.keep_live or pf.across_micro_steps):
             raise PlanError(f"{pf}: with pipeline stages, gathers are neither kept live from forward into backward "
                             "nor issued across micro-steps (other micro-batches run in between)")
-    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+    sched = make_schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.chunks)
     sp = split(trace, rp, cluster.gpu if cluster is not None else None, starts=starts)
     mine = set(sched.chunks_of(rp.stage_of(rank)))
     chunks = [

@@ -1,4 +1,4 @@
-"""tensor_split: Megatron-LM's tensor parallelism, found from the trace and applied to it (issue 54).
+"""tensor_split: Megatron-LM's tensor parallelism, found from the trace and applied to it.
 
 Placements (R, S(d, k), P) are ``core.tensor_layout``'s. The analysis walks the joint graph, forward
 and backward alike, in order, and gives every value a placement:
@@ -38,6 +38,7 @@ import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from micscompile.core import collectives as C
+from micscompile.core.errors import InternalError
 from micscompile.core.plan import PlanError
 from micscompile.core.tensor_layout import P, Placement, R, S
 from micscompile.trace import META_FQN, META_PLACEMENT, META_REGION, META_SHAPE, TrainGraph, add_call, source_line
@@ -127,7 +128,7 @@ def view_placement(src: tuple[int, ...], dst: tuple[int, ...], pl: Placement, tp
                 break
             k //= n
         return _needed_segments(src, dst, gi, gj, pl, tp)
-    raise AssertionError("a dim outside every view group")
+    raise InternalError("a dim outside every view group")
 
 
 def _needed_segments(src, dst, gi, gj, pl: Placement, tp: int) -> int:
@@ -353,7 +354,7 @@ def _move(pl: Placement, step) -> Placement:
         return pl.moved(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
     if step[0] == "permute":
         return pl.moved(list(step[1]).index(pl.dim))
-    raise AssertionError(step)
+    raise InternalError(step)
 
 
 def _unmove(pl: Placement, chain) -> Placement:
@@ -406,7 +407,7 @@ def _elementwise(g: _Propagation, node: torch.fx.Node):
     tensors = [a for a in node.all_input_nodes if _ndim(a) > 0 or g.get(a).kind != "R"]
     pls = {a: g.get(a) for a in tensors}
     if any(isinstance(v, _Undecided) for v in pls.values()):
-        raise AssertionError("undecided after get")
+        raise InternalError("undecided after get")
     # a param-derived pass-through (clone, detach, a cast) of an undecided parameter stays undecided
     for a, p in pls.items():  # a partial value another op already needs all-reduced: take that (free)
         if p.kind == "P" and (a, R) in g.converted:

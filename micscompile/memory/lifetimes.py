@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch.fx
 
 from micscompile.core import collectives as C
+from micscompile.core.errors import InputError
 from micscompile.core.pipeline_schedule import COMPUTE, Op
 from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import BucketLayout
@@ -166,7 +167,7 @@ class GraphLifetimes:
                 elif n.target is C.all_gather_carried:
                     g = carry.popleft()
                     if g.bucket != bucket:
-                        raise ValueError(f"carried gather of bucket {g.bucket} where bucket {bucket} is used")
+                        raise InputError(f"carried gather of bucket {g.bucket} where bucket {bucket} is used")
                     pending[n] = g
             elif n.target is C.collective_wait and n.args[1] in pending:
                 g = pending.pop(n.args[1])
@@ -200,7 +201,7 @@ class GraphLifetimes:
             elif n.target is offload_done:  # the side stream read the offloaded value until here
                 rec = of.get(self.root[n.args[1].args[1]])
                 if rec is not None and rec.end <= t:
-                    raise ValueError(f"{rec.name} ({rec.kind}) would be free for reuse at step {rec.end} while its "
+                    raise InputError(f"{rec.name} ({rec.kind}) would be free for reuse at step {rec.end} while its "
                                      f"offload copy may read it until step {t} ({n.name})")
             elif n.target is reload_issue:  # allocated at the issue, read through its wait
                 wait = next(u for u in self.users[n] if u.target is reload_wait)
@@ -212,7 +213,7 @@ class GraphLifetimes:
                 kind = "activation" if n in self.saved else "temporary"
                 add(n.meta[META_BYTES], t, last_use(n) + 1, n.name, kind, n)
         if pending:
-            raise ValueError(f"gathers never waited for: {sorted(p.name for p in pending)}")
+            raise InputError(f"gathers never waited for: {sorted(p.name for p in pending)}")
         carry.extend(mine)
 
 
@@ -234,7 +235,7 @@ def step_buffers(graph: torch.fx.Graph, program) -> list[Buffer]:
         lt.run(lambda n, base=base: base + index[n], lambda n, end=base + period: end, recs,
                micro_step=j, micro_steps=s, carry=carry)
     if carry:
-        raise ValueError(f"{len(carry)} gathers carried past the last micro-step")
+        raise InputError(f"{len(carry)} gathers carried past the last micro-step")
     return _finish(recs)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from micscompile.core.errors import InputError
 from micscompile.core.plan import Plan
 from micscompile.passes.accumulate_in_matmuls import accumulate_in_matmuls_pass
 from micscompile.passes.checkpoint import checkpoint_pass
@@ -89,7 +90,7 @@ def run_passes(
     disabled = set(disable)
     unknown = disabled - {name for name, _ in passes}
     if unknown:
-        raise ValueError(f"cannot disable unknown passes {sorted(unknown)}; passes: {[n for n, _ in passes]}")
+        raise InputError(f"cannot disable unknown passes {sorted(unknown)}; passes: {[n for n, _ in passes]}")
     records = []
     for name, fn in passes:
         if name in disabled:

@@ -25,6 +25,7 @@ import torch.fx
 from torch import nn
 
 from micscompile.core import collectives as C
+from micscompile.core.errors import CompileError, InputTypeError, UsageError
 from micscompile.core.launch import local_world_size, step_device
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
@@ -111,7 +112,7 @@ def _check_agreement(
         raise error
     failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg]
     if failed:
-        raise RuntimeError("compile failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+        raise CompileError("compile failed on other ranks: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
     for key, hint in AGREEMENT_HINTS.items():
         by_value: dict[str, list[int]] = {}
         for r, (p, _) in enumerate(everyone):
@@ -120,7 +121,7 @@ def _check_agreement(
             sides = " vs ".join(f"ranks {rs}" for rs in by_value.values())
             where = (_first_difference(order, world) if key == "collectives" else
                      _plan_difference(by_value) if key == "plan" else "")
-            raise RuntimeError(f"{hint}: {sides}{where}")
+            raise CompileError(f"{hint}: {sides}{where}")
 
 
 def compile(  # noqa: A001 - the public name is part of the contract (mc.compile)
@@ -160,7 +161,8 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     the machines a known GPU comes in; on CPU this machine's calibration, ``micscompile calibrate``,
     else a built-in estimate; an unknown GPU: one use interval ahead, unpriced). ``print(step.program)``
     shows the cluster, the choice and its predicted gain. ``prefetch`` lists the candidates instead
-    (``Prefetch`` objects or distances).
+    (``Prefetch`` objects or distances). The nodes are ``cluster``'s (``Cluster.gpus_per_node`` ranks each:
+    where partition groups and hierarchical collectives cross nodes), else torchrun's (``LOCAL_WORLD_SIZE``).
 
     ``arena``: the collectives' buffers (gathered parameters, gradient buckets and shards)
     live at offsets planned from the Program in one arena allocated once (``memory.planner``);
@@ -193,10 +195,10 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     (``Plan.cuda_graph``) skips on the device instead, through the fused optimizer's ``found_inf``.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
+        raise UsageError("mc.compile needs torch.distributed initialized (launch with torchrun and call "
                            "dist.init_process_group); mc.trace and mc.simulate do not")
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
+        raise InputTypeError(f"plan must be a micscompile.Plan, got {type(plan).__name__}")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _device()
     if timeout is None:
@@ -208,10 +210,14 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
     prints, error, order, graph_choice = None, None, None, None
     try:  # everything that can fail on bad input, rank-local: no collective yet
         _check_max_grad_norm(max_grad_norm)
-        rp = plan.resolve(world, local_world_size())
+        launched = local_world_size()  # the node size: the cluster's where one is given, else the launch's
+        rp = plan.resolve(world, cluster.gpus_per_node if cluster is not None else launched)
         plan_choices = [] if plan.partition_size is not None else [
             f"partition_size: {rp.partition_size} (the default: one node's {rp.gpus_per_node // rp.tensor} "
             f"{'tensor groups' if rp.tensor > 1 else 'ranks'}, at most a stage's)"]
+        if cluster is not None and launched is not None and min(launched, world) != rp.gpus_per_node:
+            plan_choices.append(f"gpus_per_node: {rp.gpus_per_node} (the cluster's, planned for; the launch runs "
+                                f"{launched} ranks per node)")
         if plan.optimizer_sharding == "world" and rp.replicas == 1:
             warnings.warn(f"optimizer_sharding='world' changes nothing with d = 1 replica ({rp}): the partition "
                           "group already holds one copy of the optimizer state", stacklevel=2)

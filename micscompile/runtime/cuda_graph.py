@@ -1,4 +1,4 @@
-"""The whole step as one CUDA graph (``Plan.cuda_graph``, issue 57).
+"""The whole step as one CUDA graph (``Plan.cuda_graph``).
 
 The static memory plan gives a step what CUDA graphs need: every planned buffer's address fixed when the step is
 built, the shards, gradients and optimizer state allocated once. ``GraphedStep`` runs the step's first

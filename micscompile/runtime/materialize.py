@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from micscompile.core.errors import InputError
 from micscompile.core.sharding import BucketLayout, local_piece
 from micscompile.core.tensor_layout import R
 from micscompile.core.tensor_layout import local_piece as local_piece_of
@@ -46,7 +47,7 @@ def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] |
     for fqn, mod in model.named_modules():
         has_meta = any(store[key].is_meta for store, key in _owned(mod))
         if has_meta and not callable(getattr(mod, "reset_parameters", None)):
-            raise ValueError(
+            raise InputError(
                 f"module '{fqn or '<root>'}' ({type(mod).__name__}) has tensors on the meta device but no "
                 "reset_parameters(), so nothing would initialise them; pass init_fn= to mc.compile that does"
             )

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from micscompile.core.collectives import GroupInfo
+from micscompile.core.errors import InternalError
 from micscompile.core.plan import ResolvedPlan
 from micscompile.lowering.groups import planned_groups
 
@@ -58,7 +59,7 @@ def flat_groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, 
     for name, pg in _process_groups(device.type, rp).items():
         actual = tuple(dist.get_process_group_ranks(pg))
         if actual != groups[name].ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+            raise InternalError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
         groups[name] = dataclasses.replace(groups[name], group=pg)
     return groups
 
@@ -74,5 +75,5 @@ def pipeline_groups(rp: ResolvedPlan, device_type: str, groups: dict[str, GroupI
     for name, pg in cache[key].items():
         actual = tuple(dist.get_process_group_ranks(pg))
         if actual != groups[name].ranks:
-            raise RuntimeError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
+            raise InternalError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")
         groups[name] = GroupInfo(name, pg, actual, groups[name].rank, groups[name].spans_nodes)

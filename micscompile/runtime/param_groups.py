@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
+from micscompile.core.errors import InputError, InputTypeError
+
 
 class ShardParams(list):
     """This rank's parameter pieces (a list of ``nn.Parameter``) with their names and full shapes."""
@@ -27,7 +29,7 @@ class ShardParams(list):
         super().__init__(params)
         self.names = list(names)
         if len(self.names) != len(self):
-            raise ValueError(f"{len(self)} parameters but {len(self.names)} names")
+            raise InputError(f"{len(self)} parameters but {len(self.names)} names")
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
 
     def named(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -51,7 +53,7 @@ def decay_groups(params: ShardParams, weight_decay: float,
     ``{"params": the rest, "weight_decay": 0.0}``, split by ``no_decay(name, full shape)``; a group
     with no parameter is left out (the same on every rank)."""
     if not isinstance(params, ShardParams):
-        raise TypeError("decay_groups needs the ShardParams the optimizer factory is called with "
+        raise InputTypeError("decay_groups needs the ShardParams the optimizer factory is called with "
                         f"(names and full shapes), got {type(params).__name__}")
     groups = [{"params": [p for n, p in params.named() if not no_decay(n, params.full_shape(n))],
                "weight_decay": weight_decay},

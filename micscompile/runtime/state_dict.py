@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from micscompile.core.errors import InputError, MissingKeyError, UsageError
 from micscompile.core.tensor_layout import Placement, global_boxes, local_piece, piece_shape
 
 
@@ -103,7 +104,7 @@ class FlatShards(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"FlatShards is a checkpoint view (pass it to torch.distributed.checkpoint), "
+        raise UsageError(f"FlatShards is a checkpoint view (pass it to torch.distributed.checkpoint), "
                            f"not a tensor to compute with: {func}")
 
     def __repr__(self) -> str:  # noqa: D105
@@ -128,7 +129,7 @@ class FlatShards(torch.Tensor):
         for chunk, view, _ in self._boxes:
             if chunk.offsets == index.offset:
                 return view
-        raise ValueError(f"no box at {index.offset} for {index.fqn}")
+        raise InputError(f"no box at {index.offset} for {index.fqn}")
 
 
 @dataclass(frozen=True)
@@ -232,11 +233,11 @@ def _load_values(dst: list[tuple[torch.Tensor, int]], src: object, what: str, ow
     (``dcp.load`` already wrote it in place) or a full tensor (e.g. a plain ``model.state_dict()``'s)."""
     if isinstance(src, FlatShards):
         if src._owner is not owner:
-            raise ValueError(f"{what}: a FlatShards from another step; pass the dict this step's "
+            raise InputError(f"{what}: a FlatShards from another step; pass the dict this step's "
                              "state_dict() returned (after dcp.load), or full tensors")
         return
     if not isinstance(src, torch.Tensor):
-        raise ValueError(f"{what}: expected a tensor, got {type(src).__name__}")
+        raise InputError(f"{what}: expected a tensor, got {type(src).__name__}")
     flat = (src.detach() if tensor is None else local_piece(src.detach(), *tensor)).reshape(-1)
     for values, lo in dst:
         values.copy_(flat[lo : lo + values.numel()])
@@ -247,11 +248,11 @@ def apply(sd: dict, homes: list[Home], optimizer: torch.optim.Optimizer, buffers
     """Load ``sd`` (``build``'s layout) into the live shards, buffers and optimizer; returns its step count."""
     missing = [k for k in ("model", "optim", "steps") if k not in sd]
     if missing:
-        raise KeyError(f"state dict has no {missing}: expected the layout step.state_dict() returns")
+        raise MissingKeyError(f"state dict has no {missing}: expected the layout step.state_dict() returns")
     model, optim = sd["model"], sd["optim"]
     for fqn, hs in _by_fqn(homes).items():
         if fqn not in model:
-            raise KeyError(f"state dict has no parameter {fqn!r}")
+            raise MissingKeyError(f"state dict has no parameter {fqn!r}")
         _load_values([(h.values, h.lo) for h in hs], model[fqn], f"model.{fqn}", owner, hs[0].tensor)
     optimizer_homes = homes if optimizer_homes is None else optimizer_homes
     for fqn, hs in _by_fqn(optimizer_homes).items():

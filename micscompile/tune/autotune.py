@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from micscompile.core.collectives import fmt_bytes
+from micscompile.core.errors import InputError, UsageError
 from micscompile.core.launch import collective_device
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
@@ -106,7 +107,7 @@ class Candidate:
 
     def label(self) -> str:
         p = self.plan
-        pipe = f"S={p.pipeline_stages}" + (f" v={p.pipeline_chunks}" if p.pipeline_chunks > 1 else "")
+        pipe = f"S={p.pipeline_stages}" + (f" v={p.chunks}" if p.chunks > 1 else "")
         pipe += " zb" if p.weight_split else ""
         parts = [f"{pipe} t={p.partition_size}" if p.pipeline_stages > 1 else f"p={p.partition_size}",
                  f"b={self.micro_batch_size}", f"{'m' if p.pipeline_stages > 1 else 's'}={p.micro_batches}"]
@@ -180,7 +181,7 @@ def print_table(cands: Sequence[Candidate], top: int = 10, file=None) -> None:
         tp = f"{p.tensor_parallel_size}{'s' if p.sequence_parallel else ''}"
         bubble = f"{pred.bubble_fraction:.1%}" if pred.bubble_fraction is not None else "-"
         ck = {False: "-", True: "full", "selective": "sel", "attention": "attn"}[p.checkpoint]
-        v = f"{p.pipeline_chunks}{'z' if p.weight_split else ''}"
+        v = f"{p.chunks}{'z' if p.weight_split else ''}"
         line = (f"{i + 1:>3} {p.pipeline_stages:>3} {v:>3} {tp:>3} {p.partition_size:>5} {d:>5} "
                 f"{c.micro_batch_size:>3} "
                 f"{p.micro_batches:>5} {ck:>5} {'yes' if p.offload_activations else '-':>5} {str(p.hierarchical):>5} "
@@ -224,7 +225,7 @@ def print_zero_bubble(good: Sequence[Candidate], file=None) -> None:
     zb = next((c for c in good if c.plan.weight_split), None)
     if zb is None:
         return
-    schedule = "interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b"
+    schedule = "interleaved" if zb.plan.chunks > 1 else "1f1b"
     twin = next((c for c in good if c.plan == dataclasses.replace(zb.plan, pipeline_schedule=schedule)
                  and c.micro_batch_size == zb.micro_batch_size and c.prefetch == zb.prefetch), None)
     than = f" against {twin.step_time_s:.3f} s for the same plan under {schedule}" if twin else ""
@@ -283,13 +284,12 @@ def autotune(
     check_global_batch(n, global_batch_size, tensor, k)
     unknown = [o for o in optimizer_sharding if o not in OPTIMIZER_SHARDING]
     if unknown:
-        raise ValueError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
+        raise InputError(f"optimizer_sharding lists the homes autotune searches, 'partition' and/or 'world' (it "
                          f"prices each as a candidate, where 'auto' would choose inside one), got {unknown}")
     if not any(k % t == 0 and n % t == 0 for t, _ in tensor):
         raise PlanError(f"no tensor group size of {sorted({t for t, _ in tensor})} divides a node of {k} GPUs "
                         f"(and the {n} ranks)")
     base = base_plan or Plan(param_dtype=trace.compute_dtype or torch.float32)
-    base = dataclasses.replace(base, gpus_per_node=k)
     sizes = micro_batch_sizes or (None if trace.batch_symbols else (trace.batch_size,))
     narrowed = dict(gpus_per_node=k, units=len(trace.blocks), partition_sizes=partition_sizes,
                     pipeline_stages=pipeline_stages, micro_batch_sizes=sizes, checkpoint=checkpoint, offload=offload,
@@ -432,7 +432,7 @@ class _Job:
         zb = min((c for c in out if c.feasible and c.plan.weight_split), key=lambda c: c.step_time_s, default=None)
         if zb is None:
             return
-        twin = dataclasses.replace(zb.plan, pipeline_schedule="interleaved" if zb.plan.pipeline_chunks > 1 else "1f1b")
+        twin = dataclasses.replace(zb.plan, pipeline_schedule="interleaved" if zb.plan.chunks > 1 else "1f1b")
         for i, c in enumerate(out):
             if c.plan == twin and c.micro_batch_size == zb.micro_batch_size and c.prefetch == zb.prefetch \
                     and c.prediction is None and c.floor_s is not None and c.over_memory_bytes is None:
@@ -524,7 +524,7 @@ def measure_top(ranked: list[Candidate], *, model: torch.nn.Module, loss_fn, mak
     predicted order. ``make_batch(n)`` returns this rank's batch inputs for ``n`` samples (the
     model's inputs, then the loss's)."""
     if not torch.distributed.is_initialized():
-        raise RuntimeError("measure=True runs candidates on the process group: call "
+        raise UsageError("measure=True runs candidates on the process group: call "
                            "torch.distributed.init_process_group first (e.g. under torchrun)")
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
     tried = [c for c in ranked if c.feasible][:top_k]

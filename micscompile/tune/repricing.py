@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from micscompile.core.errors import InputError
 from micscompile.core.pipeline_schedule import Op, PipeSchedule, make_schedule
 from micscompile.core.plan import Plan, ResolvedPlan
 from micscompile.core.program import Action, Kind, Prefetch, Program
@@ -190,7 +191,7 @@ class Pricer:
         self.sizes = list(sizes)
         self.trace = evaluated or (trace.at_batch(self.sizes) if trace.batch_symbols else trace)
         if evaluated is None and not trace.batch_symbols and self.sizes != [trace.batch_size]:
-            raise ValueError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
+            raise InputError(f"a trace of micro-batch size {trace.batch_size} prices only that size; trace with "
                              "mc.trace(..., symbolic_batch=True) to search micro-batch sizes")
         self.buffer_bytes = model_buffer_bytes(self.trace)
         self._bases: dict[tuple, object] = {}
@@ -308,7 +309,7 @@ class Pricer:
                                v_shape=plan.pipeline_schedule == "zb-v", hops_s=hops)
         if not timeline or plan.pipeline_schedule == "zb-h1":  # (ZB-H1's W deferrals: chosen from the chunks' prices)
             return low
-        sched = self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+        sched = self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.chunks)
         ranks = [sched.chunks_of(r) for r in range(rp.stages)]
         if plan.weight_split:
             # the schedule's timeline on what is surely each chunk's B and surely its W (floor.backward_phase_floors)
@@ -384,10 +385,10 @@ class Pricer:
         """Where ``lowering.pipeline_split`` cuts ``rp`` at the ``i``-th size (its balance, per size)."""
         units, seconds, saved, states, _, params = self._unit_analysis()
         plan, t = rp.plan, rp.partition_size
-        key = (rp.stages, plan.pipeline_chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
+        key = (rp.stages, plan.chunks, plan.pipeline_schedule, rp.micro_batches, t, i)
         if key not in self._cut_cache:  # (the same for every checkpointing, offload and prefetch choice)
             flight = in_flight(rp)
-            cut = (rp.stages * plan.pipeline_chunks, flight, t, i)  # (what cut_points reads: schedules share it)
+            cut = (rp.stages * plan.chunks, flight, t, i)  # (what cut_points reads: schedules share it)
             if cut not in self._cut_cache:
                 if t not in states:
                     states[t] = unit_state(self.trace, units, t)
@@ -469,7 +470,7 @@ class Pricer:
             stages[c] = dataclasses.replace(st, chunk=c)
         sp = PipelineSplit(tuple(stages), (), starts, (), {})
         sched = memory_neutral(rp, self._schedule(plan.pipeline_schedule, rp.stages, rp.micro_batches,
-                                                  plan.pipeline_chunks),
+                                                  plan.chunks),
                                [c.program for c in chunks], self.cluster, priced=priced, nccl=False, **self.costs)
         if capacity is not None:
             peak = pipeline_peak_bytes(sched, chunk_prices([c.program for c in chunks], priced, self.cluster, self.costs))

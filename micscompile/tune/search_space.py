@@ -88,7 +88,7 @@ class Config:
             base, partition_size=self.partition, pipeline_stages=self.stages, micro_batches=self.micro_batches,
             tensor_parallel_size=self.tensor, sequence_parallel=self.sequence,
             checkpoint=self.checkpoint, offload_activations=self.offload, hierarchical=self.hierarchical,
-            pipeline_chunks=self.chunks, pipeline_schedule=self.schedule or base.pipeline_schedule,
+            pipeline_chunks=self.chunks if self.chunks > 1 else None, pipeline_schedule=self.schedule or base.pipeline_schedule,
             optimizer_sharding=self.optimizer)
 
     @property
@@ -114,8 +114,8 @@ def configs(world: int, gpus_per_node: int, global_batch: int, units: int, *,
     checkpointing, hierarchical variants only where a partition group spans whole nodes, the optimizer
     states over the world only where d > 1, and a pipeline fed at least as many micro-batches as it has
     stages: with fewer it never fills, its bubble ((S - 1) / m of its work) exceeds its work, and the
-    same batch leaves most of the ranks idle most of the step (issue 53: 7 samples on 16 ranks were
-    ranked as 16-stage pipelines idle 13 times as long as they computed). So every plan needs a global
+    same batch leaves most of the ranks idle most of the step (7 samples on 16 ranks would rank
+    16-stage pipelines idle 13 times as long as they compute). So every plan needs a global
     batch of at least n * b: one sample per rank, in each stage's data-parallel ranks (``smallest_batch``).
     ``tensor``: the (t, sequence parallelism) pairs; a t must divide the node, and a pipeline stage's p * t
     ranks stay inside one node. ``zero_bubble``: a pipeline's schedule with its backward whole and/or split

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from micscompile.core.errors import InputError
+
 FAMILIES = ("gpt2", "llama", "bert")
 SIZES = {
     # tiny: the test suite's (seconds on gloo); the rest: published shapes, for plan / simulate
@@ -44,9 +46,9 @@ def config(family: str, size: str = "tiny", *, seq_len: int = 16, attention: str
     import transformers as hf
 
     if family not in FAMILIES:
-        raise ValueError(f"unknown Hugging Face family {family!r}; known: {', '.join(FAMILIES)}")
+        raise InputError(f"unknown Hugging Face family {family!r}; known: {', '.join(FAMILIES)}")
     if size not in SIZES:
-        raise ValueError(f"unknown size {size!r} for {family}; known: {', '.join(SIZES)}")
+        raise InputError(f"unknown size {size!r} for {family}; known: {', '.join(SIZES)}")
     s = SIZES[size]
     cfg = _config(hf, family, s, seq_len)
     if attention is not None:
