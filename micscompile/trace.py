@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from tqdm import tqdm
 
-from micscompile.core.errors import Error
+from micscompile.core.errors import Error, InputError
 from micscompile.core.program import REGION_BWD, REGION_FWD
 from micscompile.cost_model.flops import node_flops
 from micscompile.cost_model.node_cost import META_BYTES, META_FLOPS, is_shape_arithmetic  # the keys, defined once
@@ -540,223 +540,282 @@ def trace(
     so a pass that refuses a node can name the model's source line (``source_line``); 6-14% more
     trace time on a 12-layer GPT (``mc.compile`` asks for it with tensor parallelism).
     """
+    target = _target_device(device)
+    example_inputs = _checked_inputs(example_inputs, num_model_inputs, symbolic_batch)
+    aliases = _parameter_aliases(model)
+    fakes = _FakeInputs(model, example_inputs, param_dtype, symbolic_batch, loss_scale and not forward_only)
+    marks = _Marks(model, progress)
+    joint = _joint(model, loss_fn, num_model_inputs, fakes, marks, forward_only)
+    recorder, self_checkpoints = _OpRecorder(), [0]
+
+    def recorded_joint(params, buffers, *inputs):
+        with recorder, _FusedAttention(target), _plain_checkpoints(self_checkpoints):
+            return joint(params, buffers, *inputs)
+
+    with marks, _tracing_mode(model, forward_only):
+        try:
+            # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
+            # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
+            with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True), fewer_collections():
+                gm = make_fx(recorded_joint, tracing_mode="fake", record_stack_traces=source_lines)(
+                    fakes.params, fakes.buffers, *fakes.inputs)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the module and op named
+            raise _trace_error(exc, model, marks, recorder.last_op) from exc
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat signature: (*params, *buffers, *inputs)
+    gm.recompile()  # lazy (see above): marks the code stale
+    _annotate(gm, marks.forward, marks.backward, marks.backward_start, fakes.shape_env)
+    batch_symbols, guards = fakes.batch_symbols()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [f"parameter '{n}'" for n in fakes.params] + [f"buffer '{n}'" for n in fakes.buffers]
+    names += [f"input {i}" for i in range(len(fakes.inputs))]
+    _check_no_mutation(gm, dict(zip(placeholders, names)))
+    return TrainGraph(
+        gm=gm,
+        param_names=list(fakes.params),
+        param_aliases=aliases,
+        param_shapes={n: p.shape for n, p in fakes.params.items()},
+        param_dtypes={n: p.dtype for n, p in model.named_parameters()},
+        trainable=[] if forward_only else fakes.trainable,
+        buffer_names=list(fakes.buffers),
+        input_specs=[(x.shape, x.dtype) for x in example_inputs],
+        num_model_inputs=num_model_inputs,
+        blocks=marks.blocks,
+        compute_dtype=fakes.low,
+        batch_symbols=batch_symbols,
+        batch_guards=guards,
+        counted_loss=marks.counted,
+        self_checkpoints=self_checkpoints[0],
+        token_shape=next((tuple(x.shape) for x in example_inputs
+                          if x.dim() == 2 and not x.is_floating_point() and isinstance(x.shape[1], int)), None),
+    )
+
+
+def _target_device(device: str | torch.device | None) -> str:
+    """The device type the graph will run on (``trace(device=...)``): this process's by default."""
     target = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type
     if target not in ("cpu", "cuda"):
         raise TraceError(f"device={device!r}: the graph runs on 'cpu' or 'cuda' (it is traced on meta regardless)")
+    return target
+
+
+def _checked_inputs(example_inputs: Sequence[torch.Tensor], num_model_inputs: int,
+                    symbolic_batch: bool) -> tuple[torch.Tensor, ...]:
+    """The example batch as a tuple of tensors, or a TraceError saying what is wrong with it."""
     example_inputs = tuple(example_inputs)
     if not 1 <= num_model_inputs <= len(example_inputs):
         raise TraceError(f"num_model_inputs={num_model_inputs} but {len(example_inputs)} example inputs")
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             raise TraceError(f"example input {i} is a {type(x).__name__}; every batch input must be a tensor")
+    if symbolic_batch and any(x.dim() == 0 or x.shape[0] < 2 for x in example_inputs):
+        raise TraceError("symbolic_batch=True needs example inputs with a batch dimension of at least 2 "
+                         f"(got shapes {[tuple(x.shape) for x in example_inputs]}): PyTorch specializes size-1 "
+                         "dimensions")
+    return example_inputs
 
+
+def _parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's canonical name -> every name it is reached under (tied weights: several)."""
     aliases: dict[str, list[str]] = {}
     canonical: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical.setdefault(id(p), name)
         aliases.setdefault(canonical[id(p)], []).append(name)
-    # One fake mode for the whole trace, over meta tensors: "real" tracing of meta tensors makes a
-    # new fake mode (and a Python stack capture) per op, ~45% of the time on large models; and
-    # ops whose output shape depends on data fail where they happen, not at a later guard.
-    # no ShapeEnv: dynamic output shapes raise at their op; symbolic_batch: one that guards, with the
-    # batch dimension of the inputs dynamic and every other dimension static
-    shape_env = ShapeEnv() if symbolic_batch else None
-    fake_mode = FakeTensorMode(shape_env=shape_env)
-    if symbolic_batch and any(x.dim() == 0 or x.shape[0] < 2 for x in example_inputs):
-        raise TraceError("symbolic_batch=True needs example inputs with a batch dimension of at least 2 "
-                         f"(got shapes {[tuple(x.shape) for x in example_inputs]}): PyTorch specializes size-1 "
-                         "dimensions")
+    return aliases
 
-    def fake(x: torch.Tensor, batch: bool = False) -> torch.Tensor:
-        if shape_env is None:
-            return fake_mode.from_tensor(x)
+
+class _FakeInputs:
+    """The joint function's inputs as fake meta tensors: the parameters (in the compute dtype), the buffers (and
+    the loss-scale seed), the batch.
+
+    One fake mode for the whole trace, over meta tensors: "real" tracing of meta tensors makes a new fake mode
+    (and a Python stack capture) per op, ~45% of the time on large models; and ops whose output shape depends
+    on data fail where they happen, not at a later guard. No ShapeEnv: dynamic output shapes raise at their op;
+    ``symbolic_batch``: one that guards, with the batch dimension of the inputs dynamic and every other static."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple[torch.Tensor, ...], param_dtype: torch.dtype | None,
+                 symbolic_batch: bool, loss_scale: bool) -> None:
+        self.shape_env = ShapeEnv() if symbolic_batch else None
+        self.mode = FakeTensorMode(shape_env=self.shape_env)
+        self.low = param_dtype if param_dtype is not None and param_dtype != torch.float32 else None
+        self.params = {name: self.fake(_to_meta(p, self.low)) for name, p in model.named_parameters()}
+        self.buffers = {name: self.fake(_to_meta(b)) for name, b in model.named_buffers()}
+        if loss_scale:
+            self.buffers[LOSS_SCALE] = self.fake(torch.ones((), device="meta"))
+        self.inputs = [self.fake(_to_meta(x).requires_grad_(False), batch=True) for x in example_inputs]
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def fake(self, x: torch.Tensor, batch: bool = False) -> torch.Tensor:
+        if self.shape_env is None:
+            return self.mode.from_tensor(x)
         dims = [DimDynamic.DYNAMIC if batch and i == 0 else DimDynamic.STATIC for i in range(x.dim())]
-        return fake_mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
-    low = param_dtype if param_dtype is not None and param_dtype != torch.float32 else None
+        return self.mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
-    def compute(t: torch.Tensor) -> torch.Tensor:
-        return t.to(low) if low is not None and t.is_floating_point() else t
+    def compute(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the compute dtype where it is floating (mixed precision), else as it is."""
+        return t.to(self.low) if self.low is not None and t.is_floating_point() else t
 
-    params = {name: fake(_to_meta(p, low)) for name, p in model.named_parameters()}
-    buffers = {name: fake(_to_meta(b)) for name, b in model.named_buffers()}
-    if loss_scale and not forward_only:
-        buffers[LOSS_SCALE] = fake(torch.ones((), device="meta"))
-    inputs = [fake(_to_meta(x).requires_grad_(False), batch=True) for x in example_inputs]
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    def batch_symbols(self) -> tuple[tuple, tuple]:
+        """(the batch dimension's symbols, the guards on them) of a symbolic-batch trace; ((), ()) otherwise."""
+        if self.shape_env is None:
+            return (), ()
+        env = self.shape_env
+        symbols = tuple(sorted({s for x in self.inputs for s in env.replace(x.shape[0].node.expr).free_symbols},
+                               key=str))
+        if not symbols:
+            raise TraceError("symbolic_batch=True, but the model fixes the batch size (a shape check or a "
+                             "reshape to a constant specialized it); trace one batch size at a time instead")
+        return symbols, tuple(env.replace(g.expr) for g in env.guards)
 
-    # (node index where it starts, fqn) marks, forward from module hooks, backward from autograd prehooks
-    fwd_marks: list[tuple[torch.fx.Node, str]] = []
-    bwd_marks: list[tuple[torch.fx.Node, int]] = []
-    stack: list[str] = []
-    bwd_start: list[torch.fx.Node | None] = [None]
-    counted = [False]
 
-    def node_count() -> torch.fx.Node:
-        """The graph's last node so far: marks what follows (a node, not a count, because make_fx
-        later drops the unused shape arithmetic of a symbolic-batch trace)."""
+class _Marks:
+    """Where each module's and each autograd node's ops start in the graph being traced, for ``_annotate``:
+    ``forward`` (node, fqn) marks from module pre/post hooks, ``backward`` (node, autograd sequence number)
+    marks from autograd prehooks; a progress bar over blocks, then autograd nodes. A context: the hooks are on
+    the model (and ``MODULE_MARKS`` names them) while it is entered."""
+
+    def __init__(self, model: nn.Module, progress: bool) -> None:
+        self.model = model
+        self.forward: list[tuple[torch.fx.Node, str]] = []
+        self.backward: list[tuple[torch.fx.Node, int]] = []
+        self.backward_start: torch.fx.Node | None = None
+        self.counted = False
+        self.stack: list[str] = []
+        self.callers: list[nn.Module | None] = []
+        self.blocks = find_blocks(model)
+        self.block_set = set(self.blocks)
+        # (disable=None: off where stderr is no terminal, e.g. a log file: no carriage returns)
+        self.bar = tqdm(total=len(self.blocks), desc="trace forward", unit="block", disable=None if progress else True,
+                        leave=False)
+        self.handles: list = []
+
+    def __enter__(self) -> _Marks:
+        for fqn, mod in self.model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: self.enter(fqn, m)))
+            # no always_call: on an exception the stack must still name the failing module
+            self.handles.append(mod.register_forward_hook(lambda m, a, o: self.leave()))
+        MODULE_MARKS.append((self.enter, self.leave))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+        MODULE_MARKS.pop()
+        for h in self.handles:
+            h.remove()
+
+    @staticmethod
+    def now() -> torch.fx.Node:
+        """The graph's last node so far: marks what follows (a node, not a count, because make_fx later drops
+        the unused shape arithmetic of a symbolic-batch trace)."""
         return get_proxy_mode().tracer.graph._root._prev
 
-    blocks = find_blocks(model)
-    bar = tqdm(total=len(blocks), desc="trace forward", unit="block", disable=None if progress else True,
-               leave=False)  # (None: off where stderr is no terminal, e.g. a log file: no carriage returns)
-    block_set = set(blocks)
-
-    callers: list[nn.Module | None] = []
-
-    def enter(fqn: str, module: nn.Module | None = None) -> None:
+    def enter(self, fqn: str, module: nn.Module | None = None) -> None:
         # a module reached under several names (a block reused, a Linear shared by two blocks) is named by
         # the path it was called through, so each use's nodes belong to the block that calls it
-        caller = callers[-1] if callers else None
+        caller = self.callers[-1] if self.callers else None
         child = next((n for n, c in caller.named_children() if c is module), None) if caller is not None else None
         if child is not None:  # (the canonical name, unless the caller was reached under another)
-            fqn = f"{stack[-1]}.{child}" if stack[-1] else child
-        stack.append(fqn)
-        callers.append(module)
-        fwd_marks.append((node_count(), fqn))
-        if fqn in block_set:
-            bar.update()
+            fqn = f"{self.stack[-1]}.{child}" if self.stack[-1] else child
+        self.stack.append(fqn)
+        self.callers.append(module)
+        self.forward.append((self.now(), fqn))
+        if fqn in self.block_set:
+            self.bar.update()
 
-    def leave() -> None:
-        stack.pop()
-        callers.pop()
-        fwd_marks.append((node_count(), stack[-1] if stack else ""))
+    def leave(self) -> None:
+        self.stack.pop()
+        self.callers.pop()
+        self.forward.append((self.now(), self.stack[-1] if self.stack else ""))
 
-    handles = []
-    for fqn, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(fqn, m)))
-        # no always_call: on an exception the stack must still name the failing module
-        handles.append(mod.register_forward_hook(lambda m, a, o: leave()))
-
-    def backward_mark(seq: int, grads) -> None:
-        bwd_marks.append((node_count(), seq))
-        bar.update()
-
-    def hook_autograd_graph(root) -> None:
-        seen, todo = set(), [root]
+    def start_backward(self, loss: torch.Tensor) -> None:
+        """The backward starts here: a prehook on every autograd node reachable from ``loss`` marks its ops."""
+        self.backward_start = self.now()
+        seen, todo = set(), [loss.grad_fn]
         while todo:
             fn = todo.pop()
             if fn is None or fn in seen:
                 continue
             seen.add(fn)
-            seq = fn._sequence_nr()
-            fn.register_prehook(functools.partial(backward_mark, seq))
+            fn.register_prehook(functools.partial(self.backward_mark, fn._sequence_nr()))
             todo.extend(next_fn for next_fn, _ in fn.next_functions)
-        bar.reset(total=len(seen))
-        bar.set_description("trace backward")
-        bar.unit = "node"
+        self.bar.reset(total=len(seen))
+        self.bar.set_description("trace backward")
+        self.bar.unit = "node"
 
+    def backward_mark(self, seq: int, grads) -> None:
+        self.backward.append((self.now(), seq))
+        self.bar.update()
+
+
+def _joint(model: nn.Module, loss_fn: Callable, num_model_inputs: int, fakes: _FakeInputs, marks: _Marks,
+           forward_only: bool) -> Callable:
+    """The function make_fx traces: (params, buffers, *inputs) -> (loss head, *gradients)."""
     def joint(params, buffers, *inputs):
         # traced: the graph casts the batch and the buffers itself (they stay in their dtype outside it)
         seed = buffers.pop(LOSS_SCALE, None)  # not the model's: the step's loss scale
-        inputs = [compute(x) for x in inputs]
-        buffers = {n: compute(b) for n, b in buffers.items()}
+        inputs = [fakes.compute(x) for x in inputs]
+        buffers = {n: fakes.compute(b) for n, b in buffers.items()}
         # the traced tensors stand in for the module's own while the forward AND the loss run:
         # a loss_fn that reads a parameter (a temperature, a regulariser) must see the traced one
         # ... and the backward: a model that checkpoints itself (torch.utils.checkpoint) runs its
         # forward again there, which must read the traced parameters too
         with _reparametrized(model, {**params, **buffers}):
             out = model(*inputs[:num_model_inputs])
-            enter(LOSS_FQN)
+            marks.enter(LOSS_FQN)
             loss, count = _split_loss(loss_fn(out, *inputs[num_model_inputs:]))
             # the loss's own forward ops (the last pipeline chunk's), not the backward's
             head = loss if count is None else torch.stack([loss.float().reshape(()), count.float().reshape(())])
-            leave()
-            counted[0] = count is not None
+            marks.leave()
+            marks.counted = count is not None
             if forward_only:
                 return (head,)
-            bwd_start[0] = node_count()
-            hook_autograd_graph(loss.grad_fn)
-            grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True,
+            marks.start_backward(loss)
+            grads = torch.autograd.grad(loss, [params[n] for n in fakes.trainable], allow_unused=True,
                                         grad_outputs=None if seed is None else seed.to(loss.dtype).reshape(loss.shape))
         return (head, *grads)
+    return joint
 
-    recorder = _OpRecorder()
-    MODULE_MARKS.append((enter, leave))
 
-    self_checkpoints = [0]
-
-    def recorded_joint(params, buffers, *inputs):
-        with recorder, _FusedAttention(target), _plain_checkpoints(self_checkpoints):
-            return joint(params, buffers, *inputs)
-
+@contextlib.contextmanager
+def _tracing_mode(model: nn.Module, forward_only: bool):
+    """The model as it is traced: in eval() for a forward-only graph, and a Hugging Face model as it comes
+    (use_cache=True) without building a KV cache (not part of the loss); restored after."""
     modes = {m: m.training for m in model.modules()}
     if forward_only:
         model.eval()
-    # a Hugging Face model as it comes (use_cache=True) would build a KV cache: not part of the loss
     config = getattr(model, "config", None)
     cached = getattr(config, "use_cache", False) is True
     if cached:
         config.use_cache = False
     try:
-        # lazy: Python code for the graph is generated on first call / .code only (~1.5 s at 175B);
-        # simulation never needs it, and compile builds its own GraphModule from the rewritten graph
-        with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True), fewer_collections():
-            gm = make_fx(recorded_joint, tracing_mode="fake", record_stack_traces=source_lines)(params, buffers,
-                                                                                                   *inputs)
-    except TraceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the module and op named
-        where = stack[-1] if stack else "<root>"
-        mod = model.get_submodule(where) if where and where != LOSS_FQN and stack else model
-        kind = "the loss function" if where == LOSS_FQN else f"module '{where or '<root>'}' ({type(mod).__name__})"
-        if bwd_start[0] is not None:
-            kind = "the backward pass (autograd)"
-        hint = ""
-        if recorder.last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-            hint = " — data-dependent control flow or .item() on a tensor cannot be traced"
-        elif recorder.last_op is torch.ops.aten.index.Tensor and "FakeTensor" in str(exc):
-            hint = (" — indexing with a Python list (x[..., [i]]) makes an index tensor on the meta device, "
-                    "without its values, that the trace cannot use: index with a slice (x[..., i:i+1])")
-        elif recorder.last_op is torch.ops.aten._grouped_mm.default and "BF16" in str(exc):
-            hint = " — grouped_mm (MoE experts) runs in bf16 only: Plan(param_dtype=torch.bfloat16)"
-        raise TraceError(
-            f"cannot trace {type(model).__name__}: failed in {kind} at op {recorder.last_op} "
-            f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}"
-        ) from exc
+        yield
     finally:
         for m, training in modes.items():
             m.training = training
         if cached:
             config.use_cache = True
-        bar.close()
-        MODULE_MARKS.pop()
-        for h in handles:
-            h.remove()
 
-    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat signature: (*params, *buffers, *inputs)
-    gm.recompile()  # lazy (see above): marks the code stale
-    _annotate(gm, fwd_marks, bwd_marks, bwd_start[0], shape_env)
-    batch_symbols, guards = (), ()
-    if shape_env is not None:
-        batch_symbols = tuple(sorted({s for x in inputs for s in shape_env.replace(x.shape[0].node.expr).free_symbols},
-                                     key=str))
-        if not batch_symbols:
-            raise TraceError("symbolic_batch=True, but the model fixes the batch size (a shape check or a "
-                             "reshape to a constant specialized it); trace one batch size at a time instead")
-        guards = tuple(shape_env.replace(g.expr) for g in shape_env.guards)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    names = [f"parameter '{n}'" for n in params] + [f"buffer '{n}'" for n in buffers]
-    names += [f"input {i}" for i in range(len(inputs))]
-    _check_no_mutation(gm, dict(zip(placeholders, names)))
-    return TrainGraph(
-        gm=gm,
-        param_names=list(params),
-        param_aliases=aliases,
-        param_shapes={n: p.shape for n, p in params.items()},
-        param_dtypes={n: p.dtype for n, p in model.named_parameters()},
-        trainable=[] if forward_only else trainable,
-        buffer_names=list(buffers),
-        input_specs=[(x.shape, x.dtype) for x in example_inputs],
-        num_model_inputs=num_model_inputs,
-        blocks=blocks,
-        compute_dtype=low,
-        batch_symbols=batch_symbols,
-        batch_guards=guards,
-        counted_loss=counted[0],
-        self_checkpoints=self_checkpoints[0],
-        token_shape=next((tuple(x.shape) for x in example_inputs
-                          if x.dim() == 2 and not x.is_floating_point() and isinstance(x.shape[1], int)), None),
-    )
+
+def _trace_error(exc: Exception, model: nn.Module, marks: _Marks, last_op) -> TraceError:
+    """A failure inside the trace as a TraceError naming the module (or the loss, or the backward) and the op it
+    failed at, with a hint where the op says what the model does that cannot be traced."""
+    where = marks.stack[-1] if marks.stack else "<root>"
+    mod = model.get_submodule(where) if where and where != LOSS_FQN and marks.stack else model
+    kind = "the loss function" if where == LOSS_FQN else f"module '{where or '<root>'}' ({type(mod).__name__})"
+    if marks.backward_start is not None:
+        kind = "the backward pass (autograd)"
+    hint = ""
+    if last_op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+        hint = " — data-dependent control flow or .item() on a tensor cannot be traced"
+    elif last_op is torch.ops.aten.index.Tensor and "FakeTensor" in str(exc):
+        hint = (" — indexing with a Python list (x[..., [i]]) makes an index tensor on the meta device, "
+                "without its values, that the trace cannot use: index with a slice (x[..., i:i+1])")
+    elif last_op is torch.ops.aten._grouped_mm.default and "BF16" in str(exc):
+        hint = " — grouped_mm (MoE experts) runs in bf16 only: Plan(param_dtype=torch.bfloat16)"
+    return TraceError(f"cannot trace {type(model).__name__}: failed in {kind} at op {last_op} "
+                      f"[{_user_frame(exc)}]{hint}: {type(exc).__name__}: {exc}")
 
 
 @contextlib.contextmanager
@@ -843,12 +902,12 @@ def _annotate(gm: torch.fx.GraphModule, fwd_marks, bwd_marks, bwd_start: torch.f
 def check_batch(batch, input_specs, micro_batches: int, whose: str = "this rank's") -> None:
     """Raise ValueError unless ``batch`` is ``micro_batches`` micro-batches of the traced inputs."""
     if len(batch) != len(input_specs):
-        raise ValueError(f"step() takes {len(input_specs)} batch inputs (as example_inputs), got {len(batch)}")
+        raise InputError(f"step() takes {len(input_specs)} batch inputs (as example_inputs), got {len(batch)}")
     for i, (x, (shape, dtype)) in enumerate(zip(batch, input_specs)):
         want = (shape[0] * micro_batches, *shape[1:])
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dtype:
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"batch input {i}: expected shape {want} {dtype} ({whose} local batch, "
+            raise InputError(f"batch input {i}: expected shape {want} {dtype} ({whose} local batch, "
                              f"{micro_batches} micro-batches of {shape[0]}), got {got}; a step runs the one "
                              "batch shape it was compiled for: pad a shorter batch to it (with a (loss_sum, "
                              "count) loss, targets padded with ignore_index leave the mean exact) or compile "
@@ -859,7 +918,7 @@ def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple
     """Split every batch input along dim 0 into ``micro_batches`` equal micro-batches."""
     for i, x in enumerate(batch):
         if x.dim() == 0 or x.shape[0] % micro_batches:
-            raise ValueError(
+            raise InputError(
                 f"batch input {i} has shape {tuple(x.shape)}: its first (batch) dimension must be "
                 f"divisible by micro_batches={micro_batches}"
             )

@@ -11,7 +11,7 @@ import micscompile as mc
 from micscompile.core.program import Kind, Prefetch
 from micscompile.core.sharding import BucketLayout, ParamSlot
 from micscompile.cost_model.collective_time import ALL_GATHER, collective_time_s
-from micscompile.cost_model.simulator import simulate_program
+from micscompile.cost_model.simulator import RuntimeCosts, simulate_program
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
@@ -52,7 +52,7 @@ def test_gather_pieces_price_each_piece_as_its_own_collective(lm_trace):
     whole = simulate_program(program, cluster, record=False)
     bucket = next(a for a in program.micro_step if a.kind is Kind.ALL_GATHER)
     halves = (bucket.tensor_bytes // 2, bucket.tensor_bytes - bucket.tensor_bytes // 2)
-    split = simulate_program(program, cluster, record=False, gather_pieces={bucket.bucket: halves})
+    split = simulate_program(program, cluster, record=False, runtime=RuntimeCosts(gather_pieces={bucket.bucket: halves}))
     ranks = program.groups["shard"].ranks
     n_gathers = sum(1 for a in program.issued_in(0) if a.kind is Kind.ALL_GATHER and a.bucket == bucket.bucket)
     extra = sum(collective_time_s(ALL_GATHER, b, ranks, cluster) for b in halves) - \

@@ -22,7 +22,7 @@ from micscompile.core.pipeline_schedule import (
 from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Kind, Program, backward_start
 from micscompile.cost_model.collective_time import ALL_GATHER, P2P, collective_time_s
-from micscompile.cost_model.simulator import Event, Prediction, simulate_program
+from micscompile.cost_model.simulator import MICSCOMPILE_RUNTIME, Event, Prediction, simulate_program
 from micscompile.cost_model.specs import Cluster, default_cluster
 
 
@@ -35,7 +35,7 @@ def halves(program: Program) -> tuple[Program, Program, Program, Program | None]
     (m = 1, one chunk), which the pipeline's own schedule may not allow (interleaved needs m % S == 0),
     so the half's plan is a plain 1F1B one."""
     one = dataclasses.replace(program.plan, plan=program.plan.plan.replace(
-        micro_batches=1, pipeline_chunks=1, pipeline_schedule="1f1b"))
+        micro_batches=1, pipeline_chunks=None, pipeline_schedule="1f1b"))
     acts = program.micro_step
     cut = backward_start(acts)
     cut = len(acts) if cut is None else cut
@@ -257,8 +257,7 @@ def second_hops_end_s(timeline: Timeline, ranks: Sequence[Sequence[int]], ender:
 
 def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[Program], sent_bytes: Sequence[int],
                       cluster: Cluster, *, record: bool = True, gathered_bytes: Sequence[int] = (),
-                      grad_sync_after_backward: bool = False, priced: dict[int, ChunkPrice] | None = None,
-                      **costs) -> Prediction:
+                      priced: dict[int, ChunkPrice] | None = None, **costs) -> Prediction:
     """One optimizer step of a pipeline on ``cluster``: each chunk's forward and backward are its
     Program's two halves simulated (gathers and reduce-scatters inside them), the schedule's event
     simulation adds the bubbles and the P2P hops (``sent_bytes``: the activations one rank of chunk c sends
@@ -269,10 +268,15 @@ def simulate_pipeline(rp: ResolvedPlan, sched: PipeSchedule, programs: Sequence[
     rank's compute and this rank's second hops are done. ``exposed_comm_s`` is the busiest rank's communication not hidden
     behind its compute (bubbles are ``bubble_fraction``). ``record``: keep every stage's forward and
     backward spans, and its second hops, as events (what the timeline picture and trace draw).
-    ``grad_sync_after_backward``: a rank's second hops start once its last backward has ended (Megatron-LM's
-    data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward starts.
+    ``costs["runtime"].grad_sync_after_backward``: a rank's second hops start once its last backward has ended
+    (Megatron-LM's data-parallel all-reduce after the whole pipeline schedule), not as each chunk's last backward
+    starts (the chunks are priced without it: the schedule places them).
     ``priced``: the chunks' prices already made on this cluster with these costs (``memory_neutral``'s)."""
     m = rp.micro_batches
+    runtime = costs.get("runtime", MICSCOMPILE_RUNTIME)
+    grad_sync_after_backward = runtime.grad_sync_after_backward
+    if grad_sync_after_backward:
+        costs = {**costs, "runtime": dataclasses.replace(runtime, grad_sync_after_backward=False)}
     fwd, bwd, wgt, edge, exposed, hop_end, hop_busy = [], [], [], [], [], [], []
     prices = chunk_prices(programs, {} if priced is None else priced, cluster, costs)
     for p in prices:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -343,6 +343,56 @@ def floor_s(program: Program, cluster: Cluster, compute_dtype: str | None = None
     return max(compute, *streams.values())
 
 
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What a system's runtime spends that its Program's actions do not show: how it cuts its collectives, where
+    it runs a hierarchical collective's local stages, the host's time per call, micro-step and step. The defaults
+    are micscompile's own runtime; each peer supplies its own (``lowering.peers.Peer.runtime_costs``, read from
+    its source: docs/peer-models.md)."""
+
+    gather_pieces: Mapping[int, Sequence[int]] | None = None
+    """bucket -> the bytes of the collectives its gather is issued as (a peer's fetch granularity), run one after
+    the other on the group's stream; None: one collective of the whole bucket."""
+    reduce_pieces: Mapping[int, Sequence[int]] | None = None
+    """The same for a bucket's reduce-scatter (a peer's gradient buckets: empty where the bucket's gradients wait
+    to be reduced with later ones)."""
+    hierarchical_on_stream: bool = False
+    """A hierarchical collective's reorder and intra-node stage run on its communication stream, not the compute
+    stream."""
+    replicate_every_micro_step: bool = False
+    """Each reduce-scatter's shard is all-reduced over the replicate group right after it, every micro-step, on
+    that group's stream (FSDP2's HSDP), and the boundary has no all-reduce of its own."""
+    sync_at_fetch: bool = False
+    """The host synchronizes the whole device when a fetched bucket's gather completes (a peer whose fetch ends in
+    a device synchronize), so every reduction in flight finishes before the bucket computes."""
+    copy_out_ops: Mapping[int, int] | None = None
+    """bucket -> the copy kernels a peer runs on the compute stream at a gather's wait to copy the gathered bytes
+    out into its parameters (FSDP2's ``split_with_sizes_copy``, DeepSpeed's ``torch.cat`` per parameter), each
+    gathered byte read and written once."""
+    host_per_micro_step_s: float = 0.0
+    """Compute-stream time a peer's runtime adds per micro-step, spread over its gathers' waits (its hooks), where
+    the host is the device (a CPU run; ``benchmarks/bench_peers.py --predict`` measures it at world size 1)."""
+    host_per_step_s: float = 0.0
+    """The same per step (its optimizer)."""
+    grad_sync_after_backward: bool = False
+    """The gradients' all-reduces over the replicas (the second hops) are issued once the step's last backward has
+    computed, not as each bucket is reduced (Megatron-LM's ``allreduce_gradients`` after the whole backward)."""
+    host_per_call_s: tuple[float, float] = (0.0, 0.0)
+    """(gather, reduce-scatter) host time per collective call (per piece of ``gather_pieces`` / ``reduce_pieces``)
+    on the compute stream before the call is launched: a peer whose host builds each call's per-rank tensor lists
+    while the device is synchronized (DeepSpeed 2021)."""
+
+
+MICSCOMPILE_RUNTIME = RuntimeCosts()
+"""micscompile's own runtime: one collective per bucket, a hierarchical collective's local stages on the compute
+stream, no host time beyond the ops' own."""
+RUNTIME_COST_FIELDS = frozenset(f.name for f in fields(RuntimeCosts))
+"""The keyword names ``mc.simulate`` takes as ``RuntimeCosts`` fields (what the caller gives wins over a peer's)."""
+
+_SKIP = object()
+"""A handler's answer for an action issued later (no span now)."""
+
+
 def simulate_program(
     program: Program,
     cluster: Cluster,
@@ -354,414 +404,430 @@ def simulate_program(
     compute_dtype: str | None = None,
     record: bool = True,
     accumulate: bool = True,
-    gather_pieces: Mapping[int, Sequence[int]] | None = None,
-    reduce_pieces: Mapping[int, Sequence[int]] | None = None,
-    hierarchical_on_stream: bool = False,
-    replicate_every_micro_step: bool = False,
-    sync_at_fetch: bool = False,
-    copy_out_ops: Mapping[int, int] | None = None,
-    host_per_micro_step_s: float = 0.0,
-    host_per_step_s: float = 0.0,
-    grad_sync_after_backward: bool = False,
-    host_per_call_s: tuple[float, float] = (0.0, 0.0),
+    runtime: RuntimeCosts = MICSCOMPILE_RUNTIME,
 ) -> Prediction:
-    """Simulate ``program`` for one optimizer step on ``cluster``.
+    """Simulate ``program`` for one optimizer step on ``cluster``, in four phases (``_StepSimulation``):
 
-    In phases: the static memory (model states); the previous step's update gathers; the micro-steps, each
-    action by its kind's handler (``micro_step``: compute, gathers, reductions, second hops, waits, tensor
-    collectives, releases), identical middle ones skipped ahead; the second hops a peer issues after its
-    backward; the boundary (``boundary``: loss, norm, optimizer). Every collective is priced and enqueued by
-    ``issue``: a new collective family joins with a handler there and its pricing in ``collective_time``.
+    1. ``start_update_gathers``: the previous step's update gathers (``optimizer_sharding="world"``);
+    2. ``run_micro_steps``: each micro-step's actions, each by its kind's handler (compute, gathers,
+       reductions, second hops, waits, tensor collectives, releases), identical middle ones skipped ahead;
+    3. ``issue_deferred_second_hops``: the second hops a runtime issues after its backward;
+    4. ``run_boundary``: the loss all-reduce, the norm, the optimizer.
 
-    ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard
-    element (AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes).
-    ``compute_dtype`` prices matmuls at that dtype's peak (default: the Plan's param_dtype;
-    a what-if such as fp16 peak for an fp32 Program otherwise). ``record=False`` (no timeline):
-    once a middle micro-step starts in the state the previous one started in (times relative to
-    its start), the remaining middle ones repeat it and are skipped ahead in one go, so a step of
-    many micro-batches costs about four (equal to simulating each one up to float rounding).
-    ``gather_pieces``: bucket -> the bytes of the collectives its gather is issued as (a peer's fetch
-    granularity, ``lowering.peers``), run one after the other on the group's stream; default: one
-    collective of the whole bucket. ``reduce_pieces``: the same for a bucket's reduce-scatter (a
-    peer's gradient buckets: empty where the bucket's gradients wait to be reduced with later ones).
-    ``hierarchical_on_stream``: a hierarchical collective's
-    reorder and intra-node stage run on its communication stream, not the compute stream.
-    ``replicate_every_micro_step``: each reduce-scatter's shard is all-reduced over the replicate
-    group right after it, every micro-step, on that group's stream (FSDP2's HSDP), and the boundary
-    has no all-reduce of its own. ``sync_at_fetch``: the host synchronizes the whole device when a
-    fetched bucket's gather completes (a peer whose fetch ends in a device synchronize), so every
-    reduction in flight finishes before the bucket computes. ``copy_out_ops``: bucket -> the copy
-    kernels a peer runs on the compute stream at a gather's wait to copy the gathered bytes out into its
-    parameters (FSDP2's ``split_with_sizes_copy``, DeepSpeed's ``torch.cat`` per parameter), each
-    gathered byte read and written once. ``host_per_micro_step_s`` / ``host_per_step_s``: compute-stream
-    time a peer's runtime adds per micro-step (spread over its gathers' waits: its hooks) and per step
-    (its optimizer), where the host is the device (a CPU run; ``benchmarks/bench_peers.py --predict``
-    measures them at world size 1). ``grad_sync_after_backward``: the gradients' all-reduces over the
-    replicas (the second hops) are issued once the step's last backward has computed, not as each bucket is
-    reduced (Megatron-LM's data-parallel all-reduce, ``allreduce_gradients`` after the whole backward).
-    ``host_per_call_s``: (gather, reduce-scatter) host time per collective call (per piece of ``gather_pieces``
-    / ``reduce_pieces``), on the compute stream before the call is launched: a peer whose host builds each
-    call's per-rank tensor lists while the device is synchronized (DeepSpeed 2021, ``lowering.peers``).
+    Every collective is priced and enqueued by ``_StepSimulation.issue``: a new collective family joins with a
+    handler in ``MICRO_STEP_HANDLERS`` (or ``BOUNDARY_HANDLERS``) and its pricing in ``cost_model.collective_time``.
+
+    ``optimizer_bytes_per_param``: memory traffic of the optimizer step per shard element (AdamW reads param,
+    grad, m, v and writes param, m, v: 7 x 4 bytes). ``compute_dtype`` prices matmuls at that dtype's peak
+    (default: the Plan's param_dtype; a what-if such as fp16 peak for an fp32 Program otherwise).
+    ``record=False`` (no timeline): once a middle micro-step starts in the state the previous one started in
+    (times relative to its start), the remaining middle ones repeat it and are skipped ahead in one go, so a step
+    of many micro-batches costs about four (equal to simulating each one up to float rounding). ``accumulate``:
+    each micro-step ends in the gradients' accumulation into the shard accumulators (not for a pipeline chunk's
+    forward half). ``runtime``: the system's runtime costs (micscompile's, or a peer's).
     """
-    if replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
+    if runtime.replicate_every_micro_step:  # the peer all-reduces after every reduce-scatter instead
         program = program.without_second_hops()
-    gpu = cluster.gpu
-    compute_dtype = compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch.")
-    groups = program.groups
-    layouts = program.layouts
-    shard_numel = sum(lay.row_numel for lay in layouts)
-    # optimizer_sharding="world": each rank keeps the optimizer state of, and steps, 1/d of its shard
-    opt_numel = shard_numel // program.plan.optimizer_shards
-    opt_state = min(OPTIMIZER_STATE_BYTES_PER_PARAM, state_bytes_per_param)
-    static = shard_numel * (state_bytes_per_param - opt_state) + opt_numel * opt_state + buffer_bytes
+    sim = _StepSimulation(program, cluster, runtime, record=record,
+                          compute_dtype=compute_dtype or str(program.plan.plan.param_dtype).removeprefix("torch."),
+                          state_bytes_per_param=state_bytes_per_param, buffer_bytes=buffer_bytes)
+    sim.start_update_gathers()
+    sim.run_micro_steps(accumulate)
+    sim.issue_deferred_second_hops()
+    sim.run_boundary(optimizer_bytes_per_param)
+    return sim.prediction(flops_per_step)
 
-    t = 0.0
-    busy: dict[str, float] = defaultdict(float)
-    stream_free: dict[str, float] = defaultdict(float)
-    aligned: dict[str, float] = defaultdict(float)  # group -> when its ranks were last together
-    waits_for_arrival = {name for name, g in groups.items()  # (only these groups' ``aligned`` matters)
-                         if cluster.collective_interference.get(str(g.size), {}).get("arrival_wait_s")}
-    pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
-    events: list[Event] = []
-    memory: list[tuple[float, int]] = []
-    dynamic = 0  # gathered + packed buckets
-    peak = static
-    exposed = 0.0
 
-    def note_memory(extra: int = 0) -> None:
-        nonlocal peak
-        peak = max(peak, static + dynamic + extra)
-        if record:
-            memory.append((t, static + dynamic + extra))
+class _StepSimulation:
+    """One rank's step on a cluster, as clocks: the compute stream's time ``t``, each communication stream's
+    ``stream_free``, each group's ``aligned`` (when its ranks were last together), the collectives in flight
+    (``pending``, by the action kind and bucket their wait names), and the bytes alive (``static`` + ``dynamic``
+    + ``activations``)."""
 
-    def run_compute(duration: float, name: str) -> None:
-        nonlocal t
-        if record and duration > 0:
-            events.append(Event("compute", name, t, t + duration))
-        t += duration
-        busy["compute"] += duration
+    __slots__ = ("program", "cluster", "runtime", "record", "gpu", "compute_dtype", "groups", "layouts",
+                 "shard_numel", "opt_numel", "static", "t", "busy", "stream_free", "aligned", "waits_for_arrival",
+                 "pending", "events", "memory", "dynamic", "activations", "peak", "exposed", "spans", "priced",
+                 "slowing", "updates", "deferred", "host_s", "ends", "boundary_exposed", "micro_step_handlers",
+                 "boundary_handlers", "optimizer_bytes_per_param")
 
-    priced: dict[tuple, tuple[float, float, float]] = {}
-    slowing = [0]  # collectives in flight that slow compute down
+    def __init__(self, program: Program, cluster: Cluster, runtime: RuntimeCosts, *, record: bool,
+                 compute_dtype: str, state_bytes_per_param: int, buffer_bytes: int) -> None:
+        self.program, self.cluster, self.runtime, self.record = program, cluster, runtime, record
+        self.gpu, self.compute_dtype = cluster.gpu, compute_dtype
+        self.groups, self.layouts = program.groups, program.layouts
+        self.shard_numel = sum(lay.row_numel for lay in self.layouts)
+        # optimizer_sharding="world": each rank keeps the optimizer state of, and steps, 1/d of its shard
+        self.opt_numel = self.shard_numel // program.plan.optimizer_shards
+        opt_state = min(OPTIMIZER_STATE_BYTES_PER_PARAM, state_bytes_per_param)
+        self.static = (self.shard_numel * (state_bytes_per_param - opt_state) + self.opt_numel * opt_state
+                       + buffer_bytes)
+        self.t = 0.0
+        self.busy: dict[str, float] = defaultdict(float)
+        self.stream_free: dict[str, float] = defaultdict(float)
+        self.aligned: dict[str, float] = defaultdict(float)
+        self.waits_for_arrival = {name for name, g in self.groups.items()  # (only these groups' ``aligned`` matter)
+                                  if cluster.collective_interference.get(str(g.size), {}).get("arrival_wait_s")}
+        self.pending: dict[tuple[Kind, int | None], deque[_InFlight]] = defaultdict(deque)
+        self.events: list[Event] = []
+        self.memory: list[tuple[float, int]] = []
+        self.dynamic = 0  # gathered + packed buckets
+        self.activations = 0
+        self.peak = self.static
+        self.exposed = 0.0
+        self.spans: dict[int, tuple[float, float, int]] = {}  # action index (micro-step, then boundary) -> its span
+        self.priced: dict[tuple, tuple[float, float, float]] = {}  # (a step repeats few distinct collectives)
+        self.slowing = 0  # collectives in flight that slow compute down
+        self.updates: dict[int, float] = {}  # bucket -> when the previous step's update gather of it ends
+        self.deferred: list[Action] = []  # second hops issued after the last backward (grad_sync_after_backward)
+        self.host_s = 0.0  # a peer's host time per gather wait this micro-step (host_per_micro_step_s)
+        self.ends: list[float] = []  # the boundary's collectives in flight
+        self.boundary_exposed = 0.0
+        self.optimizer_bytes_per_param = 0
+        self.micro_step_handlers = {
+            Kind.COMPUTE: self.on_compute, **dict.fromkeys(GATHERS, self.on_gather),
+            **dict.fromkeys((Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK), self.on_reduce),
+            Kind.SECOND_HOP: self.on_second_hop, Kind.WAIT: self.on_wait, **dict.fromkeys(BLOCKING, self.on_blocking),
+            Kind.RELEASE: self.on_release, RUN: self.on_run}
+        self.boundary_handlers = {
+            Kind.LOSS_ALL_REDUCE: self.at_loss, Kind.UPDATE_GATHER: self.at_update, Kind.WAIT: self.at_wait,
+            Kind.NORM_ALL_REDUCE: self.at_norm, Kind.OPTIMIZER: self.at_optimizer}
 
-    def issue(a: Action, frees_bytes: int = 0) -> _InFlight:
-        """Enqueue ``a`` on its stream and charge compute its exposed share. A hierarchical
-        collective's inter-node stage is what runs on the stream; its reorder and intra-node
-        stage run on the compute stream (at the wait for a gather, before the issue for a
-        reduce-scatter), as collectives.py runs them."""
-        group = groups[a.group]
-        cost = cluster.collective_interference.get(str(group.size))
-        finish_s = 0.0
-        key = (a.kind, a.tensor_bytes, a.group, a.hierarchical)
-        by_bucket = gather_pieces if a.kind in GATHERS else reduce_pieces if a.kind is Kind.REDUCE_SCATTER else None
-        pieces = by_bucket.get(a.bucket) if by_bucket else None
-        if pieces is not None:
-            key = (a.kind, tuple(pieces), a.group, a.hierarchical)
-        if key not in priced:  # (a step repeats few distinct collectives)
-            kind = program.collective_of(a)
-            stages = [hierarchical_stages_s(kind, b, group.ranks, cluster) if a.hierarchical else
-                      (collective_time_s(kind, b, group.ranks, cluster), 0.0, 0.0)
-                      for b in ((a.tensor_bytes,) if pieces is None else pieces)]
-            priced[key] = tuple(sum(s) for s in zip(*stages)) if stages else (0.0, 0.0, 0.0)
-        duration, reorder, intra = priced[key]
-        host_s = host_per_call_s[0] if a.kind in GATHERS else host_per_call_s[1] if a.kind is Kind.REDUCE_SCATTER else 0
-        if host_s:  # (the host's loops over the group's ranks, one call after another)
-            run_compute(host_s * (1 if pieces is None else len(pieces)), (f"host {a}" if record else ""))
-        if a.hierarchical and hierarchical_on_stream:
-            duration, reorder, intra = duration + reorder + intra, 0.0, 0.0
-        if a.hierarchical:
-            if a.kind is Kind.REDUCE_SCATTER:
-                run_compute(reorder + intra, (f"intra-node {a}" if record else ""))
-            else:
-                finish_s = reorder + intra
-        stream = f"comm:{a.group}"
-        if cost is not None and any(c.group == a.group and c.end_s > t for queue in pending.values() for c in queue):
-            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one still running
-        flight = _InFlight(enqueue(stream, duration, a, t + arrival_wait_s(cost, t - aligned[a.group])), a.group,
-                           frees_bytes, finish_s=finish_s)
-        if duration <= 0:
-            return flight
-        aligned[a.group] = flight.end_s
-        if charge_exposed(cost, duration, a) is None:
-            return flight
-        flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
-        slowing[0] += flight.slowdown > 0
-        return flight
+    # ---- the phases -------------------------------------------------------------------------------------------
 
-    def arrival_wait_s(cost: dict[str, float] | None, since_s: float) -> float:
-        """How long the group's last rank is expected to arrive after this one, ``since_s`` of compute
-        after the group's ranks were last together (its previous collective's end): calibrated."""
-        if cost is None or since_s <= 0 or not cost.get("arrival_wait_s"):
-            return 0.0
-        return cost["arrival_wait_s"] * (since_s / 1e-3) ** cost.get("arrival_exponent", 0.5)
+    def start_update_gathers(self) -> None:
+        """``optimizer_sharding="world"``, in the steady state: the previous step's update gathers run from this
+        step's start (on the replicate stream); a bucket's first gather waits for its own (the runtime's
+        ``collectives.settle``), a plan that gathers nothing for all of them, the optimizer for the rest."""
+        program = self.program
+        self.updates = {a.bucket: self.issue(a).end_s for a in program.boundary if a.kind is Kind.UPDATE_GATHER}
+        if self.updates and not any(a.kind in GATHERS for a in program.micro_step):
+            self.wait_until(max(self.updates.values()))
+            self.updates.clear()
 
-    def enqueue(stream: str, duration: float, what: object, ready_s: float) -> float:
-        """Run ``duration`` on ``stream`` from ``ready_s`` or when the stream frees up; returns its end."""
-        start = max(ready_s, stream_free[stream])
-        stream_free[stream] = start + duration
-        busy[stream] += duration
-        if record and duration > 0:
-            events.append(Event(stream, str(what), start, start + duration))
-        return start + duration
+    def run_micro_steps(self, accumulate: bool) -> None:
+        """Every micro-step's actions by their kinds' handlers, then the gradients' accumulation."""
+        program, micro_batches, record = self.program, self.program.plan.micro_batches, self.record
+        steps = program.micro_step if record or self.cluster.collective_interference else coalesced(
+            program, self.cluster, self.compute_dtype)
+        handlers = self.micro_step_handlers
+        mb, seen = 0, None
+        while mb < micro_batches:
+            if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
+                state = self.relative_state()
+                if seen is not None and seen[0] == state:
+                    self.fast_forward(micro_batches - 1 - mb, seen[1])
+                    mb, seen = micro_batches - 1, None
+                    continue
+                seen = state, (self.t, dict(self.busy), self.exposed)
+            if self.runtime.host_per_micro_step_s:
+                self.spread_host_time(steps, mb)
+            edge = mb == 0 or mb == micro_batches - 1  # (an action the first one skips: as the last runs it)
+            for i, a in enumerate(steps):
+                if not program.issues(a, mb):
+                    continue
+                start = self.t
+                handler = handlers.get(a.kind)
+                end = handler(a) if handler is not None else None
+                if end is not _SKIP and edge:
+                    self.note_span(start, self.t if end is None else end, i)
+            if accumulate:
+                self.run_compute(accumulate_time_s(self.shard_numel, self.gpu, len(self.layouts)), "accumulate")
+            mb += 1
 
-    def charge_exposed(cost: dict[str, float] | None, duration: float, what: object) -> dict[str, float] | None:
-        """Charge the compute stream a collective's exposed share: the calibrated ``cost``'s, else
-        ``(1 - overlap) * duration + collective_overhead_s``; returns ``cost``."""
-        name = f"comm cpu {what}" if record else ""
-        charge = _charge_s(cluster, cost, duration)
-        run_compute(charge, name)
-        busy["charged"] += charge  # (in busy so that skipping middle micro-steps scales it too; popped below)
-        return cost
+    def issue_deferred_second_hops(self) -> None:
+        for a in self.deferred:
+            self.pending[(a.kind, a.bucket)].append(self.issue(a))
 
-    def all_reduce_after(ready_s: float, nbytes: int) -> float:
-        """An all-reduce of ``nbytes`` over the replicate group once ``ready_s`` has passed, on its
-        stream, charging compute what ``issue`` charges a collective; returns when it ends."""
-        ranks = groups["replicate"].ranks
-        key = ("replicate", nbytes)
-        if key not in priced:
-            priced[key] = (collective_time_s("all_reduce", nbytes, ranks, cluster), 0.0, 0.0)
-        duration = priced[key][0]
-        end = enqueue("comm:replicate", duration, "all_reduce after reduce_scatter", ready_s)
-        if duration > 0:
-            charge_exposed(cluster.collective_interference.get(str(len(ranks))), duration,
-                           "all_reduce after reduce_scatter")
-        return end
+    def run_boundary(self, optimizer_bytes_per_param: int) -> None:
+        """The gradients' last reductions, the norm, the optimizer."""
+        self.optimizer_bytes_per_param = optimizer_bytes_per_param
+        for i, a in enumerate(self.program.boundary, start=len(self.program.micro_step)):
+            start = self.t
+            handler = self.boundary_handlers.get(a.kind)
+            if handler is not None:
+                self.note_span(start, handler(a), i)
 
-    def run_compute_beside_collectives(duration: float, name: str) -> None:
-        """Compute, slowed by each collective in flight (issued, not yet done) up to that
-        collective's maximum."""
+    def prediction(self, flops_per_step: float | None) -> Prediction:
+        program = self.program
+        step = max([self.t, *self.stream_free.values()])
+        charged = self.busy.pop("charged", 0.0)
+        graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
+        return Prediction(
+            step_time_s=step, compute_s=self.busy["compute"], exposed_comm_s=self.exposed,
+            stream_busy_s=dict(self.busy), peak_memory_bytes=int(self.peak), static_memory_bytes=int(self.static),
+            flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
+            world_size=program.plan.world_size, events=self.events, memory=self.memory,
+            action_spans=[self.spans[i] for i in sorted(self.spans)], uncertainty=self.cluster.prediction_error,
+            exposed_boundary_s=self.boundary_exposed, comm_charged_s=charged,
+        )
+
+    # ---- the clocks -------------------------------------------------------------------------------------------
+
+    def note_memory(self, extra: int = 0) -> None:
+        now = self.static + self.dynamic + extra
+        self.peak = max(self.peak, now)
+        if self.record:
+            self.memory.append((self.t, now))
+
+    def note_span(self, start: float, end: float, index: int) -> None:
+        if self.record and index not in self.spans:
+            self.spans[index] = (start, end, self.static + self.dynamic + self.activations)
+
+    def run_compute(self, duration: float, name: str) -> None:
+        if self.record and duration > 0:
+            self.events.append(Event("compute", name, self.t, self.t + duration))
+        self.t += duration
+        self.busy["compute"] += duration
+
+    def run_compute_beside_collectives(self, duration: float, name: str) -> None:
+        """Compute, slowed by each collective in flight (issued, not yet done) up to that collective's maximum."""
         extra = 0.0
-        for queue in pending.values() if slowing[0] else ():  # (none slow compute on an uncalibrated cluster)
+        for queue in self.pending.values() if self.slowing else ():  # (none slow compute uncalibrated)
             for c in queue:
-                if c.end_s <= t:
+                if c.end_s <= self.t:
                     continue  # done (a second hop is waited for only at the boundary)
                 take = min(c.slowdown * duration, c.slowdown_left_s)
                 c.slowdown_left_s -= take
                 extra += take
-        run_compute(duration, name)
+        self.run_compute(duration, name)
         if extra > 0:
-            run_compute(extra, "slowed by collectives in flight")
+            self.run_compute(extra, "slowed by collectives in flight")
 
-    def wait_until(end: float) -> None:
-        nonlocal t, exposed
-        if end > t:
-            exposed += end - t
-            t = end
+    def wait_until(self, end: float) -> None:
+        if end > self.t:
+            self.exposed += end - self.t
+            self.t = end
 
-    activations = 0
-    spans: dict[int, tuple[float, float, int]] = {}  # action index (micro-step, then boundary) -> its span
+    def enqueue(self, stream: str, duration: float, what: object, ready_s: float) -> float:
+        """Run ``duration`` on ``stream`` from ``ready_s`` or when the stream frees up; returns its end."""
+        start = max(ready_s, self.stream_free[stream])
+        self.stream_free[stream] = start + duration
+        self.busy[stream] += duration
+        if self.record and duration > 0:
+            self.events.append(Event(stream, str(what), start, start + duration))
+        return start + duration
 
-    def note_span(start: float, end: float, index: int) -> None:
-        if record and index not in spans:
-            spans[index] = (start, end, static + dynamic + activations)
+    def charge_exposed(self, cost: dict[str, float] | None, duration: float, what: object) -> dict[str, float] | None:
+        """Charge the compute stream a collective's exposed share: the calibrated ``cost``'s, else
+        ``(1 - overlap) * duration + collective_overhead_s``; returns ``cost``."""
+        charge = _charge_s(self.cluster, cost, duration)
+        self.run_compute(charge, f"comm cpu {what}" if self.record else "")
+        self.busy["charged"] += charge  # (in busy so that skipping middle micro-steps scales it too)
+        return cost
 
-    def relative_state() -> tuple:
+    def arrival_wait_s(self, cost: dict[str, float] | None, since_s: float) -> float:
+        """How long the group's last rank is expected to arrive after this one, ``since_s`` of compute after the
+        group's ranks were last together (its previous collective's end): calibrated."""
+        if cost is None or since_s <= 0 or not cost.get("arrival_wait_s"):
+            return 0.0
+        return cost["arrival_wait_s"] * (since_s / 1e-3) ** cost.get("arrival_exponent", 0.5)
+
+    def price(self, a: Action, pieces: Sequence[int] | None) -> tuple[float, float, float]:
+        """(duration on the stream, reorder, intra-node stage) of ``a``, issued whole or as ``pieces``."""
+        key = (a.kind, a.tensor_bytes if pieces is None else tuple(pieces), a.group, a.hierarchical)
+        if key not in self.priced:
+            kind, ranks, cluster = self.program.collective_of(a), self.groups[a.group].ranks, self.cluster
+            stages = [hierarchical_stages_s(kind, b, ranks, cluster) if a.hierarchical else
+                      (collective_time_s(kind, b, ranks, cluster), 0.0, 0.0)
+                      for b in ((a.tensor_bytes,) if pieces is None else pieces)]
+            self.priced[key] = tuple(sum(s) for s in zip(*stages)) if stages else (0.0, 0.0, 0.0)
+        return self.priced[key]
+
+    def issue(self, a: Action, frees_bytes: int = 0) -> _InFlight:
+        """Enqueue ``a`` on its stream and charge compute its exposed share. A hierarchical collective's
+        inter-node stage is what runs on the stream; its reorder and intra-node stage run on the compute stream
+        (at the wait for a gather, before the issue for a reduce-scatter), as collectives.py runs them."""
+        runtime = self.runtime
+        group = self.groups[a.group]
+        cost = self.cluster.collective_interference.get(str(group.size))
+        gather = a.kind in GATHERS
+        by_bucket = runtime.gather_pieces if gather else runtime.reduce_pieces if a.kind is Kind.REDUCE_SCATTER \
+            else None
+        pieces = by_bucket.get(a.bucket) if by_bucket else None
+        duration, reorder, intra = self.price(a, pieces)
+        host_s = runtime.host_per_call_s[0] if gather else runtime.host_per_call_s[1] \
+            if a.kind is Kind.REDUCE_SCATTER else 0
+        if host_s:  # (the host's loops over the group's ranks, one call after another)
+            self.run_compute(host_s * (1 if pieces is None else len(pieces)), (f"host {a}" if self.record else ""))
+        finish_s = 0.0
+        if a.hierarchical and runtime.hierarchical_on_stream:
+            duration, reorder, intra = duration + reorder + intra, 0.0, 0.0
+        if a.hierarchical:
+            if a.kind is Kind.REDUCE_SCATTER:
+                self.run_compute(reorder + intra, (f"intra-node {a}" if self.record else ""))
+            else:
+                finish_s = reorder + intra
+        if cost is not None and any(c.group == a.group and c.end_s > self.t
+                                    for queue in self.pending.values() for c in queue):
+            duration *= cost.get("queued_fraction", 1.0)  # shares the group's threads with one still running
+        ready = self.t + self.arrival_wait_s(cost, self.t - self.aligned[a.group])
+        flight = _InFlight(self.enqueue(f"comm:{a.group}", duration, a, ready), a.group, frees_bytes,
+                           finish_s=finish_s)
+        if duration <= 0:
+            return flight
+        self.aligned[a.group] = flight.end_s
+        if self.charge_exposed(cost, duration, a) is None:
+            return flight
+        flight.slowdown, flight.slowdown_left_s = cost["slowdown"], cost["max_slowdown_s"]
+        self.slowing += flight.slowdown > 0
+        return flight
+
+    def all_reduce_after(self, ready_s: float, nbytes: int) -> float:
+        """An all-reduce of ``nbytes`` over the replicate group once ``ready_s`` has passed, on its stream,
+        charging compute what ``issue`` charges a collective; returns when it ends."""
+        ranks = self.groups["replicate"].ranks
+        key = ("replicate", nbytes)
+        if key not in self.priced:
+            self.priced[key] = (collective_time_s("all_reduce", nbytes, ranks, self.cluster), 0.0, 0.0)
+        duration = self.priced[key][0]
+        end = self.enqueue("comm:replicate", duration, "all_reduce after reduce_scatter", ready_s)
+        if duration > 0:
+            self.charge_exposed(self.cluster.collective_interference.get(str(len(ranks))), duration,
+                                "all_reduce after reduce_scatter")
+        return end
+
+    def spread_host_time(self, steps: list, mb: int) -> None:
+        """A peer's host time per micro-step, spread over the gathers' waits (at the start without any)."""
+        waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and self.program.issues(a, mb) for a in steps)
+        self.host_s = self.runtime.host_per_micro_step_s / max(waits, 1)
+        if not waits:
+            self.run_compute(self.runtime.host_per_micro_step_s, "host")
+
+    def relative_state(self) -> tuple:
         """Everything the rest of the step depends on, relative to now (``fast_forward``)."""
+        t = self.t
         flights = tuple((key, tuple((round(f.end_s - t, 12), f.group, f.frees_bytes, f.finish_s, f.slowdown,
                                      round(f.slowdown_left_s, 12)) for f in q))
-                        for key, q in sorted(pending.items(), key=str) if q)
-        streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(stream_free.items()))
-        together = tuple((k, round(v - t, 12)) for k, v in sorted(aligned.items()) if k in waits_for_arrival)
-        return dynamic, activations, flights, streams, together
+                        for key, q in sorted(self.pending.items(), key=str) if q)
+        streams = tuple((k, round(max(v - t, 0.0), 12)) for k, v in sorted(self.stream_free.items()))
+        together = tuple((k, round(v - t, 12)) for k, v in sorted(self.aligned.items()) if k in self.waits_for_arrival)
+        return self.dynamic, self.activations, flights, streams, together
 
-    def fast_forward(steps: int, before: tuple) -> None:
-        """Every middle micro-step repeats the one just simulated (it started in the same relative
-        state): advance the clocks, streams and counters by ``steps`` more of it."""
-        nonlocal t, exposed
+    def fast_forward(self, steps: int, before: tuple) -> None:
+        """Every middle micro-step repeats the one just simulated (it started in the same relative state): advance
+        the clocks, streams and counters by ``steps`` more of it."""
         t0, busy0, exposed0 = before
-        period = t - t0
-        t += steps * period
-        exposed += steps * (exposed - exposed0)
-        for k in list(busy):
-            busy[k] += steps * (busy[k] - busy0.get(k, 0.0))
-        for k in stream_free:
-            stream_free[k] += steps * period
-        for k in aligned:
-            aligned[k] += steps * period
-        for queue in pending.values():
+        period = self.t - t0
+        self.t += steps * period
+        self.exposed += steps * (self.exposed - exposed0)
+        for k in list(self.busy):
+            self.busy[k] += steps * (self.busy[k] - busy0.get(k, 0.0))
+        for k in self.stream_free:
+            self.stream_free[k] += steps * period
+        for k in self.aligned:
+            self.aligned[k] += steps * period
+        for queue in self.pending.values():
             for f in queue:
                 f.end_s += steps * period
 
-    # optimizer_sharding="world", in the steady state: the previous step's update gathers run from this
-    # step's start (on the replicate stream); a bucket's first gather waits for its own (the runtime's
-    # collectives.settle), a plan that gathers nothing for all of them, the optimizer for the rest
-    updates = {a.bucket: issue(a).end_s for a in program.boundary if a.kind is Kind.UPDATE_GATHER}
-    if updates and not any(a.kind in GATHERS for a in program.micro_step):
-        wait_until(max(updates.values()))
-        updates.clear()
-    # ---- the micro-steps: each action by its kind's handler (a new collective family joins here and in issue)
-    micro_batches = program.plan.micro_batches
-    deferred: list[Action] = []  # second hops issued after the last backward (grad_sync_after_backward)
-    host_s = [0.0]  # a peer's host time per gather wait this micro-step (host_per_micro_step_s)
-    SKIP = object()  # (an action issued later: no span now)
+    # ---- a micro-step's actions, by kind ------------------------------------------------------------------------
 
-    def on_compute(a: Action) -> None:
-        nonlocal activations
-        note_memory(a.activation_peak_bytes)
-        run_compute_beside_collectives(compute_time_s(a, gpu, compute_dtype), a.region)
-        activations = a.activation_bytes
+    def on_compute(self, a: Action) -> None:
+        self.note_memory(a.activation_peak_bytes)
+        self.run_compute_beside_collectives(compute_time_s(a, self.gpu, self.compute_dtype), a.region)
+        self.activations = a.activation_bytes
 
-    def on_gather(a: Action) -> float:
-        nonlocal dynamic
-        if a.bucket in updates:
-            wait_until(updates.pop(a.bucket))
-        dynamic += a.tensor_bytes
-        note_memory(activations)
-        flight = issue(a)
-        if copy_out_ops is not None and a.bucket in copy_out_ops:
-            pieces = gather_pieces.get(a.bucket) if gather_pieces else None
+    def on_gather(self, a: Action) -> float:
+        if a.bucket in self.updates:
+            self.wait_until(self.updates.pop(a.bucket))
+        self.dynamic += a.tensor_bytes
+        self.note_memory(self.activations)
+        flight = self.issue(a)
+        copies = self.runtime.copy_out_ops
+        if copies is not None and a.bucket in copies:
+            pieces = self.runtime.gather_pieces.get(a.bucket) if self.runtime.gather_pieces else None
             gathered = a.tensor_bytes if pieces is None else sum(pieces)
-            flight.finish_s += _memory_time_s(2 * gathered, gpu, ops=copy_out_ops[a.bucket])
-        pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
+            flight.finish_s += _memory_time_s(2 * gathered, self.gpu, ops=copies[a.bucket])
+        self.pending[(Kind.ALL_GATHER, a.bucket)].append(flight)  # a next-gather is waited for next micro-step
         return flight.end_s
 
-    def on_reduce(a: Action) -> float | None:
-        nonlocal dynamic
-        run_compute(_pack_s(a.tensor_bytes, gpu), (f"pack {a}" if record else ""))
-        dynamic += a.tensor_bytes
-        note_memory(activations)
+    def on_reduce(self, a: Action) -> float | None:
+        self.run_compute(_pack_s(a.tensor_bytes, self.gpu), (f"pack {a}" if self.record else ""))
+        self.dynamic += a.tensor_bytes
+        self.note_memory(self.activations)
         if a.kind is Kind.PACK:
-            dynamic -= a.tensor_bytes  # consumed by accumulation right away
+            self.dynamic -= a.tensor_bytes  # consumed by accumulation right away
             return None
-        flight = issue(a, frees_bytes=a.tensor_bytes)
-        if replicate_every_micro_step and a.kind is Kind.REDUCE_SCATTER and "replicate" in groups:
-            flight.end_s = all_reduce_after(flight.end_s, a.tensor_bytes // groups[a.group].size)
-        pending[(a.kind, a.bucket)].append(flight)
+        flight = self.issue(a, frees_bytes=a.tensor_bytes)
+        if self.runtime.replicate_every_micro_step and a.kind is Kind.REDUCE_SCATTER and "replicate" in self.groups:
+            flight.end_s = self.all_reduce_after(flight.end_s, a.tensor_bytes // self.groups[a.group].size)
+        self.pending[(a.kind, a.bucket)].append(flight)
         return flight.end_s
 
-    def on_second_hop(a: Action):
-        if grad_sync_after_backward:
-            deferred.append(a)
-            return SKIP
-        flight = issue(a)
-        pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
+    def on_second_hop(self, a: Action):
+        if self.runtime.grad_sync_after_backward:
+            self.deferred.append(a)
+            return _SKIP
+        flight = self.issue(a)
+        self.pending[(a.kind, a.bucket)].append(flight)  # waited at the boundary
         return flight.end_s
 
-    def on_wait(a: Action) -> None:
-        nonlocal dynamic
-        flight = pending[(a.waits_for, a.bucket)].popleft()
-        slowing[0] -= flight.slowdown > 0
-        wait_until(flight.end_s)
-        if host_per_micro_step_s and a.waits_for in GATHERS:
-            run_compute(host_s[0], "host")
-        if sync_at_fetch and a.waits_for in GATHERS:  # (the reductions stay queued for their own waits)
-            wait_until(max((f.end_s for (kind, _), queue in pending.items() if kind not in GATHERS
-                            for f in queue), default=t))
-        dynamic -= flight.frees_bytes
+    def on_wait(self, a: Action) -> None:
+        flight = self.pending[(a.waits_for, a.bucket)].popleft()
+        self.slowing -= flight.slowdown > 0
+        self.wait_until(flight.end_s)
+        gather = a.waits_for in GATHERS
+        if self.runtime.host_per_micro_step_s and gather:
+            self.run_compute(self.host_s, "host")
+        if self.runtime.sync_at_fetch and gather:  # (the reductions stay queued for their own waits)
+            self.wait_until(max((f.end_s for (kind, _), queue in self.pending.items() if kind not in GATHERS
+                                 for f in queue), default=self.t))
+        self.dynamic -= flight.frees_bytes
         if flight.finish_s > 0:
-            run_compute(flight.finish_s, (f"after {a}" if record else ""))
+            self.run_compute(flight.finish_s, (f"after {a}" if self.record else ""))
 
-    def on_run(a: _Run) -> None:  # (``coalesced``: no timeline, no interference)
-        nonlocal t, exposed, activations
+    def on_run(self, a: _Run) -> None:  # (``coalesced``: no timeline, no interference)
         if a.activation_peak_bytes is not None:
-            note_memory(a.activation_peak_bytes)
-            activations = a.activation_bytes
-        t += a.time_s
-        busy["compute"] += a.compute_s
-        busy["charged"] += a.charged_s
-        exposed += a.exposed_s
+            self.note_memory(a.activation_peak_bytes)
+            self.activations = a.activation_bytes
+        self.t += a.time_s
+        self.busy["compute"] += a.compute_s
+        self.busy["charged"] += a.charged_s
+        self.exposed += a.exposed_s
         for stream, d in a.comm:
-            busy[stream] += d
-            stream_free[stream] = t
+            self.busy[stream] += d
+            self.stream_free[stream] = self.t
 
-    def on_blocking(a: Action) -> float:  # a tensor collective: the next op reads it
-        end = issue(a).end_s
-        wait_until(end)
+    def on_blocking(self, a: Action) -> float:  # a tensor collective: the next op reads it
+        end = self.issue(a).end_s
+        self.wait_until(end)
         return end
 
-    def on_release(a: Action) -> None:
-        nonlocal dynamic
-        dynamic -= a.tensor_bytes
-        note_memory(activations)
+    def on_release(self, a: Action) -> None:
+        self.dynamic -= a.tensor_bytes
+        self.note_memory(self.activations)
 
-    micro_step = {Kind.COMPUTE: on_compute, **dict.fromkeys(GATHERS, on_gather),
-                  **dict.fromkeys((Kind.REDUCE_SCATTER, Kind.ALL_REDUCE, Kind.PACK), on_reduce),
-                  Kind.SECOND_HOP: on_second_hop, Kind.WAIT: on_wait, **dict.fromkeys(BLOCKING, on_blocking),
-                  Kind.RELEASE: on_release, RUN: on_run}
-    steps = program.micro_step if record or cluster.collective_interference else coalesced(program, cluster,
-                                                                                              compute_dtype)
-    mb, seen = 0, None
-    while mb < micro_batches:
-        if not record and 1 <= mb < micro_batches - 1:  # exact: the same actions from the same state
-            state = relative_state()
-            if seen is not None and seen[0] == state:
-                fast_forward(micro_batches - 1 - mb, seen[1])
-                mb, seen = micro_batches - 1, None
-                continue
-            seen = state, (t, dict(busy), exposed)
-        if host_per_micro_step_s:  # (spread over the gathers' waits; at the start without any)
-            waits = sum(a.kind is Kind.WAIT and a.waits_for in GATHERS and program.issues(a, mb) for a in steps)
-            host_s[0] = host_per_micro_step_s / max(waits, 1)
-            if not waits:
-                run_compute(host_per_micro_step_s, "host")
-        for i, a in enumerate(steps):
-            if not program.issues(a, mb):
-                continue
-            start = t
-            handler = micro_step.get(a.kind)
-            end = handler(a) if handler is not None else None
-            if end is SKIP:
-                continue
-            if mb == 0 or mb == micro_batches - 1:  # (an action the first one skips: as the last runs it)
-                note_span(start, t if end is None else end, i)
-        # gradient accumulation into the shard accumulators
-        if accumulate:  # (not for a pipeline chunk's forward half)
-            run_compute(accumulate_time_s(shard_numel, gpu, len(layouts)), "accumulate")
-        mb += 1
-    for a in deferred:
-        pending[(a.kind, a.bucket)].append(issue(a))
+    # ---- the boundary's actions, by kind ------------------------------------------------------------------------
 
-    # ---- the boundary: the gradients' last reductions, the norm, the optimizer
-    ends = []
-    boundary_exposed = 0.0
+    def wait_boundary(self, end: float) -> None:
+        before = self.exposed
+        self.wait_until(end)
+        self.boundary_exposed += self.exposed - before
 
-    def wait_boundary(end: float) -> None:
-        nonlocal boundary_exposed
-        before = exposed
-        wait_until(end)
-        boundary_exposed += exposed - before
+    def at_loss(self, a: Action) -> float:
+        self.ends.append(self.issue(a).end_s)  # nothing computes beside them: no slowdown
+        return self.ends[-1]
 
-    def at_loss(a: Action) -> float:
-        ends.append(issue(a).end_s)  # nothing computes beside them: no slowdown
-        return ends[-1]
+    def at_update(self, a: Action) -> float:  # issued at the step's start (the previous step's)
+        return self.t
 
-    def at_update(a: Action) -> float:  # issued at the step's start (the previous step's), above
-        return t
+    def at_wait(self, a: Action) -> float:  # a second hop started in the last micro-step
+        flight = self.pending[(a.waits_for, a.bucket)].popleft()
+        self.slowing -= flight.slowdown > 0
+        self.ends.append(flight.end_s)
+        return self.t
 
-    def at_wait(a: Action) -> float:  # a second hop started in the last micro-step
-        flight = pending[(a.waits_for, a.bucket)].popleft()
-        slowing[0] -= flight.slowdown > 0
-        ends.append(flight.end_s)
-        return t
+    def at_norm(self, a: Action) -> float:  # the norm of the summed gradients: after the sums
+        self.wait_boundary(max(self.ends, default=self.t))
+        self.ends[:] = [self.issue(a).end_s]
+        return self.ends[-1]
 
-    def at_norm(a: Action) -> float:  # the norm of the summed gradients: after the sums
-        wait_boundary(max(ends, default=t))
-        ends[:] = [issue(a).end_s]
-        return ends[-1]
-
-    def at_optimizer(a: Action) -> float:
-        wait_boundary(max([*ends, *updates.values()], default=t))
-        n_params = sum(len(lay.slots) for lay in layouts)
+    def at_optimizer(self, a: Action) -> float:
+        self.wait_boundary(max([*self.ends, *self.updates.values()], default=self.t))
+        gpu, n_params = self.gpu, sum(len(lay.slots) for lay in self.layouts)
         if gpu.optimizer_param_s is not None and gpu.optimizer_element_s is not None:
-            opt_s = n_params * gpu.optimizer_param_s + opt_numel * gpu.optimizer_element_s
+            opt_s = n_params * gpu.optimizer_param_s + self.opt_numel * gpu.optimizer_element_s
         else:
-            opt_s = _memory_time_s(optimizer_bytes_per_param * opt_numel, gpu, ops=10 * n_params)
-        run_compute(opt_s + host_per_step_s, "optimizer")
-        return t
-
-    boundary = {Kind.LOSS_ALL_REDUCE: at_loss, Kind.UPDATE_GATHER: at_update, Kind.WAIT: at_wait,
-                Kind.NORM_ALL_REDUCE: at_norm, Kind.OPTIMIZER: at_optimizer}
-    for i, a in enumerate(program.boundary, start=len(program.micro_step)):
-        start = t
-        if a.kind in boundary:
-            note_span(start, boundary[a.kind](a), i)
-    step = max([t, *stream_free.values()])
-    charged = busy.pop("charged", 0.0)
-    graph_flops = program.plan.micro_batches * sum(a.flops for a in program.micro_step)
-    return Prediction(
-        step_time_s=step, compute_s=busy["compute"], exposed_comm_s=exposed,
-        stream_busy_s=dict(busy), peak_memory_bytes=int(peak), static_memory_bytes=int(static),
-        flops_per_step=flops_per_step if flops_per_step is not None else graph_flops,
-        world_size=program.plan.world_size, events=events, memory=memory, action_spans=[spans[i] for i in sorted(spans)],
-        uncertainty=cluster.prediction_error, exposed_boundary_s=boundary_exposed, comm_charged_s=charged,
-    )
+            opt_s = _memory_time_s(self.optimizer_bytes_per_param * self.opt_numel, gpu, ops=10 * n_params)
+        self.run_compute(opt_s + self.runtime.host_per_step_s, "optimizer")
+        return self.t

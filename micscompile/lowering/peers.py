@@ -57,9 +57,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from micscompile.core.errors import InputError
 from micscompile.core.plan import Plan
 from micscompile.core.program import Prefetch
 from micscompile.core.sharding import BucketLayout
+from micscompile.cost_model.simulator import RuntimeCosts
 
 SYSTEMS = ("micscompile", "deepspeed-zero3", "deepspeed-zero3-v0.5", "deepspeed-zero3-v0.3", "deepspeed-mics", "fsdp2",
            "megatron")
@@ -146,31 +148,22 @@ class Peer:
             after += lay.numel
         return kept
 
-    def costs(self, layouts: Sequence[BucketLayout]) -> dict[str, object]:
-        """What ``simulate_program`` prices differently for this peer's Program."""
-        out: dict[str, object] = {}
-        if self.fetch_elements is not None:
-            out["gather_pieces"] = {lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold,
-                                                             self.per_parameter) for lay in layouts}
-        if self.reduce_elements is not None:
-            out["reduce_pieces"] = reduce_buckets(layouts, self.reduce_elements, self.per_parameter)
-        if self.hierarchical_on_stream:
-            out["hierarchical_on_stream"] = True
-        if self.replicate_every_micro_step:
-            out["replicate_every_micro_step"] = True
-        if self.sync_at_fetch:
-            out["sync_at_fetch"] = True
-        if self.grad_sync_after_backward:
-            out["grad_sync_after_backward"] = True
-        if any(self.host_per_call_s):
-            out["host_per_call_s"] = self.host_per_call_s
-        if self.host_per_persistent_s:
-            out["host_per_step_s"] = self.host_per_persistent_s * sum(
-                s.numel <= self.persistence_threshold for lay in layouts for s in lay.slots)
-        if self.copy_out is not None:
-            out["copy_out_ops"] = {lay.index: sum(s.numel > self.persistence_threshold for s in lay.slots)
-                                   if self.copy_out == "parameter" else 1 for lay in layouts}
-        return out
+    def runtime_costs(self, layouts: Sequence[BucketLayout]) -> RuntimeCosts:
+        """What ``simulate_program`` prices differently for this peer's runtime, on its Program's ``layouts``."""
+        return RuntimeCosts(
+            gather_pieces=None if self.fetch_elements is None else {
+                lay.index: fetch_batches(lay, self.fetch_elements, self.persistence_threshold, self.per_parameter)
+                for lay in layouts},
+            reduce_pieces=None if self.reduce_elements is None else reduce_buckets(layouts, self.reduce_elements,
+                                                                                   self.per_parameter),
+            hierarchical_on_stream=self.hierarchical_on_stream,
+            replicate_every_micro_step=self.replicate_every_micro_step, sync_at_fetch=self.sync_at_fetch,
+            grad_sync_after_backward=self.grad_sync_after_backward, host_per_call_s=self.host_per_call_s,
+            host_per_step_s=self.host_per_persistent_s * sum(s.numel <= self.persistence_threshold
+                                                             for lay in layouts for s in lay.slots),
+            copy_out_ops=None if self.copy_out is None else {
+                lay.index: sum(s.numel > self.persistence_threshold for s in lay.slots)
+                if self.copy_out == "parameter" else 1 for lay in layouts})
 
 
 def reduce_buckets(layouts: Sequence[BucketLayout], limit: int, per_parameter: bool = False,
@@ -230,16 +223,16 @@ def peer(system: str, plan: Plan, world_size: int, config: Mapping[str, float] |
     count, dtypes, checkpointing and node size kept); ``config``: DeepSpeed config values
     (``DS_CONFIG_KEYS``) in place of its defaults."""
     if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+        raise InputError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     config = dict(config or {})
     unknown = set(config) - set(DS_CONFIG_KEYS)
     if unknown or (config and not system.startswith("deepspeed")):
-        raise ValueError(f"peer_config takes DeepSpeed's {', '.join(DS_CONFIG_KEYS)} for a DeepSpeed system; "
+        raise InputError(f"peer_config takes DeepSpeed's {', '.join(DS_CONFIG_KEYS)} for a DeepSpeed system; "
                          f"got {sorted(config)} for {system!r}")
     ds = {k: int(config.get(k, default)) for k, default in zip(DS_CONFIG_KEYS, (
         DS_PREFETCH_BUCKET_ELEMENTS, DS_PERSISTENCE_THRESHOLD, DS_REDUCE_BUCKET_ELEMENTS, DS_MAX_REUSE_DISTANCE))}
     base = dataclasses.replace(  # a reduce-scatter every micro-step: with p = n, "2hop" has no second hop
-        plan, pipeline_stages=1, pipeline_chunks=1, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
+        plan, pipeline_stages=1, pipeline_chunks=None, pipeline_schedule="1f1b", hierarchical=False, grad_sync="2hop",
         tensor_parallel_size=1, sequence_parallel=False,  # (data parallelism alone)
         bucket_bytes=None, memory_budget_bytes=None, max_gathers_in_flight=None, codegen="eager",
         optimizer_sharding="partition")

@@ -209,7 +209,7 @@ def in_flight(rp: ResolvedPlan) -> int:
     """How many micro-batches' activations each chunk of ``rp`` is cut to keep (``cut_points``): its rank's most in
     flight on ``rp``'s schedule, shared by its v chunks."""
     plan = rp.plan
-    return _in_flight(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.pipeline_chunks)
+    return _in_flight(plan.pipeline_schedule, rp.stages, rp.micro_batches, plan.chunks)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -223,7 +223,7 @@ def cut_points(rp: ResolvedPlan, seconds: list[float], state: list[float], saved
     """Where the S * v chunks start: time balanced among the cuts whose chunks fit the device (each
     keeps its model states and the activations of ``flight`` micro-batches, default ``in_flight(rp)``) and read
     a parameter each (``params``: per unit, ``unit_params``). Nothing else of ``rp`` than S * v is read."""
-    chunks = rp.stages * rp.plan.pipeline_chunks
+    chunks = rp.stages * rp.plan.chunks
     kept = in_flight(rp) if flight is None else flight
     memory = [s + a * kept for s, a in zip(state, saved)]
     capacity = (gpu or A100_40GB).memory_bytes
@@ -305,7 +305,7 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
     the graphs of these chunks alone (``mc.autotune`` has the others' shapes); the rest are None.
     ``unit_seconds``: with ``starts``, the units' ``unit_costs`` seconds where the caller has them (not costed again)."""
     plan = rp.plan
-    chunks = rp.stages * plan.pipeline_chunks
+    chunks = rp.stages * plan.chunks
     units = forward_units(tg)
     if starts is None or unit_seconds is None:
         seconds, state, saved = unit_costs(tg, units, gpu or A100_40GB, rp.partition_size)
@@ -322,9 +322,11 @@ def split(tg: TrainGraph, rp: ResolvedPlan, gpu: GpuSpec | None = None,
 
 def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: tuple[int, ...],
            seconds: list[float], only: set[int] | None, chunk_of_block: dict[str, int]) -> PipelineSplit:
-    graph = tg.gm.graph
-    params, buffers, inputs = _placeholders(tg)
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    """The split of ``tg`` with each node assigned to a chunk (``chunk``; unassigned nodes are recomputed where
+    read), in named steps: each gradient cut into the chunks' parts (``_grad_parts``), what each chunk computes
+    and sends (``_flows``), which chunks hold each parameter (``_holders``), then each chunk's graph
+    (``_stage_graph``; ``only``: those chunks, the others None)."""
+    output = next(n for n in reversed(tg.gm.graph.nodes) if n.op == "output")
     loss, *grads = output.args[0]
     if chunk.get(loss) != chunks - 1:
         raise PlanError("the loss must be computed by the last pipeline chunk")
@@ -334,16 +336,52 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
         if isinstance(g, torch.fx.Node):
             parts[name], adds = _grad_parts(g, chunk)
             dissolved.update(adds)
+    placeholders = _placeholders(tg)
+    flows = _flows(tg, chunk, chunks, parts, dissolved, output)
+    holders = _holders(tg, placeholders[0], flows, parts, chunk_of_block, chunks)
+    tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
+    # a tied parameter is a block of its own in every chunk: its bucket then holds it alone and is
+    # sharded alike wherever it is (its gradient is summed piece by piece), also where its module's
+    # other parameters are read by one chunk only (passes.buckets.assign_buckets)
+    blocks = [*tg.blocks, *tied]
+    ends = (*starts[1:], len(units))
+    stages = tuple(None if only is not None and c not in only else
+                   _stage_graph(tg, placeholders, c, flows, holders, parts, loss, blocks,
+                                tuple(units[starts[c]:ends[c]]))
+                   for c in range(chunks))
+    return PipelineSplit(stages, tuple(units), starts, tuple(seconds), tied)
 
-    # what each chunk computes, and which values cross which cut
-    order = {n: i for i, n in enumerate(graph.nodes)}
+
+@dataclass
+class _Flows:
+    """What each chunk of a split computes and reads, and what crosses each cut."""
+
+    order: dict[torch.fx.Node, int]
+    """Each node's place in the traced graph (every list below is in that order)."""
+    own: list[set]
+    """own[c]: the nodes chunk c computes (its own, and what it recomputes)."""
+    acts: list[set]
+    """acts[c]: the forward values sent from chunk c to c + 1."""
+    grads_back: list[set]
+    """grads_back[c]: the backward values sent from chunk c to c - 1."""
+    need: list[set]
+    """need[c]: every node chunk c reads."""
+
+
+def _flows(tg: TrainGraph, chunk: dict, chunks: int, parts: dict[str, dict[int, list]], dissolved: set,
+           output: torch.fx.Node) -> _Flows:
+    """Each chunk computes its own nodes (the gradients' sums ``dissolved`` into their parts aside) and recomputes
+    what it reads that no chunk owns; a forward value read by a later chunk crosses each cut between them, a
+    backward value read by an earlier one crosses back. A backward value flowing forward, or a forward node
+    reading a later chunk's value, cannot be pipelined."""
+    order = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
     own: list[set] = [set() for _ in range(chunks)]
     for n, c in chunk.items():
         if n not in dissolved:
             own[c].add(n)
-    acts: list[set] = [set() for _ in range(chunks)]   # acts[c]: sent from chunk c to c + 1
-    grads_back: list[set] = [set() for _ in range(chunks)]  # grads_back[c]: sent from chunk c to c - 1
-    need: list[set] = [set() for _ in range(chunks)]  # everything each chunk reads
+    flows = _Flows(order, own, [set() for _ in range(chunks)], [set() for _ in range(chunks)],
+                   [set() for _ in range(chunks)])
+    acts, grads_back, need = flows.acts, flows.grads_back, flows.need
 
     def reads(c: int, n: torch.fx.Node, inputs: list[torch.fx.Node] | None = None) -> None:
         """Chunk ``c`` runs ``n`` (reading ``inputs``, default its own): what must reach it."""
@@ -374,84 +412,92 @@ def _build(tg: TrainGraph, chunk: dict, chunks: int, units: list[str], starts: t
     for by_chunk in parts.values():  # each chunk sums its part of a gradient (the output reads it)
         for c, leaves in by_chunk.items():
             reads(c, output, leaves)
-    holders: dict[str, set[int]] = {}
+    return flows
+
+
+def _holders(tg: TrainGraph, params: list[torch.fx.Node], flows: _Flows, parts: dict[str, dict[int, list]],
+             chunk_of_block: dict[str, int], chunks: int) -> dict[str, set[int]]:
+    """Parameter name -> the chunks that hold it: those that read it or sum a part of its gradient. A parameter
+    nothing reads is still state (saved, loaded, exported; eager never steps it): the chunk of its block holds
+    it, or the last chunk."""
     param_name = dict(zip(params, tg.param_names))
+    holders: dict[str, set[int]] = {}
     for c in range(chunks):
-        for p in need[c]:
+        for p in flows.need[c]:
             if p in param_name:
                 holders.setdefault(param_name[p], set()).add(c)
     for name, by_chunk in parts.items():
         for c in by_chunk:
             holders.setdefault(name, set()).add(c)
-    # a parameter nothing reads is still state (saved, loaded, exported; eager never steps it): the
-    # chunk of its block holds it, or the last chunk (found by benchmarks/fuzz_plans.py)
     for name in tg.param_names:
         if name not in holders:
             holders[name] = {chunk_of_block.get(block_of(name.rpartition(".")[0], tg.blocks), chunks - 1)}
-    tied = {n: tuple(sorted(cs)) for n, cs in holders.items() if len(cs) > 1}
-    # a tied parameter is a block of its own in every chunk: its bucket then holds it alone and is
-    # sharded alike wherever it is (its gradient is summed piece by piece), also where its module's
-    # other parameters are read by one chunk only (passes.buckets.assign_buckets)
-    blocks = [*tg.blocks, *tied]
+    return holders
+
+
+def _stage_graph(tg: TrainGraph, placeholders: tuple[list, list, list], c: int, flows: _Flows,
+                 holders: dict[str, set[int]],
+                 parts: dict[str, dict[int, list]], loss: torch.fx.Node, blocks: list[str],
+                 units: tuple[str, ...]) -> StageGraph:
+    """Chunk ``c``'s graph: placeholders for the parameters it holds, the buffers and batch inputs it reads, the
+    activations and gradients it receives; its own nodes copied in order; outputs its loss (the last chunk), its
+    parts of the gradients, and what it sends on and back."""
+    graph, order, need = tg.gm.graph, flows.order, flows.need[c]
+    params, buffers, inputs = placeholders
+    chunks = len(flows.own)
+    recv_act = flows.acts[c - 1] if c > 0 else set()
+    recv_grad = flows.grads_back[c + 1] if c + 1 < chunks else set()
+    stage_params = [n for n in tg.param_names if c in holders.get(n, ())]
+    held = set(stage_params)
+    stage_buffers = [(b, name) for b, name in zip(buffers, tg.buffer_names) if b in need]
+    batch = [i for i, x in enumerate(inputs) if x in need]
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p, name in zip(params, tg.param_names):
+        if name in held:
+            env[p] = placeholder_like(new, p)
+    for b, _ in stage_buffers:
+        env[b] = placeholder_like(new, b)
+    for i in batch:
+        env[inputs[i]] = placeholder_like(new, inputs[i])
+    for v in sorted(recv_act, key=order.__getitem__):
+        env[v] = placeholder_like(new, v, "act_")
+    for v in sorted(recv_grad, key=order.__getitem__):
+        env[v] = placeholder_like(new, v, "grad_")
+    for n in graph.nodes:  # constants
+        if n.op == "get_attr" and n in need:
+            env[n] = copy_node(new, n)
+    for n in sorted(flows.own[c], key=order.__getitem__):
+        if n not in env:
+            env[n] = copy_node(new, n, env.__getitem__)
+    stage_trainable = [n for n in tg.trainable if n in held]
+    stage_grads = []
+    for name in stage_trainable:
+        leaves = parts.get(name, {}).get(c)
+        stage_grads.append(_sum(new, [env[leaf] for leaf in leaves]) if leaves else None)
+    stage_loss = env[loss] if c == chunks - 1 else None
+    out = (stage_loss, *stage_grads, *(env[v] for v in sorted(flows.acts[c], key=order.__getitem__)))
+    out += tuple(env[v] for v in sorted(flows.grads_back[c], key=order.__getitem__))  # (none leave chunk 0)
+    new.output(out)
+    stage_tg = TrainGraph(
+        gm=flat_module(tg.gm, new), param_names=stage_params,
+        param_aliases={n: tg.param_aliases[n] for n in stage_params},
+        param_shapes={n: tg.param_shapes[n] for n in stage_params},
+        param_dtypes={n: tg.param_dtypes[n] for n in stage_params},
+        trainable=stage_trainable, buffer_names=[name for _, name in stage_buffers],
+        input_specs=[tg.input_specs[i] for i in batch], num_model_inputs=tg.num_model_inputs,
+        blocks=blocks, compute_dtype=tg.compute_dtype, token_shape=tg.token_shape,
+    )
 
     def transfers(values: set) -> tuple[Transfer, ...]:
         return tuple(Transfer(v.name, v.meta[META_SHAPE], v.meta[META_DTYPE], scattered(v, tg.tensor_parallel))
                      for v in sorted(values, key=order.__getitem__))
 
-    stages = []
-    for c in range(chunks):
-        if only is not None and c not in only:
-            stages.append(None)
-            continue
-        recv_act = acts[c - 1] if c > 0 else set()
-        recv_grad = grads_back[c + 1] if c + 1 < chunks else set()
-        stage_params = [n for n in tg.param_names if c in holders.get(n, ())]
-        stage_buffers = [(b, name) for b, name in zip(buffers, tg.buffer_names) if b in need[c]]
-        batch = [i for i, x in enumerate(inputs) if x in need[c]]
-        new = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for p in params:
-            if param_name[p] in stage_params:
-                env[p] = placeholder_like(new, p)
-        for b, _ in stage_buffers:
-            env[b] = placeholder_like(new, b)
-        for i in batch:
-            env[inputs[i]] = placeholder_like(new, inputs[i])
-        for v in sorted(recv_act, key=order.__getitem__):
-            env[v] = placeholder_like(new, v, "act_")
-        for v in sorted(recv_grad, key=order.__getitem__):
-            env[v] = placeholder_like(new, v, "grad_")
-        for n in graph.nodes:  # constants
-            if n.op == "get_attr" and n in need[c]:
-                env[n] = copy_node(new, n)
-        for n in sorted(own[c], key=order.__getitem__):
-            if n not in env:
-                env[n] = copy_node(new, n, env.__getitem__)
-        stage_grads = []
-        stage_trainable = [n for n in tg.trainable if n in stage_params]
-        for name in stage_trainable:
-            leaves = parts.get(name, {}).get(c)
-            stage_grads.append(_sum(new, [env[leaf] for leaf in leaves]) if leaves else None)
-        stage_loss = env[loss] if c == chunks - 1 else None
-        out = (stage_loss, *stage_grads, *(env[v] for v in sorted(acts[c], key=order.__getitem__)))
-        out += tuple(env[v] for v in sorted(grads_back[c], key=order.__getitem__))  # (none leave chunk 0)
-        new.output(out)
-        stage_tg = TrainGraph(
-            gm=flat_module(tg.gm, new), param_names=stage_params,
-            param_aliases={n: tg.param_aliases[n] for n in stage_params},
-            param_shapes={n: tg.param_shapes[n] for n in stage_params},
-            param_dtypes={n: tg.param_dtypes[n] for n in stage_params},
-            trainable=stage_trainable, buffer_names=[name for _, name in stage_buffers],
-            input_specs=[tg.input_specs[i] for i in batch], num_model_inputs=tg.num_model_inputs,
-            blocks=blocks, compute_dtype=tg.compute_dtype, token_shape=tg.token_shape,
-        )
-        ends = (*starts[1:], len(units))
-        stages.append(StageGraph(
-            chunk=c, graph=stage_tg, blocks=tuple(units[starts[c]:ends[c]]), batch_inputs=tuple(batch),
-            recv_act=transfers(recv_act), recv_grad=transfers(recv_grad), send_act=transfers(acts[c]),
-            send_grad=transfers(grads_back[c]), has_loss=c == chunks - 1,
-        ))
-    return PipelineSplit(tuple(stages), tuple(units), starts, tuple(seconds), tied)
+    return StageGraph(
+        chunk=c, graph=stage_tg, blocks=units, batch_inputs=tuple(batch), recv_act=transfers(recv_act),
+        recv_grad=transfers(recv_grad), send_act=transfers(flows.acts[c]), send_grad=transfers(flows.grads_back[c]),
+        has_loss=c == chunks - 1,
+    )
 
 
 def _sum(graph: torch.fx.Graph, terms: list[torch.fx.Node]) -> torch.fx.Node:

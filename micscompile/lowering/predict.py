@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from micscompile.core.errors import InputError
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
-from micscompile.cost_model.simulator import Prediction
+from micscompile.cost_model.simulator import RUNTIME_COST_FIELDS, Prediction, RuntimeCosts
 from micscompile.cost_model.specs import Cluster
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
@@ -58,12 +59,16 @@ def simulate(
 
     ``trace`` is one micro-batch (``mc.trace``). ``flops_per_step`` overrides the graph's
     FLOPs per rank per step (e.g. the transformer formula, ``transformer_flops``).
-    ``costs`` go to ``cost_model.simulator.simulate_program``. The Program is scheduled as
-    ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
+    ``costs`` go to ``cost_model.simulator.simulate_program``; those named by ``RuntimeCosts`` fields (e.g.
+    ``host_per_step_s``, ``copy_out_ops=None``) replace the system's own runtime costs. The Program is scheduled
+    as ``mc.compile`` schedules it (``lowering.lowered.lower``; ``prefetch`` as there).
     """
+    given = {name: costs.pop(name) for name in list(costs) if name in RUNTIME_COST_FIELDS}
+    if given:  # (the schedule's search prices them too)
+        costs["runtime"] = RuntimeCosts(**given)
     other = peer(system, plan, cluster.world_size, peer_config)
     if prefetch is not None and other.prefetch is not None:
-        raise ValueError(f"prefetch chooses micscompile's gathers; {system} looks ahead by its own rule")
+        raise InputError(f"prefetch chooses micscompile's gathers; {system} looks ahead by its own rule")
     plan, prefetch = other.plan, prefetch or other.prefetch
     rp = plan.resolve(cluster.world_size, cluster.gpus_per_node)
     trace = concrete(trace)
@@ -74,7 +79,7 @@ def simulate(
         lowered = lower(trace, rp, cluster, planned_groups(rp), prefetch=prefetch, costs=costs, need_graph=False)
     if other.system != "micscompile":  # (a peer; only Megatron-LM's pipelines, whose rules need no layouts)
         layouts = lowered.program.layouts if rp.stages == 1 else ()
-        costs = {**other.costs(layouts), **costs}  # (what the caller gives wins)
+        costs = {**costs, "runtime": dataclasses.replace(other.runtime_costs(layouts), **given)}  # (the caller's win)
     return lowered.predict(cluster, buffer_bytes=model_buffer_bytes(trace), flops_per_step=flops_per_step,
                            scaling=scaling, **costs)
 

@@ -58,6 +58,7 @@ import torch
 import torch.fx
 
 from micscompile.core import collectives as C
+from micscompile.core.errors import InternalError
 from micscompile.core.plan import PlanError
 from micscompile.core.program import REGION_BWD
 from micscompile.core.sharding import unpack_param
@@ -164,25 +165,57 @@ def _keep_live(
 
 
 def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx.Graph:
-    tg = ctx.graph
-    p = ctx.plan.partition_size
-    layouts = ctx.layouts
-    gathers = p > 1 or any(lay.gather_dtype != lay.dtype for lay in layouts)  # p = 1: a cast still "gathers"
-    bucket_of = {slot.name: lay.index for lay in layouts for slot in lay.slots}
+    """MiCS partitioning of ``graph`` under ``ctx``'s plan, layouts, prefetch and hierarchical buckets (the module
+    docstring's rewrite), in named steps: find the parameters' use intervals (``use_intervals``), give the graph
+    its new signature (``_new_signature``), gather each interval's bucket (``_insert_gathers``), re-derive the
+    parameter views inside each interval (``_rederive_views``), reduce each bucket's gradients
+    (``_insert_reductions``), and drop the full-parameter placeholders (``_drop_full_parameters``)."""
+    uses = use_intervals(graph, ctx)
+    comm, shards = _new_signature(graph, ctx)
+    _insert_gathers(graph, ctx, uses, comm, shards)
+    _rederive_views(graph, uses)
+    _insert_reductions(graph, ctx, comm, shards)
+    _drop_full_parameters(graph, uses)
+    return graph
 
+
+@dataclass
+class Uses:
+    """Where a graph reads its parameters (``use_intervals``)."""
+
+    param_nodes: dict[torch.fx.Node, str]
+    """Parameter placeholder -> its name."""
+    derived: dict[torch.fx.Node, frozenset[str]]
+    """Every node computed from parameters alone (placeholders and their views) -> the parameters it reads."""
+    consumers: list[torch.fx.Node]
+    """The nodes that read a derived node and are not derived themselves, in graph order."""
+    intervals: list[Interval]
+    """The use intervals, in the order their first consumers run (keep-live pairs merged)."""
+    active: dict[tuple[torch.fx.Node, int], Interval]
+    """(consumer, bucket) -> the interval it reads that bucket in."""
+    bucket_of: dict[str, int]
+    """Parameter name -> its bucket."""
+    gathers: bool
+    """The buckets are gathered (p > 1, or at p = 1 cast to the compute dtype where the gather would be)."""
+
+
+def use_intervals(graph: torch.fx.Graph, ctx: PassContext) -> Uses:
+    """The analysis: each bucket's consumers cut into use intervals (maximal runs with one phase and region), a
+    ``keep_live`` bucket's last forward and first backward interval merged into one."""
+    layouts = ctx.layouts
+    gathers = ctx.plan.partition_size > 1 or any(lay.gather_dtype != lay.dtype for lay in layouts)
+    bucket_of = {slot.name: lay.index for lay in layouts for slot in lay.slots}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    param_nodes = dict(zip(placeholders[: tg.num_params], tg.param_names))
+    param_nodes = dict(zip(placeholders[: ctx.graph.num_params], ctx.graph.param_names))
     derived = param_derived(graph, param_nodes)
     order = {n: i for i, n in enumerate(graph.nodes)}
-
-    # ---- analysis: consumers and their use intervals -------------------------------
     consumers = [
         n for n in graph.nodes
         if n not in derived and n.op != "placeholder" and any(i in derived for i in n.all_input_nodes)
     ]
     intervals: list[Interval] = []
     open_by_bucket: dict[int, Interval] = {}
-    active: dict[tuple[torch.fx.Node, int], Interval] = {}  # (consumer, bucket) -> interval
+    active: dict[tuple[torch.fx.Node, int], Interval] = {}
     for c in consumers:
         key = _region(c, ctx)
         used = frozenset().union(*(derived[i] for i in c.all_input_nodes if i in derived))
@@ -197,21 +230,35 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
     intervals.sort(key=lambda iv: (order[iv.first], iv.bucket))
     if gathers and ctx.prefetch.keep_live:
         intervals = _keep_live(intervals, active, order, ctx.prefetch.keep_live)
+    return Uses(param_nodes, derived, consumers, intervals, active, bucket_of, gathers)
 
-    # ---- new signature: comm, one shard per bucket -----------------------------------
-    with graph.inserting_before(placeholders[0]):
+
+def _new_signature(graph: torch.fx.Graph, ctx: PassContext) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The graph's new first inputs: ``comm``, then one shard per bucket; the tensor-parallel split's collectives
+    (``lowering.tensor_split``) run on this Comm too."""
+    first = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_before(first):
         comm = graph.placeholder("comm")
-        shards = [graph.placeholder(f"shard_{lay.index}") for lay in layouts]
-    for n in graph.nodes:  # the tensor-parallel split's collectives (lowering.tensor_split) run on this Comm too
+        shards = [graph.placeholder(f"shard_{lay.index}") for lay in ctx.layouts]
+    for n in graph.nodes:
         if n.target in C.TENSOR_OPS:
             n.args = (comm, *n.args[1:])
+    return comm, shards
 
-    # ---- gathers, unpacks, releases ----------------------------------------------------
+
+def _hierarchical(ctx: PassContext, bucket: int) -> dict:
+    """The keyword a bucket's gathers and reduce-scatters take where they run in two stages."""
+    return {"hierarchical": True} if bucket in ctx.hierarchical else {}
+
+
+def _insert_gathers(graph: torch.fx.Graph, ctx: PassContext, uses: Uses, comm: torch.fx.Node,
+                    shards: list[torch.fx.Node]) -> None:
+    """Per interval: its gather's issue (``ctx.prefetch.distance`` intervals ahead; a pipeline chunk's backward
+    gathers no earlier than its backward), its wait before the first consumer, one unpack per parameter used and
+    its release after the last consumer; across micro-steps, the next micro-step's first gathers issued where
+    gathers n, ..., n + d - 1 would go. p = 1 without a cast: the parameters are views of the shard."""
+    layouts, intervals, gathers = ctx.layouts, uses.intervals, uses.gathers
     distance = ctx.prefetch.distance
-
-    def hier(bucket: int) -> dict:
-        return {"hierarchical": True} if bucket in ctx.hierarchical else {}
-
     # across micro-steps: the first `distance` gathers come from the previous micro-step's tail
     carried = carried_gathers(len(intervals), distance, ctx.prefetch.across_micro_steps, ctx.plan.micro_batches)
     phases = [iv.key[0] for iv in intervals]
@@ -224,7 +271,6 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         lay = layouts[iv.bucket]
         if not gathers:
             src = shards[iv.bucket]
-            anchor = iv.first
         else:
             slot, j = issue_slot(k, phases, distance, cut is not None)
             at_cut = slot == CUT  # in order, before any backward wait
@@ -238,18 +284,17 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                 where = graph.inserting_after(waits[j])
             with where:
                 fn = C.all_gather_carried if k < carried else C.all_gather_issue
-                issue = add_call(graph, fn, (comm, iv.bucket, shards[iv.bucket]), hier(iv.bucket))
+                issue = add_call(graph, fn, (comm, iv.bucket, shards[iv.bucket]), _hierarchical(ctx, iv.bucket))
             last_at_cut = issue if at_cut else last_at_cut
             with graph.inserting_before(iv.first):
                 src = add_call(graph, C.collective_wait, (comm, issue))
             _tag(issue, iv.first, iv.bucket)
             _tag(src, iv.first, iv.bucket)
             waits.append(src)
-            anchor = iv.first
         for slot in lay.slots:
             if slot.name in iv.params:
                 args = (src, slot.offset, slot.numel, slot.shape)
-                with graph.inserting_before(anchor):
+                with graph.inserting_before(iv.first):
                     iv.unpacked[slot.name] = _tag(add_call(graph, unpack_param, args), iv.first, iv.bucket)
                 # what it holds (the compiled regions of micscompile.runtime.codegen read shapes from "val")
                 iv.unpacked[slot.name].meta["val"] = torch.empty(
@@ -266,10 +311,14 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         at = waits[len(intervals) - distance + j]
         bucket = intervals[j].bucket
         with graph.inserting_after(at):
-            _tag(add_call(graph, C.all_gather_next, (comm, bucket, shards[bucket]), hier(bucket)),
+            _tag(add_call(graph, C.all_gather_next, (comm, bucket, shards[bucket]), _hierarchical(ctx, bucket)),
                  intervals[j].first, bucket)
 
-    # ---- consumers read parameter views re-derived inside their interval ---------------
+
+def _rederive_views(graph: torch.fx.Graph, uses: Uses) -> None:
+    """Each consumer reads the parameter views re-derived inside its interval from that interval's unpacked
+    parameters (one copy per view and set of intervals), so nothing gathered in one interval is read in another."""
+    derived, active, bucket_of, param_nodes = uses.derived, uses.active, uses.bucket_of, uses.param_nodes
     memo: dict[tuple, torch.fx.Node] = {}
 
     def rederive(node: torch.fx.Node, consumer: torch.fx.Node) -> torch.fx.Node:
@@ -285,18 +334,26 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
                     memo[key] = _tag(copy_node(graph, node, lambda a: rederive(a, consumer)), consumer)
         return memo[key]
 
-    for c in consumers:
+    for c in uses.consumers:
         for i in [i for i in c.all_input_nodes if i in derived]:
             c.replace_input_with(i, rederive(i, c))
 
-    # ---- gradient reduction --------------------------------------------------------------
+
+def _insert_reductions(graph: torch.fx.Graph, ctx: PassContext, comm: torch.fx.Node,
+                       shards: list[torch.fx.Node]) -> None:
+    """After each bucket's last gradient, its reduction (a reduce-scatter over the partition group, an all-reduce
+    over all ranks with ``grad_sync="every_step"``, at p = 1 a local accumulation), waited just before the next
+    bucket's is issued (the last before the output), then added into the bucket's accumulator and, where the plan
+    syncs in two hops over replicas, its second hop started; the graph then outputs the loss (and a pipeline
+    chunk's sends) alone."""
+    tg, layouts = ctx.graph, ctx.layouts
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     loss, *rest = output.args[0]
     grads, extra = rest[: len(tg.trainable)], rest[len(tg.trainable):]  # extra: a pipeline chunk's sends
     grad_of = dict(zip(tg.trainable, grads))
     order = {n: i for i, n in enumerate(graph.nodes)}
     reduce_fn = C.all_reduce_issue if ctx.plan.plan.grad_sync == "every_step" else C.reduce_scatter_issue
-    if p == 1 and reduce_fn is C.reduce_scatter_issue:
+    if ctx.plan.partition_size == 1 and reduce_fn is C.reduce_scatter_issue:
         reduce_fn = C.accumulate_local
     hop = ctx.plan.second_hop_in_backward
     jobs = []
@@ -325,7 +382,7 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
         if anchor is not None and order.get(anchor, -1) >= order[at]:
             at = anchor
         with graph.inserting_after(at):
-            kwargs = hier(b) if reduce_fn is C.reduce_scatter_issue else {}
+            kwargs = _hierarchical(ctx, b) if reduce_fn is C.reduce_scatter_issue else {}
             issue = _tag(add_call(graph, reduce_fn, (comm, b, shards[b], *gs), kwargs), at, b)
         anchor = issue
         order[issue] = order[at]
@@ -341,12 +398,13 @@ def insert_collectives_pass(graph: torch.fx.Graph, ctx: PassContext) -> torch.fx
             reduced(pending[0], _tag(add_call(graph, C.collective_wait, (comm, pending[1])), output, pending[0]))
     output.args = ((loss, *extra),)
 
-    # ---- drop the full-parameter placeholders and what only they fed -------------------
+
+def _drop_full_parameters(graph: torch.fx.Graph, uses: Uses) -> None:
+    """The full-parameter placeholders and what only they fed go; a parameter still read is a bug."""
     for node in reversed(list(graph.nodes)):
-        if node in derived and not node.users:
+        if node in uses.derived and not node.users:
             graph.erase_node(node)
     alive = set(graph.nodes)  # (membership in graph.nodes is a linear scan)
-    left = [name for n, name in param_nodes.items() if n in alive]
+    left = [name for n, name in uses.param_nodes.items() if n in alive]
     if left:
-        raise RuntimeError(f"insert_collectives: parameters still read outside any interval: {left}")
-    return graph
+        raise InternalError(f"insert_collectives: parameters still read outside any interval: {left}")
