@@ -205,6 +205,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "loss": ("mean", "token"),
     "optimizer": ("sgd", "adamw"),
     "tensor": ("tp=1", "tp=2", "tp=2 sequence"),
+    "context": ("cp=1", "cp=2"),
 }
 """Each axis and its values (the plan family and schedule together: a schedule is a pipeline's)."""
 
@@ -249,6 +250,12 @@ EXCLUDED = (
               "refused: sequence parallelism splits a sequence of token ids, which these models do not read"),
     Exclusion("checkpoint", ("attention",), "model", NO_TOKENS,
               "refused: checkpoint='attention' recomputes the sequence x sequence values of a model of token ids"),
+    Exclusion("context", ("cp=2",), "model", ("tied_lm", *NO_TOKENS),
+              "refused: no fused attention for the context ranks to exchange (data parallelism trains it alike)"),
+    Exclusion("context", ("cp=2",), "plan", PIPELINES,
+              "refused: context parallelism with pipeline stages is not built"),
+    Exclusion("context", ("cp=2",), "tensor", TENSOR,
+              "refused: context parallelism with tensor groups is not built"),
 )
 
 RANDOM_ONLY = ("memory_budget_bytes", "max_gathers_in_flight")
@@ -354,6 +361,8 @@ def cover(index: int, row: dict[str, str]) -> FuzzCase:
         plan["codegen"] = row["codegen"]
     if row["optimizer_sharding"] != "auto":
         plan["optimizer_sharding"] = row["optimizer_sharding"]
+    if row["context"] == "cp=2":
+        plan.update(context_parallel_size=2, context_parallel_exchange="ulysses")
     prefetch = None
     if rng.random() < 0.3:  # a pipeline takes a prefetch distance only (its gathers stay in their phase)
         pipe = kind in PIPELINES
@@ -476,7 +485,9 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
         plan = mc.Plan(**case.kwargs)
         rp = plan.resolve(world, case.gpus_per_node or world)
         stage = "reference"  # (an error here, even from micscompile.cli.parity, is the fuzzer's own: failed)
-        chains = rp.data_parallel_size  # ranks (tensor groups) that each take their own slice of the global batch
+        # ranks (tensor groups; with context parallelism, context groups) that each take their own slice of the
+        # global batch
+        chains = rp.data_parallel_size // rp.context
         local_batch = HF_BATCH if case.model == "hf" else LOCAL_BATCH
         build, make_loss, batches, n_in = setup(case, local_batch * chains)
         torch.manual_seed(0)
@@ -508,6 +519,8 @@ def run_case(rank: int, world: int, case: FuzzCase) -> dict:
             torch.manual_seed(1)
         group = rank // rp.tensor  # (a tensor group's ranks take the same slice)
         chain = group // (rp.stages * rp.partition_size) * rp.partition_size + group % rp.partition_size
+        if rp.context > 1:  # (a context group's ranks too: each its part of the sequences; flat plans, tp = 1)
+            chain = rank // rp.context
         local = [tuple(x[chain * local_batch : (chain + 1) * local_batch] for x in b) for b in batches]
         stage = "compile"
         step = mc.compile(model, plan, loss_fn=make_loss(model), optimizer=opt, example_inputs=local[0],

@@ -169,6 +169,9 @@ class TrainGraph:
     tensor rank's pieces, and it calls the tensor collectives."""
     sequence_parallel: bool = False
     """Split with sequence parallelism (``Plan.sequence_parallel``)."""
+    context_parallel: int = 1
+    """The context ranks this graph is one of (``lowering.context_split``): it ran on one rank's tokens of each
+    sample, and it calls the context exchanges."""
     token_shape: tuple[int, int] | None = None
     """(batch, sequence) of the token ids the model reads (its first 2-D integer input; a pipeline chunk
     keeps its model's); None: it reads none."""
@@ -912,6 +915,24 @@ def check_batch(batch, input_specs, micro_batches: int, whose: str = "this rank'
                              "batch shape it was compiled for: pad a shorter batch to it (with a (loss_sum, "
                              "count) loss, targets padded with ignore_index leave the mean exact) or compile "
                              "a step for the other shape (docs/training.md)")
+
+
+def context_part(batch: Sequence[torch.Tensor], c: int, index: int) -> tuple[torch.Tensor, ...]:
+    """Context rank ``index`` of ``c``'s part of ``batch`` (``Plan.context_parallel_size``): every input of two or
+    more dims cut along dim 1 (the sequence) into c pieces, the index-th; the batch as it is for c = 1."""
+    if c == 1:
+        return tuple(batch)
+    out = []
+    for i, x in enumerate(batch):
+        if x.dim() < 2:
+            raise InputError(f"batch input {i} has shape {tuple(x.shape)}: context parallelism cuts every input "
+                             "along dim 1 (the sequence), so each needs one")
+        if x.shape[1] % c:
+            raise InputError(f"batch input {i} has {x.shape[1]} tokens along dim 1 (the sequence): "
+                             f"context_parallel_size={c} must divide it")
+        length = x.shape[1] // c
+        out.append(x.narrow(1, index * length, length).contiguous())
+    return tuple(out)
 
 
 def split_batch(batch: Sequence[torch.Tensor], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:

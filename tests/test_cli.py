@@ -90,14 +90,19 @@ def test_autotune_prints_its_table():
 
 
 def test_autotune_prices_on_every_core_by_default(monkeypatch):
-    """``autotune``'s workers default to the cores the process may use (Linux's affinity; mutation caught: 1)."""
+    """``autotune``'s workers, the CLI's and ``mc.autotune``'s alike, default to the cores the process may use
+    (Linux's affinity; mutation caught: 1)."""
+    import inspect
     import os
 
+    import micscompile as mc
     from micscompile.cli import command
+    from micscompile.core.launch import usable_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     args = command.parser().parse_args(["autotune", "gpt:tiny", "--global-batch-size", "16"])
-    assert args.workers == 3
+    assert args.workers is None and inspect.signature(mc.autotune).parameters["workers"].default is None
+    assert usable_cores() == 3
 
 
 def test_a_user_function_is_a_model_spec(tmp_path):

@@ -126,11 +126,13 @@ def _trace(args: argparse.Namespace, cluster, *, symbolic: bool = False):
 
     import micscompile as mc
     from micscompile.cli.model_specs import load
+    from micscompile.trace import context_part
 
     t0 = time.perf_counter()
     tp = getattr(args, "tp", None) or 1  # (autotune: the sizes it searches, a list)
     model, example, loss_fn = load(args.model, micro_batch=max(args.micro_batch_size, 2 if symbolic else 1),
                                    seq_len=args.seq)
+    example = context_part(example, getattr(args, "cp", 1), 0)  # (a context rank's tokens: what it traces)
     tg = mc.trace(model, example, loss_fn, param_dtype=_dtype(args, cluster), symbolic_batch=symbolic, progress=True,
                   device=cluster.gpu.device_type,  # the attention kernel the cluster's devices run
                   source_lines=max(tp if isinstance(tp, list) else [tp]) > 1)  # (where a tensor-parallel refusal points)
@@ -153,7 +155,7 @@ def _plans(args: argparse.Namespace, cluster) -> list:
     sizes = sizes if isinstance(sizes, list) else [sizes]
     dtype = _dtype(args, cluster)
     return [mc.Plan(partition_size=p, tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
-                    pipeline_stages=args.pipeline_stages,
+                    context_parallel_size=args.cp, pipeline_stages=args.pipeline_stages,
                     micro_batches=args.micro_batches,
                     pipeline_schedule=_schedule(args.schedule, args.chunks),
                     pipeline_chunks=args.chunks if args.chunks > 1 else None,  # (zb-v: its own two)
@@ -262,11 +264,6 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cores() -> int:
-    """The cores this process may run on (Linux: its affinity); 1 where forking workers is not the norm."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-
-
 def _autotune(args: argparse.Namespace) -> int:
     import micscompile as mc
     from micscompile.tune.search_space import TENSOR_SIZES, check_global_batch, tensor_choices
@@ -323,6 +320,9 @@ def _plan_args(sp: argparse.ArgumentParser, several: bool) -> None:
     sp.add_argument("--sequence-parallel", action="store_true",
                     help="with --tp > 1: the activations between the split matmuls split along the sequence "
                          "(Megatron-LM's sequence parallelism)")
+    sp.add_argument("--cp", "--context-parallel-size", type=_count("--cp", 1024), default=1, dest="cp",
+                    help="context-parallel ranks sharing each sequence, each 1/cp of it (Ulysses; the model is "
+                         "traced on seq/cp tokens)")
     sp.add_argument("-S", "--pipeline-stages", type=_count("-S", MAX_STAGES), default=1, help="MiCS-Pipe stages S")
     sp.add_argument("-m", "--micro-batches", type=_count("-m", MAX_MICRO_BATCHES), default=1,
                     help="s: micro-batches each rank runs per optimizer step (gradient accumulation; what flows "
@@ -377,7 +377,7 @@ def parser() -> argparse.ArgumentParser:
                       help="search each tensor group size > 1 with sequence parallelism too")
     tune.add_argument("--zero-bubble", action=argparse.BooleanOptionalAction, default=True,
                       help="search each pipeline with a zero-bubble schedule too (ZB-H1, interleaved zero bubble)")
-    tune.add_argument("--workers", type=_count("--workers", 256), default=_cores(),
+    tune.add_argument("--workers", type=_count("--workers", 256), default=None,
                       help="processes pricing the tensor groups' candidates side by side, forked (default: the cores "
                            "this process may use, on Linux; 1 elsewhere; the same table with any number)")
     tune.add_argument("--exhaustive", action="store_true",

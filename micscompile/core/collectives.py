@@ -33,6 +33,7 @@ from micscompile.core.sharding import BucketLayout, flat_view, pack_grads, unpac
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
+ALL_TO_ALL = "all_to_all"
 SEND = "send"
 """A pipeline's point-to-point send of activations or gradients to the next or previous stage."""
 
@@ -188,6 +189,9 @@ class Comm:
     """... and the group's ranks on this rank's node."""
     tensor: GroupInfo | None = None
     """The tensor-parallel group (consecutive ranks in one node), with ``Plan.tensor_parallel_size`` > 1."""
+    context: GroupInfo | None = None
+    """The context-parallel group (the ranks sharing each sample's sequence), with ``Plan.context_parallel_size``
+    > 1."""
     stats: CommStats = field(default_factory=CommStats)
     micro_step: int = 0
     micro_steps: int = 1
@@ -649,3 +653,70 @@ def tensor_shard_start(comm: Comm | None, like: torch.Tensor, size: int) -> torc
 
 TENSOR_OPS = (tensor_all_reduce, tensor_all_gather, tensor_reduce_scatter, tensor_slice, tensor_shard_start)
 """The tensor-parallel ops a split graph calls (``insert_collectives`` binds their ``comm``)."""
+
+
+# ---- context parallelism (lowering.context_split): over the "context" group ------------------------------------
+# The c ranks of a context group each hold L = s / c consecutive tokens of every sample: rank r tokens [r L, (r+1) L).
+# ``comm`` is None while the split propagates shapes (rank 0's view).
+
+def _context(comm: Comm | None) -> tuple[int, int]:
+    """(this rank's index in its context group, the group's size); (0, 1) before ``comm`` is bound."""
+    return (0, 1) if comm is None or comm.context is None else (comm.context.rank, comm.context.size)
+
+
+def context_positions(comm: Comm | None, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The global positions of this rank's ``length`` tokens: ``arange(r L, (r+1) L)``, where the trace had
+    ``arange(L)`` (rotary angles, position ids); on ``device`` (the trace's meta until ``retarget_device``)."""
+    r, _ = _context(comm)
+    return torch.arange(r * length, (r + 1) * length, dtype=dtype, device=device)
+
+
+def context_slice(comm: Comm | None, table: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """This rank's ``length`` rows of a position table along ``dim``, where the trace sliced its first ``length``."""
+    r, _ = _context(comm)
+    return table.narrow(dim, r * length, length)
+
+
+def context_slice_backward(comm: Comm | None, grad: torch.Tensor, shape: list[int], dim: int,
+                           length: int) -> torch.Tensor:
+    """``context_slice``'s backward: ``grad`` placed at this rank's rows of a zero table of ``shape``."""
+    r, _ = _context(comm)
+    out = grad.new_zeros(shape)
+    out.narrow(dim, r * length, length).copy_(grad)
+    return out
+
+
+def context_to_heads(comm: Comm | None, x: torch.Tensor, c: int) -> torch.Tensor:
+    """Ulysses' first all-to-all over the c context ranks: (b, h, L, e) of this rank's tokens for every head ->
+    (b, h/c, c L, e), every token of this rank's h/c heads, in the sequence's order."""
+    b, h, length, e = x.shape
+    if comm is None:
+        return x.new_empty((b, h // c, c * length, e))
+    send = x.reshape(b, c, h // c, length, e).transpose(0, 1).contiguous()  # piece j: heads j h/c.. for rank j
+    recv = torch.empty_like(send)
+    with guarded(f"all_to_all over {comm.context.label()}"):
+        dist.all_to_all_single(recv, send, group=comm.context.group)
+    comm.stats.record(ALL_TO_ALL, comm.context, send.numel() * send.element_size())
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * length, e)  # recv[j]: rank j's tokens of my heads
+
+
+def context_to_tokens(comm: Comm | None, y: torch.Tensor, c: int) -> torch.Tensor:
+    """Ulysses' second all-to-all, ``context_to_heads``' inverse: (b, h/c, c L, e) -> (b, h, L, e), laid out as the
+    fused attention kernels lay out theirs ((b, L, h, e) in memory: a ``transpose(1, 2)`` of it is contiguous)."""
+    b, hc, s, e = y.shape
+    length = s // c
+    if comm is None:
+        return y.new_empty((b, length, hc * c, e)).transpose(1, 2)
+    send = y.reshape(b, hc, c, length, e).permute(2, 0, 1, 3, 4).contiguous()  # piece j: rank j's tokens
+    recv = torch.empty_like(send)
+    with guarded(f"all_to_all over {comm.context.label()}"):
+        dist.all_to_all_single(recv, send, group=comm.context.group)
+    comm.stats.record(ALL_TO_ALL, comm.context, send.numel() * send.element_size())
+    # recv[j]: my tokens of rank j's heads -> (b, L, c h/c, e) in memory, viewed (b, h, L, e)
+    return recv.permute(1, 3, 0, 2, 4).contiguous().view(b, length, c * hc, e).transpose(1, 2)
+
+
+CONTEXT_OPS = (context_positions, context_slice, context_slice_backward, context_to_heads, context_to_tokens)
+"""The context-parallel ops a split graph calls (``insert_collectives`` binds their ``comm``)."""
+GROUP_OPS = TENSOR_OPS + CONTEXT_OPS
+"""Every op of a split graph whose ``comm`` ``insert_collectives`` binds."""

@@ -80,3 +80,8 @@ def init_distributed(timeout: datetime.timedelta, **init) -> torch.device:
     else:
         dist.init_process_group("gloo", timeout=timeout, **init)
     return device
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (Linux: its affinity); 1 where forking workers is not the norm."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1

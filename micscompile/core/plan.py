@@ -54,6 +54,18 @@ class Plan:
     """With tp > 1: Megatron's sequence parallelism (Korthikanti et al., 2022): the activations between the
     tensor-parallel matmuls (norms, residuals, pointwise ops) live split along the sequence on the tensor
     ranks, and the all-reduces become reduce-scatters and all-gathers along it."""
+    context_parallel_size: int = 1
+    """cp: the ranks that share each sample, each holding 1/cp of its sequence in every token-wise activation
+    (context parallelism, ``lowering.context_split``): cp consecutive ranks, rank r of them tokens [r s/cp, (r+1)
+    s/cp). Each passes the same whole-sequence batch to ``step(...)`` and the step takes its part; attention sees
+    the whole sequence through ``context_parallel_exchange``. The parameters are the same on every rank of a
+    context group: the partition group shards over it too, and the gradients are summed over it as over the
+    data-parallel ranks (each rank's loss the mean over its tokens). ``mc.simulate`` prices it on a trace of one
+    context rank's tokens (s/cp per sample)."""
+    context_parallel_exchange: Literal["ulysses"] = "ulysses"
+    """How attention sees the whole sequence under context parallelism: "ulysses", an all-to-all from the split
+    over the sequence to one over the heads before the attention, and back after it (cp must divide the heads).
+    The ring and all-gather exchanges are priced (``cost_model.context_exchange``), not built."""
     micro_batches: int = 1
     """s: the micro-batches each rank runs per optimizer step, its global batch cut s ways per replica: the
     gradient-accumulation steps of a flat plan, the micro-batches that flow through a pipeline (the Megatron-LM
@@ -135,6 +147,15 @@ class Plan:
 
         positive("partition_size", self.partition_size, optional=True)
         positive("tensor_parallel_size", self.tensor_parallel_size)
+        positive("context_parallel_size", self.context_parallel_size)
+        if self.context_parallel_exchange != "ulysses":
+            raise PlanError(f"Plan.context_parallel_exchange={self.context_parallel_exchange!r}: the built exchange is "
+                            "'ulysses' (the ring and all-gather exchanges are priced by "
+                            "cost_model.context_exchange, not built)")
+        if self.context_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.pipeline_stages > 1):
+            raise PlanError("context_parallel_size > 1 composes with partition groups and the data-parallel ranks; "
+                            "with tensor_parallel_size > 1 or pipeline_stages > 1 it is not built: use "
+                            "context_parallel_size=1 there")
         positive("micro_batches", self.micro_batches)
         positive("pipeline_stages", self.pipeline_stages)
         positive("pipeline_chunks", self.pipeline_chunks, optional=True)
@@ -226,7 +247,10 @@ class Plan:
         if tp > 1 and k % tp:
             raise PlanError(f"tensor_parallel_size={tp} must divide the {k} ranks of a node (tensor groups stay "
                             f"inside one); valid: {', '.join(map(str, divisors(k)))}")
-        S = self.pipeline_stages
+        S, cp = self.pipeline_stages, self.context_parallel_size
+        if n % (cp * tp):
+            raise PlanError(f"context_parallel_size={cp} does not divide world size {n}; valid: "
+                            f"{', '.join(map(str, divisors(n)))}")
         if n % (S * tp):
             what = f"pipeline_stages={S} x tensor_parallel_size={tp}" if tp > 1 else f"pipeline_stages={S}"
             raise PlanError(f"{what} does not divide world size {n}; valid pipeline_stages: "
@@ -252,7 +276,7 @@ class Plan:
         if S > 1:
             check_schedule(self.pipeline_schedule, S, self.micro_batches, self.chunks)
         return ResolvedPlan(plan=self, world_size=n * tp, gpus_per_node=k * tp, partition_size=p,
-                            replicas=n // (S * p), stages=S, tensor=tp)
+                            replicas=n // (S * p), stages=S, tensor=tp, context=cp)
 
 
 P1_BUCKET_BYTES = 25 << 20
@@ -278,6 +302,9 @@ class ResolvedPlan:
     """S: pipeline stages; each rank holds one stage (v chunks of the model with interleaving)."""
     tensor: int = 1
     """tp: ranks per tensor-parallel group (consecutive, inside a node); p, d and S count such groups."""
+    context: int = 1
+    """cp: ranks per context-parallel group (consecutive), sharing each sample's sequence; p and d count ranks (the
+    partition and replication groups run over context ranks as over data-parallel ones)."""
 
     @property
     def micro_batches(self) -> int:
@@ -310,6 +337,7 @@ class ResolvedPlan:
             f" param_dtype={str(plan.param_dtype)[6:]} reduce_dtype={str(plan.reduce_dtype)[6:]}"
         opt = " optimizer_sharding=world" if self.optimizer_shards > 1 else ""
         tp = f" tp={self.tensor}" if self.tensor > 1 else ""
+        tp += f" cp={self.context}" if self.context > 1 else ""
         return (f"n={self.world_size} k={self.gpus_per_node}{tp} p={self.partition_size} d={self.replicas}{pipe} "
                 f"s={self.micro_batches} grad_sync={plan.grad_sync}{mixed}{opt}")
 
@@ -363,6 +391,10 @@ class ResolvedPlan:
         span = self.stages * p
         first = b - b % span + b % p
         return self._ranks(range(first, first + span, p), rank)
+
+    def context_ranks(self, rank: int) -> tuple[int, ...]:
+        """The cp consecutive ranks that share ``rank``'s samples, each holding 1/cp of the sequence."""
+        return tuple(range(rank - rank % self.context, rank - rank % self.context + self.context))
 
     def tensor_ranks(self, rank: int) -> tuple[int, ...]:
         """The tp consecutive ranks that split each layer's compute with ``rank``."""

@@ -87,6 +87,9 @@ class Kind(enum.Enum):
     TENSOR_REDUCE_SCATTER = "TRS"
     """Sequence parallelism: a partial value summed over the tensor group, each rank keeping its piece of
     the sequence, on the compute's path (``tensor_bytes``: the whole value's)."""
+    CONTEXT_ALL_TO_ALL = "CA2A"
+    """Context parallelism (``lowering.context_split``): Ulysses' all-to-all over the context group, between a
+    split over the sequence and one over the heads, on the compute's path (``tensor_bytes``: one rank's buffer)."""
 
     __hash__ = object.__hash__  # (members are singletons: identity, not Enum's hash of the name in Python, which
     # mc.autotune's schedule and Program simulations call tens of millions of times)
@@ -107,12 +110,18 @@ COLLECTIVE_OF_KIND = {
     Kind.ALL_REDUCE: C.ALL_REDUCE, Kind.LOSS_ALL_REDUCE: C.ALL_REDUCE, Kind.NORM_ALL_REDUCE: C.ALL_REDUCE,
     Kind.SECOND_HOP: C.ALL_REDUCE, Kind.UPDATE_GATHER: C.ALL_GATHER,
     Kind.TENSOR_ALL_REDUCE: C.ALL_REDUCE, Kind.TENSOR_ALL_GATHER: C.ALL_GATHER,
-    Kind.TENSOR_REDUCE_SCATTER: C.REDUCE_SCATTER,
+    Kind.TENSOR_REDUCE_SCATTER: C.REDUCE_SCATTER, Kind.CONTEXT_ALL_TO_ALL: C.ALL_TO_ALL,
 }
 TENSOR_KIND = {C.tensor_all_reduce: Kind.TENSOR_ALL_REDUCE, C.tensor_all_gather: Kind.TENSOR_ALL_GATHER,
                C.tensor_reduce_scatter: Kind.TENSOR_REDUCE_SCATTER}
 """The tensor-parallel collectives of a split graph, each an action of its own."""
-BLOCKING = frozenset(TENSOR_KIND.values())
+CONTEXT_KIND = {C.context_to_heads: Kind.CONTEXT_ALL_TO_ALL, C.context_to_tokens: Kind.CONTEXT_ALL_TO_ALL}
+"""The context-parallel collectives of a split graph, each an action of its own."""
+BLOCKING_KIND = {**TENSOR_KIND, **CONTEXT_KIND}
+"""Every collective a split graph runs on the compute's path, by its op."""
+GROUP_OF_BLOCKING = {**dict.fromkeys(TENSOR_KIND.values(), "tensor"), Kind.CONTEXT_ALL_TO_ALL: "context"}
+"""The group each blocking kind runs over."""
+BLOCKING = frozenset(BLOCKING_KIND.values())
 """Collectives done when their action is: nothing waits for them later."""
 """The collective each communicating action kind issues (what it costs and how it is counted)."""
 

@@ -8,7 +8,9 @@ Assumptions (docs/design.md "Ring collectives", thesis 3.2.3 and its footnote on
   its g - 1 steps, ``L = (m-1) * alpha_net + (g-m) * alpha_intra`` (inside one node
   ``(g-1) * alpha_intra``). Tree all-reduce: ``2 floor(log2 m) alpha_net + 2 (g/m - 1)
   alpha_intra + 2 N / B``; "auto" takes the faster. Broadcast (pipelined ring): ``L + N / B``;
-  P2P: ``alpha + N / B``.
+  P2P: ``alpha + N / B``. All-to-all (NCCL's grouped sends, all peers at once): ``alpha + (g-1)/g * N / B``
+  inside a node, ``alpha + (g-q)/g * N / B`` across m nodes of q of its ranks each (the bytes that leave the
+  node, at each rank's share of its NICs); from the links alone, not fitted.
 * Per protocol, as NCCL's tuner picks the faster: the above is Simple; LL (small messages) pays the
   network's latency once per network step where Simple pays it twice, plus NCCL's smaller hwLat, at a
   quarter of the bandwidth (``ll_ring_latency_s``, ``LL_BANDWIDTH``).
@@ -50,6 +52,7 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
 BROADCAST = "broadcast"
 P2P = "p2p"
+ALL_TO_ALL = "all_to_all"
 
 
 def nodes_spanned(ranks: Sequence[int], gpus_per_node: int) -> int:
@@ -181,6 +184,9 @@ def collective_time_s(
         return ring_s(g, m, nbytes, bw, cluster)
     if kind == P2P:
         return alpha + nbytes / bw
+    if kind == ALL_TO_ALL:  # (``nbytes``: one rank's whole buffer, in = out)
+        leaves = g - g // m if m > 1 else g - 1
+        return alpha + leaves / g * nbytes / bw
     raise InputError(f"unknown collective kind {kind!r}")
 
 

@@ -11,7 +11,7 @@ import torch.fx
 from micscompile.core import collectives as C
 from micscompile.core.collectives import GroupInfo
 from micscompile.core.plan import ResolvedPlan
-from micscompile.core.program import ISSUE_KIND, REGION_BWD, TENSOR_KIND, Action, Kind, Program
+from micscompile.core.program import BLOCKING_KIND, GROUP_OF_BLOCKING, ISSUE_KIND, REGION_BWD, Action, Kind, Program
 from micscompile.core.sharding import BucketLayout
 from micscompile.cost_model.node_cost import META_TIME_S, NodeWork, activation_bytes, node_work
 from micscompile.passes.weight_split import backward_phases
@@ -32,7 +32,7 @@ def build_program(
     actions: list[Action] = []
     issued: dict[torch.fx.Node, Kind] = {}
     run: list[torch.fx.Node] = []
-    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in TENSOR_KIND
+    collective_nodes = {n for n in graph.nodes if n.target in ISSUE_KIND or n.target in BLOCKING_KIND
                         or n.target in (C.collective_wait, C.accumulate)}
     live = activation_bytes(graph, exclude=collective_nodes)
     weight = set(backward_phases(graph)[1]) if plan.plan.weight_split else set()
@@ -57,12 +57,13 @@ def build_program(
         kind = ISSUE_KIND.get(node.target)
         if node.target is C.accumulate:
             continue  # (priced with the micro-step's accumulation, cost_model.simulator)
-        if node.target in TENSOR_KIND:  # blocking, on the compute's path: one action, no wait of its own
+        if node.target in BLOCKING_KIND:  # blocking, on the compute's path: one action, no wait of its own
             flush()
             nbytes = node.meta.get(META_BYTES, 0)
             if node.target is C.tensor_reduce_scatter:
                 nbytes = nbytes * node.args[4]  # (its input: tp pieces like its output; not in place: an array's shared)
-            actions.append(Action(TENSOR_KIND[node.target], group="tensor", tensor_bytes=nbytes,
+            kind = BLOCKING_KIND[node.target]
+            actions.append(Action(kind, group=GROUP_OF_BLOCKING[kind], tensor_bytes=nbytes,
                                   region=node.meta.get(META_REGION, ""), weight=node in weight))
         elif node.target is C.collective_wait:
             flush()

@@ -26,4 +26,6 @@ def planned_groups(rp: ResolvedPlan, rank: int = 0) -> dict[str, GroupInfo]:
         groups["intra"] = info("intra", rp.intra_ranks(rank))
     if rp.tensor > 1:  # the ranks that split each layer's compute with this one
         groups["tensor"] = info("tensor", rp.tensor_ranks(rank))
+    if rp.context > 1:  # the ranks that share this one's samples, each a piece of the sequence
+        groups["context"] = info("context", rp.context_ranks(rank))
     return groups

@@ -16,6 +16,7 @@ from micscompile.core.plan import ResolvedPlan
 from micscompile.core.program import Prefetch, Program
 from micscompile.cost_model.simulator import Prediction
 from micscompile.cost_model.specs import Cluster
+from micscompile.lowering.context_split import context_split
 from micscompile.lowering.flat import LoweredFlat, lower_flat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.pipeline import LoweredPipeline, lower_pipeline
@@ -69,6 +70,7 @@ def lower(
     ``need_graph=False``: a flat plan's Program alone (a pipeline always rewrites its rank's chunks)."""
     groups = planned_groups(rp, rank) if groups is None else groups
     trace = tensor_split(trace, rp.tensor, rp.plan.sequence_parallel)  # (a trace split for it: as it is)
+    trace = context_split(trace, rp.context)  # (a trace of one context rank's tokens; split for it: as it is)
     if rp.plan.optimizer_sharding == "auto":
         return _choose_optimizer_home(trace, rp, cluster, groups, rank, device=device, prefetch=prefetch, costs=costs,
                                       need_graph=need_graph, disable=disable, log=log)

@@ -234,14 +234,14 @@ def use_intervals(graph: torch.fx.Graph, ctx: PassContext) -> Uses:
 
 
 def _new_signature(graph: torch.fx.Graph, ctx: PassContext) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """The graph's new first inputs: ``comm``, then one shard per bucket; the tensor-parallel split's collectives
-    (``lowering.tensor_split``) run on this Comm too."""
+    """The graph's new first inputs: ``comm``, then one shard per bucket; the tensor- and context-parallel splits'
+    ops (``lowering.tensor_split``, ``lowering.context_split``) run on this Comm too."""
     first = next(n for n in graph.nodes if n.op == "placeholder")
     with graph.inserting_before(first):
         comm = graph.placeholder("comm")
         shards = [graph.placeholder(f"shard_{lay.index}") for lay in ctx.layouts]
     for n in graph.nodes:
-        if n.target in C.TENSOR_OPS:
+        if n.target in C.GROUP_OPS:
             n.args = (comm, *n.args[1:])
     return comm, shards
 

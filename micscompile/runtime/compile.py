@@ -30,6 +30,7 @@ from micscompile.core.launch import local_world_size, step_device
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.specs import Cluster, default_cluster
+from micscompile.lowering.context_split import context_split
 from micscompile.lowering.flat import LoweredFlat
 from micscompile.lowering.groups import planned_groups
 from micscompile.lowering.lowered import lower
@@ -43,7 +44,7 @@ from micscompile.runtime.materialize import check_initializable, fingerprint
 from micscompile.runtime.optim_check import check_elementwise
 from micscompile.runtime.pipeline import PipelineStep
 from micscompile.runtime.step import EvalSource, OptimizerFactory, Step
-from micscompile.trace import META_FQN, TrainGraph, split_batch, trace
+from micscompile.trace import META_FQN, TrainGraph, context_part, split_batch, trace
 
 _device = step_device
 
@@ -225,13 +226,14 @@ def compile(  # noqa: A001 - the public name is part of the contract (mc.compile
         if not_fp32:
             raise PlanError(f"parameters must be float32 (the fp32 master weights; compute in low precision "
                             f"with Plan.param_dtype), got {not_fp32[:3]}")
-        micro_example = split_batch(tuple(example_inputs), plan.micro_batches)[0]
+        micro_example = context_part(split_batch(tuple(example_inputs), plan.micro_batches)[0], rp.context, 0)
         tg = trace(model, micro_example, loss_fn, num_model_inputs=num_model_inputs, param_dtype=plan.param_dtype,
                    device=device, loss_scale=plan.loss_scaled, source_lines=rp.tensor > 1)  # (a refusal's line)
         if tg.self_checkpoints and not plan.checkpoint:  # the model checkpoints itself: the Plan recomputes
             rp = plan.replace(checkpoint=True).resolve(world, rp.gpus_per_node)
             plan_choices.append("checkpoint: True (the model checkpoints itself: recomputed by the plan)")
         tg = tensor_split(tg, rp.tensor, rp.plan.sequence_parallel)  # what a tensor rank runs (tp = 1: the trace)
+        tg = context_split(tg, rp.context)  # what a context rank runs (cp = 1: as it is)
         check_kernels(tg, device)
         check_initializable(model, init_fn)
         check_elementwise(optimizer, device)

@@ -66,7 +66,7 @@ class TrainStep(Step):
         """After the ranks agreed: the DeviceMesh's groups, the communicator and its arena, the step."""
         groups = flat_groups(lowered.plan, lowered.rank, device)
         comm = Comm(lowered.ctx.layouts, groups["shard"], groups["replicate"], groups["world"], groups.get("inter"),
-                    groups.get("intra"), tensor=groups.get("tensor"),
+                    groups.get("intra"), tensor=groups.get("tensor"), context=groups.get("context"),
                     arena=None if arena_offsets is None else Arena(*arena_offsets, device),
                     optimizer_shards=lowered.plan.optimizer_shards)
         return cls(gm=prepared["gm"], program=dataclasses.replace(lowered.program, groups=groups), comm=comm,
@@ -82,7 +82,7 @@ class TrainStep(Step):
         gm = torch.fx.GraphModule(etg.gm, graph)
         g = self._groups
         comm = Comm(self.layouts, g["shard"], g["replicate"], g["world"], g.get("inter"), g.get("intra"),
-                    tensor=g.get("tensor"), stats=self.eval_stats)
+                    tensor=g.get("tensor"), context=g.get("context"), stats=self.eval_stats)
         part = self._parts[0]
         buffers = [part.buffer_state[n] for n in etg.buffer_names]  # by name: no loss-scale input here
 

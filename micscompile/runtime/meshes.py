@@ -53,10 +53,24 @@ def _process_groups(device_type: str, rp: ResolvedPlan) -> dict:
     return _MESHES[key]
 
 
+def _context_groups(device_type: str, rp: ResolvedPlan) -> dict:
+    """"context" -> the ProcessGroup of this rank's cp consecutive ranks, from an (n / cp, cp) DeviceMesh."""
+    mesh_cache()
+    key = ("context", device_type, rp.world_size, rp.context)
+    if key not in _MESHES:
+        mesh = init_device_mesh(device_type, (rp.world_size // rp.context, rp.context),
+                                mesh_dim_names=("samples", "context"))
+        _MESHES[key] = {"context": mesh.get_group("context")}
+    return _MESHES[key]
+
+
 def flat_groups(rp: ResolvedPlan, rank: int, device: torch.device) -> dict[str, GroupInfo]:
     """The planned groups, with their ProcessGroups from DeviceMeshes (checked against the plan)."""
     groups = planned_groups(rp, rank)
-    for name, pg in _process_groups(device.type, rp).items():
+    found = dict(_process_groups(device.type, rp))
+    if rp.context > 1:
+        found.update(_context_groups(device.type, rp))
+    for name, pg in found.items():
         actual = tuple(dist.get_process_group_ranks(pg))
         if actual != groups[name].ranks:
             raise InternalError(f"DeviceMesh {name} group is {actual}, expected {groups[name].ranks}")

@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from micscompile.core import collectives as C
 from micscompile.core.collectives import Comm, CommStats, GroupInfo
+from micscompile.core.errors import UsageError
 from micscompile.core.optim import prefer_fused
 from micscompile.core.plan import PlanError
 from micscompile.core.program import Kind, Program
@@ -45,7 +46,7 @@ from micscompile.runtime.codegen import CodegenReport
 from micscompile.runtime.loss_scale import LossScaler
 from micscompile.runtime.param_groups import ShardParams
 from micscompile.runtime.state_dict import Checkpointable, Home, TensorPiece
-from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, split_batch, trace
+from micscompile.trace import LOSS_SCALE, TrainGraph, check_batch, context_part, split_batch, trace
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -226,6 +227,8 @@ class Step(Checkpointable):
 
         Raises ``CollectiveError`` (naming the collective, its group and this rank) when a collective
         fails or times out: another rank died, hung or left the step."""
+        if self.program.plan.context > 1:  # every context rank passes the whole sequences: its part of them
+            batch = context_part(batch, self.program.plan.context, self._parts[0].comm.context.rank)
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         try:
             return self._step(batch) if self._graphed is None else self._graphed(batch)
@@ -338,6 +341,9 @@ class Step(Checkpointable):
         them, no gradient, no reduce-scatter, no optimizer step, no activation kept for a backward.
         Collective: every rank calls it with its own batch. A counted loss (``(loss_sum, count)``) gives
         the global token mean. The first call traces and lowers the forward (rank-local, no collective)."""
+        if self.program.plan.context > 1:
+            raise UsageError("evaluate under context parallelism is not built: evaluate with a step of "
+                             "context_parallel_size=1 (the same parameters load into it: step.state_dict())")
         check_batch(batch, self.graph.input_specs, self.program.plan.micro_batches, self._whose_batch)
         run = self._evaluation()  # before any collective: a plan it cannot evaluate raises on every rank
         self._settle()

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from micscompile.core.collectives import fmt_bytes
 from micscompile.core.errors import InputError, UsageError
-from micscompile.core.launch import collective_device
+from micscompile.core.launch import collective_device, usable_cores
 from micscompile.core.plan import Plan, PlanError
 from micscompile.core.program import Prefetch
 from micscompile.cost_model.calibrate import device_sync
@@ -250,7 +250,7 @@ def autotune(
     tensor: Sequence[tuple[int, bool]] = TENSOR,
     zero_bubble: Sequence[bool] = ZERO_BUBBLE,
     flops_per_sample: float | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     exhaustive: bool = False,
     progress: bool = True,
     top: int = 10,
@@ -270,8 +270,9 @@ def autotune(
     (tensor group size, sequence parallelism) pairs, default every size dividing a node up to 8, with and without;
     ``zero_bubble``: a pipeline's backward whole and/or split into B and W, ZB-H1 or interleaved zero-bubble).
     ``flops_per_sample``: what TFLOP/s counts (default: the graph's FLOPs without
-    recomputation). ``workers`` > 1: the (t, sequence parallelism) groups priced in that many forked processes (each
-    group's tensor split and lowerings are its own; the same candidates in the same order).
+    recomputation). ``workers``: the (t, sequence parallelism) groups priced in that many forked processes (each
+    group's tensor split and lowerings are its own; the same candidates in the same order); None (the default):
+    one per core this process may run on (``usable_cores``), as ``micscompile autotune`` does.
     Each group is priced best first (lowest floor first, ``Candidate.floor_s``, a pipeline's first without its
     schedule's timeline, then with it where that did not rule it out; the largest group first, and the
     groups, in processes too, share what must be beaten); a candidate whose floor is above the ``top``-th best step
@@ -313,6 +314,7 @@ def autotune(
                leave=False)
     job = _Job(pricer, base, cluster, global_batch_size, flops_per_sample,
                sum(trace.param_shapes[name].numel() for name in trace.param_names), None if exhaustive else top)
+    workers = usable_cores() if workers is None else workers
     with fewer_collections():
         if workers > 1 and len(groups) > 1:
             job.beat = _ToBeat(job.top, multiprocessing.get_context("fork").Array("d", [math.inf] * (1 + len(FAMILIES))))
