@@ -32,9 +32,12 @@ GPT_CFG = GPTConfig(vocab_size=64, seq_len=SEQ, layers=2, hidden=48, heads=4)
 @dataclass(frozen=True)
 class Case:
     model: str
+    """"llama", "gpt" (learned positions), "encoder" (bidirectional), "hf-llama", "hf-gpt2"."""
     c: int
+    """Context ranks (``Plan.context_parallel_size``)."""
     p: int = 1
     checkpoint: bool = False
+    """Every block recomputed (the exchanges with it)."""
     bf16: bool = False
 
     def __str__(self) -> str:

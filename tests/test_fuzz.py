@@ -85,7 +85,7 @@ SUITE_ROWS = {
         lambda r: r["model"].startswith("hf-") and r["precision"] != "fp32" and r["optimizer"] == "adamw",
 }
 """The covering rows the suite runs end to end (the first row that matches each; the whole design, 60 rows in
-about 9 minutes, is docs/reliability.md's run)."""
+about 14 minutes, is docs/reliability.md's run)."""
 
 
 @pytest.mark.multiproc
