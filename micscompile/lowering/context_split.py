@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.utils._pytree import tree_leaves
 
 from micscompile.core import collectives as C
 from micscompile.core.plan import PlanError
@@ -55,6 +56,15 @@ class Kernel:
     backward_mask: int | None
     backward_lengths: tuple[int, ...] = ()
     """The backward's arguments that are the sequence's length (the flash kernel's max_q, max_k)."""
+
+    def mask_at(self, forward: bool) -> int | None:
+        """The mask's argument of the forward (or of the backward); None: the ``attn_mask`` keyword."""
+        return self.mask if forward else self.backward_mask
+
+    def mask_of(self, node: torch.fx.Node, forward: bool = True):
+        """The mask ``node`` (this kernel's forward, or its backward) is given, or None."""
+        at = self.mask_at(forward)
+        return node.kwargs.get("attn_mask") if at is None else (node.args[at] if len(node.args) > at else None)
 
 
 KERNELS = {
@@ -141,8 +151,7 @@ def _refuse_what_would_be_wrong(graph: torch.fx.Graph, from_batch: set, length: 
         if n.target in KERNELS:
             kernel = KERNELS[n.target]
             dropout = n.args[kernel.dropout] if len(n.args) > kernel.dropout else n.kwargs.get("dropout_p", 0.0)
-            mask = n.kwargs.get("attn_mask") if kernel.mask is None else n.args[kernel.mask]
-            if dropout or mask is not None:
+            if dropout or kernel.mask_of(n) is not None:
                 raise ContextSplitError(f"attention with {'dropout' if dropout else 'a mask'} ({_where(n)}) is not "
                                         "split: context parallelism exchanges causal or full attention without "
                                         "dropout")
@@ -172,8 +181,7 @@ def _causal_masks(graph: torch.fx.Graph, from_batch: set, length: int, batch: in
         kernel, forward = KERNELS.get(n.target) or BACKWARDS.get(n.target), n.target in KERNELS
         if kernel is None:
             continue
-        at = kernel.mask if forward else kernel.backward_mask
-        mask = n.kwargs.get("attn_mask") if at is None else (n.args[at] if len(n.args) > at else None)
+        at, mask = kernel.mask_at(forward), kernel.mask_of(n, forward)
         if not isinstance(mask, torch.fx.Node) or mask in from_batch:
             continue
         if mask not in verdicts:
@@ -219,8 +227,7 @@ def _mask_kind(mask: torch.fx.Node, length: int, batch: int) -> str | None:
         todo.extend(n.all_input_nodes)
     size, resize = length, {}
     if length > EXACT_MASK_TOKENS:
-        ints = [a for n in nodes for a in _flat((n.args, tuple(n.kwargs.values())))
-                if isinstance(a, int) and not isinstance(a, bool)]
+        ints = [a for n in nodes for a in tree_leaves((n.args, n.kwargs)) if isinstance(a, int) and not isinstance(a, bool)]
         if any(abs(i) > 4 and i not in (length - 1, length, length + 1, batch) for i in ints):  # (dims: <= 4)
             return None
         size = SMALL_MASK_TOKENS
@@ -249,13 +256,6 @@ def _mask_kind(mask: torch.fx.Node, length: int, batch: int) -> str | None:
         return "none"
     causal = torch.ones(size, size, dtype=torch.bool).tril()
     return "causal" if bool((allowed == causal).all()) else None
-
-
-def _flat(args) -> list:
-    out = []
-    for a in args:
-        out += _flat(a) if isinstance(a, (list, tuple)) else [a]
-    return out
 
 
 def _erase_unused(node: torch.fx.Node) -> None:
